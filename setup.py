@@ -1,0 +1,43 @@
+"""Distribution `kvtier`: a disaggregated KV-cache storage tier for LLM serving."""
+from setuptools import find_packages, setup
+
+# Runtime pins. torch is the CPU build on machines without a GPU; a GPU machine may
+# install its own torch first (pip keeps an already-satisfying install).
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "numpy==2.4.6",
+    "xxhash==4.1.0",
+    "msgpack==1.2.4",
+    "aiohttp==3.14.5",
+    "uvloop==0.23.0; sys_platform != 'win32'",
+    "rocksdict==0.3.29",
+    "prometheus-client==0.26.0",
+    "tqdm==4.70.1",
+]
+
+EXTRAS_REQUIRE = {
+    "test": [
+        "pytest==9.2.0",
+        "pytest-timeout==2.4.0",
+        "pytest-asyncio==1.5.0",
+        "hypothesis==6.170.17",
+        # kernels' Triton versions run under TRITON_INTERPRET=1 on CPU in the tests
+        "triton==3.7.1",
+    ],
+    "gpu": ["triton==3.7.1", "cupy-cuda13x==14.2.0"],
+    "ucx": ["ucxx-cu13==0.52.0"],
+    # nixl-cu12 must be installed with --no-deps (its deps pull CUDA wheels); see README
+    "nixl": [],
+    "hf": ["transformers==5.24.0", "gguf==0.19.0", "accelerate==1.15.0", "safetensors==0.8.0"],
+}
+
+setup(
+    name="kvtier",
+    version="0.1.0",
+    description="Disaggregated KV-cache storage tier (GPU / DRAM / SSD) for LLM serving",
+    python_requires=">=3.11",
+    packages=find_packages(include=["kvstore*", "transfer*", "engine_adapter*", "kernels*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": ["kvtier=kvstore.cli:main"]},
+)
