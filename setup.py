@@ -13,6 +13,7 @@ INSTALL_REQUIRES = [
     "rocksdict==0.3.29",
     "prometheus-client==0.26.0",
     "tqdm==4.70.1",
+    "matplotlib==3.11.2",
 ]
 
 EXTRAS_REQUIRE = {
