@@ -1,0 +1,122 @@
+"""ClusterIndex: event application, gaps, snapshots and prefix queries."""
+import pytest
+
+from kvstore.events import EventKind, KVEvent, TierKind
+from kvstore.index import ClusterIndex, UnknownNodeError
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def stored(node, seq, ids, tier=TierKind.DRAM):
+    return KVEvent(EventKind.STORED, node, seq, tier, tuple(h(i) for i in ids))
+
+
+def removed(node, seq, ids, tier=TierKind.DRAM):
+    return KVEvent(EventKind.REMOVED, node, seq, tier, tuple(h(i) for i in ids))
+
+
+def test_prefix_lengths_per_node():
+    index = ClusterIndex()
+    index.apply(stored("a", 0, [0, 1, 2, 3]))
+    index.apply(stored("b", 0, [0, 1]))
+    index.apply(stored("c", 0, [1, 2, 3]))  # no first block: no prefix at all
+    match = index.query([h(i) for i in range(5)])
+    assert (match.length("a"), match.length("b"), match.length("c")) == (4, 2, 0)
+    assert match.best() == ("a", 4)
+    assert match.best(exclude=["a"]) == ("b", 2)
+    assert set(match.nodes()) == {"a", "b"}
+    assert match.length("nobody") == 0
+
+
+def test_hole_in_the_middle_ends_the_prefix():
+    index = ClusterIndex()
+    index.apply(stored("a", 0, [0, 1, 3, 4]))
+    assert index.query([h(i) for i in range(5)]).length("a") == 2
+
+
+def test_full_query_held_entirely():
+    index = ClusterIndex()
+    index.apply(stored("a", 0, range(10)))
+    assert index.query([h(i) for i in range(10)]).length("a") == 10
+    assert index.query([]).best() == (None, 0)
+
+
+def test_tiers_report_fastest_copy():
+    index = ClusterIndex()
+    index.apply(stored("a", 0, [0, 1, 2], TierKind.SSD))
+    index.apply(stored("a", 1, [1], TierKind.GPU))
+    match = index.query([h(0), h(1), h(2)])
+    assert match.tiers("a") == (TierKind.SSD, TierKind.GPU, TierKind.SSD)
+
+
+def test_remove_from_one_tier_keeps_other_copy():
+    index = ClusterIndex()
+    index.apply(stored("a", 0, [0, 1], TierKind.GPU))
+    index.apply(stored("a", 1, [0, 1], TierKind.DRAM))
+    index.apply(removed("a", 2, [1], TierKind.GPU))
+    match = index.query([h(0), h(1)])
+    assert match.length("a") == 2
+    assert match.tiers("a") == (TierKind.GPU, TierKind.DRAM)
+    index.apply(removed("a", 3, [1], TierKind.DRAM))
+    assert index.query([h(0), h(1)]).length("a") == 1
+
+
+def test_reordered_events_are_buffered_then_applied():
+    index = ClusterIndex(reorder_window=4)
+    out = index.apply(stored("a", 1, [1]))
+    assert out.buffered and not out.stale
+    assert index.query([h(0), h(1)]).length("a") == 0
+    out = index.apply(stored("a", 0, [0]))
+    assert out.applied == 2
+    assert index.query([h(0), h(1)]).length("a") == 2
+    assert index.apply(stored("a", 0, [7])).applied == 0  # duplicate ignored
+
+
+def test_gap_beyond_window_marks_stale_and_snapshot_recovers():
+    index = ClusterIndex(reorder_window=2)
+    index.apply(stored("a", 0, [0]))
+    index.apply(stored("b", 0, [0]))
+    for seq in (2, 3, 4):  # seq 1 lost
+        index.apply(stored("a", seq, [seq]))
+    assert index.is_stale("a") and index.stale_nodes() == ("a",)
+    assert index.query([h(0)]).nodes() == ("b",)  # a stale node is never routed to
+    assert index.apply_snapshot("a", 3, {TierKind.DRAM: [h(0), h(1), h(2), h(3)]})
+    assert not index.is_stale("a")
+    assert index.next_seq("a") == 5  # buffered seq 4 replayed after the snapshot
+    assert index.blocks_of("a", TierKind.DRAM) == {h(i) for i in range(5)}
+
+
+def test_outdated_snapshot_is_refused():
+    index = ClusterIndex()
+    index.apply_n([stored("a", 0, [0]), stored("a", 1, [1]), stored("a", 2, [2])])
+    assert not index.apply_snapshot("a", 0, {TierKind.DRAM: [h(9)]})
+    assert index.blocks_of("a", TierKind.DRAM) == {h(0), h(1), h(2)}
+
+
+def test_late_joiner_is_stale_until_snapshot():
+    index = ClusterIndex(reorder_window=0)
+    out = index.apply(stored("a", 41, [0]))
+    assert out.stale
+    index.apply_snapshot("a", 41, {TierKind.GPU: [h(0)]})
+    assert index.query([h(0)]).length("a") == 1
+
+
+def test_remove_node_frees_its_blocks_and_bit():
+    index = ClusterIndex()
+    index.apply(stored("a", 0, [0, 1]))
+    index.remove_node("a")
+    assert index.query([h(0)]).nodes() == ()
+    index.apply(stored("b", 0, [0]))
+    assert index.query([h(0), h(1)]).nodes() == ("b",)
+    with pytest.raises(UnknownNodeError):
+        index.is_stale("a")
+
+
+def test_many_nodes_beyond_64_bits():
+    index = ClusterIndex()
+    for n in range(100):
+        index.apply(stored(f"n{n}", 0, range(n % 7)))
+    match = index.query([h(i) for i in range(7)])
+    assert all(match.length(f"n{n}") == n % 7 for n in range(100))
