@@ -1,0 +1,153 @@
+"""Plain-torch reference of every kernel op: the oracle for the Triton kernels and the
+production path on CPU machines. Vectorised over the batch (no per-block Python loops).
+
+Shapes (see `kernels/__init__.py` for the contract):
+    layer_cache   [num_blocks, 2, block_tokens, num_kv_heads, head_dim]  (kv_cache[:, layer])
+    kv_cache      [num_blocks, num_layers, 2, block_tokens, num_kv_heads, head_dim]
+    block_tables  [batch, max_blocks_per_seq]  int32/int64, entries past a context are ignored
+    seq_lens      [batch]  tokens in each context (cached prefix + new tokens)
+Attention math runs in float32 and is cast back to the query dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import validate
+
+NAME = "ref"
+
+
+def write_kv_to_cache(
+    key: torch.Tensor, value: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    *, check_values: bool = True,
+) -> None:
+    """Write `key`/`value` `[num_tokens, num_kv_heads, head_dim]` into their slots (in place).
+
+    slot = block_id * block_tokens + offset; a slot of -1 writes nothing (padding).
+    """
+    dims = validate.check_write_kv(key, value, layer_cache, slot_mapping, check_values)
+    keep = slot_mapping >= 0  # [num_tokens]
+    slots = slot_mapping[keep].to(torch.int64)  # [n]
+    blocks, offsets = slots // dims.block_tokens, slots % dims.block_tokens
+    layer_cache[blocks, 0, offsets] = key[keep]  # [n, num_kv_heads, head_dim]
+    layer_cache[blocks, 1, offsets] = value[keep]
+
+
+def gather_dense(
+    layer_cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first `num_tokens` positions of every sequence, `[batch, T, kv_heads, D]`.
+
+    T is num_tokens rounded up to whole blocks; positions past a sequence's length hold
+    whatever its (clamped) table entries point at, so callers mask them.
+    """
+    num_blocks, _, block_tokens, num_kv_heads, head_dim = layer_cache.shape
+    batch = block_tables.shape[0]
+    used = max(1, -(-num_tokens // block_tokens))
+    ids = block_tables[:, :used].clamp(0, num_blocks - 1).reshape(-1)  # [batch * used]
+    kv = layer_cache.index_select(0, ids)  # [batch * used, 2, bt, Hkv, D]
+    kv = kv.view(batch, used, 2, block_tokens, num_kv_heads, head_dim)
+    kv = kv.transpose(1, 2).reshape(batch, 2, used * block_tokens, num_kv_heads, head_dim)
+    return kv[:, 0], kv[:, 1]
+
+
+def paged_decode_attention(
+    query: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float | None = None, *, num_splits: int | None = 1, out: torch.Tensor | None = None,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """One new query token per sequence over its paged context; returns `[batch, heads, D]`.
+
+    `num_splits` > 1 computes the same result split-K style (partial softmax per chunk of
+    the context, then a log-sum-exp merge) — the reference for the flash-decoding kernel.
+    None means 1 here.
+    """
+    dims = validate.check_decode(query, layer_cache, block_tables, seq_lens, scale, num_splits, out, check_values)
+    batch, num_heads, head_dim = query.shape
+    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()) if batch else 1)  # [B, T, Hkv, D]
+    q = query.view(batch, dims.layer.num_kv_heads, dims.group, head_dim).float()  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,bthd->bhgt", q, k.float()) * dims.scale  # [B, Hkv, G, T]
+    past_end = torch.arange(k.shape[1], device=query.device)[None, :] >= seq_lens[:, None]  # [B, T]
+    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    splits = num_splits or 1
+    if splits == 1:
+        result = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), v.float())  # [B, Hkv, G, D]
+    else:
+        result = _split_k_softmax_v(scores, v.float(), splits)
+    result = result.reshape(batch, num_heads, head_dim).to(query.dtype)
+    return result if out is None else out.copy_(result)
+
+
+def _split_k_softmax_v(scores: torch.Tensor, v: torch.Tensor, num_splits: int) -> torch.Tensor:
+    """softmax(scores) @ v computed over `num_splits` chunks of T and merged by log-sum-exp."""
+    b, h, g, t = scores.shape
+    chunk = -(-t // num_splits)
+    pad = chunk * num_splits - t
+    scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+    scores = scores.view(b, h, g, num_splits, chunk)  # [B, Hkv, G, S, C]
+    v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(b, num_splits, chunk, h, v.shape[-1])
+    m = scores.amax(-1, keepdim=True)  # [B, Hkv, G, S, 1]
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty chunk: keep exp() finite
+    p = torch.exp(scores - m)  # [B, Hkv, G, S, C]
+    l = p.sum(-1)  # [B, Hkv, G, S]
+    acc = torch.einsum("bhgsc,bschd->bhgsd", p, v) / l.clamp_min(1e-30)[..., None]  # [B, Hkv, G, S, D]
+    lse = torch.where(l > 0, m.squeeze(-1) + torch.log(l), torch.full_like(l, float("-inf")))
+    weights = torch.softmax(lse, dim=-1)  # [B, Hkv, G, S]
+    return (weights[..., None] * acc).sum(-2)  # [B, Hkv, G, D]
+
+
+def paged_prefill_attention(
+    query: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float | None = None, *, max_query_len: int | None = None,
+    out: torch.Tensor | None = None, check_values: bool = True,
+) -> torch.Tensor:
+    """Causal attention of a packed chunk of new query tokens over each sequence's context.
+
+    query `[total_q, heads, D]` packs sequence b's new tokens at rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1]; they sit at the last q_len positions of its context
+    of seq_lens[b] tokens, whose K/V (new tokens included) must already be in the cache.
+    Returns `[total_q, heads, D]`.
+    """
+    dims = validate.check_prefill(query, layer_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, check_values)
+    total_q, num_heads, head_dim = query.shape
+    batch = seq_lens.shape[0]
+    if total_q == 0 or batch == 0:
+        return query.new_empty(query.shape) if out is None else out
+    cu = cu_seqlens_q.to(torch.int64)
+    q_lens = cu[1:] - cu[:-1]  # [B]
+    seq_of = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens)  # [total_q]
+    row = torch.arange(total_q, device=query.device) - cu[seq_of]  # [total_q] index within chunk
+    max_q = max_query_len if max_query_len is not None else int(q_lens.max())
+    padded = query.new_zeros(batch, max_q, num_heads, head_dim)  # [B, Mq, H, D]
+    padded[seq_of, row] = query
+    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()))  # [B, T, Hkv, D]
+    g, hkv = dims.group, dims.layer.num_kv_heads
+    q = padded.view(batch, max_q, hkv, g, head_dim).permute(0, 2, 3, 1, 4).float()  # [B, Hkv, G, Mq, D]
+    scores = torch.einsum("bhgmd,bthd->bhgmt", q, k.float()) * dims.scale  # [B, Hkv, G, Mq, T]
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=query.device)[None, :]  # [B, Mq]
+    q_pos = torch.where(q_pos < seq_lens[:, None], q_pos, 0)  # padding rows see key 0: no NaN
+    k_pos = torch.arange(k.shape[1], device=query.device)  # [T]
+    hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [B, Mq, T]
+    scores.masked_fill_(hidden[:, None, None], float("-inf"))
+    res = torch.einsum("bhgmt,bthd->bmhgd", scores.softmax(-1), v.float())  # [B, Mq, Hkv, G, D]
+    res = res.reshape(batch, max_q, num_heads, head_dim)[seq_of, row].to(query.dtype)  # [total_q, H, D]
+    return res if out is None else out.copy_(res)
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None,
+    *, check_values: bool = True,
+) -> torch.Tensor:
+    """Copy blocks (all layers) to a staging buffer `[n, num_layers, 2, bt, Hkv, D]`."""
+    validate.check_gather(kv_cache, block_ids, out, check_values)
+    if out is None:
+        return kv_cache.index_select(0, block_ids)
+    return torch.index_select(kv_cache, 0, block_ids, out=out)
+
+
+def scatter_blocks(
+    staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, *, check_values: bool = True
+) -> None:
+    """Copy staging `[n, num_layers, 2, bt, Hkv, D]` into cache blocks `block_ids` (in place)."""
+    validate.check_scatter(staging, kv_cache, block_ids, check_values)
+    kv_cache.index_copy_(0, block_ids.to(torch.int64), staging)
