@@ -1,0 +1,230 @@
+"""`Agent`: registers memory, exchanges metadata with peers, prepares descriptor lists and
+posts READ/WRITE transfers by index through the best backend per peer."""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import uuid
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from . import backends
+from .descriptors import DescList, Prepared, as_index
+from .errors import Fault, TransferError
+from .handle import Transfer
+from .memory import Region, RegionTable, check_ranges
+from .metadata import AgentMetadata, RegionInfo, host_id
+from .types import AgentConfig, BackendKind, Notification, Op
+from .backends.base import AgentContext, Backend, Job
+
+
+class Agent:
+    """One endpoint of the transfer layer (a process may hold several). Thread-safe for
+    posting from several threads; register/add_peer are control-path calls."""
+
+    def __init__(self, name: str, config: AgentConfig | None = None):
+        if not name:
+            raise TransferError(Fault.INVALID, "an agent needs a name")
+        self.name = name
+        self.config = config or AgentConfig()
+        self.agent_id = uuid.uuid4().hex
+        self.regions = RegionTable()
+        self._notes: deque[Notification] = deque()
+        self._notes_cv = threading.Condition()
+        self._peers: dict[str, AgentMetadata] = {}
+        self._counter = itertools.count(1)
+        self._closed = False
+        ctx = AgentContext(name, self.agent_id, self.config, self.regions, self._deliver)
+        self._backends: dict[BackendKind, Backend] = {}
+        try:
+            for kind in self.config.backends:
+                self._backends[kind] = backends.load(kind)(ctx)
+        except BaseException:
+            self.close()
+            raise
+        self._wire_notifiers()
+
+    def _wire_notifiers(self) -> None:
+        shm, tcp = self._backends.get(BackendKind.SHM), self._backends.get(BackendKind.TCP)
+        if shm is not None and tcp is not None:
+            shm.notifier = tcp.notify
+
+    # memory ---------------------------------------------------------------------------------
+
+    def register(self, memory: Any, export: bool = True) -> Region:
+        """Register a numpy array, torch tensor, ShmSegment, FileRegion or writable buffer.
+
+        `export=False` keeps the region usable locally but invisible to peers. The caller keeps
+        the memory alive and unchanged in size until `deregister`."""
+        self._check_open()
+        region = self.regions.add(memory, export)
+        for b in self._backends.values():
+            b.on_register(region)
+        return region
+
+    def deregister(self, region: Region) -> None:
+        for b in self._backends.values():
+            b.on_deregister(region)
+        self.regions.remove(region)
+
+    # peers ----------------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this agent: backends' addresses and exported regions."""
+        self._check_open()
+        fields: dict = {}
+        for b in self._backends.values():
+            fields.update(b.metadata_fields())
+        infos = tuple(RegionInfo(r.region_id, r.size, r.kind, r.path, r.path_offset)
+                      for r in self.regions.exported())
+        return AgentMetadata(self.name, self.agent_id, host_id(), os.getpid(),
+                             fields.get("tcp_addr"), infos).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Learn (or refresh) a peer from its `metadata()`; returns the peer's name."""
+        self._check_open()
+        meta = AgentMetadata.decode(metadata)
+        for b in self._backends.values():
+            b.add_peer(meta)
+        self._peers[meta.name] = meta
+        return meta.name
+
+    def remove_peer(self, name: str) -> None:
+        self._peers.pop(name, None)
+        for b in self._backends.values():
+            b.remove_peer(name)
+
+    def peer_regions(self, name: str) -> tuple[RegionInfo, ...]:
+        return self._peer(name).regions
+
+    def _peer(self, name: str) -> AgentMetadata:
+        try:
+            return self._peers[name]
+        except KeyError:
+            raise TransferError(Fault.UNKNOWN_PEER, f"peer {name!r} was never added") from None
+
+    # descriptors ----------------------------------------------------------------------------
+
+    def prepare(self, descs: DescList, peer: str | None = None,
+                backend: BackendKind | None = None) -> Prepared:
+        """Validate `descs` once: against this agent's regions (peer None) or against what
+        `peer` exported, choosing the backend for that peer (or using `backend`)."""
+        self._check_open()
+        if peer is None:
+            check_ranges(self.regions.sizes, descs.region_ids, descs.offsets, descs.lengths)
+            regions = {i: self.regions.get(i) for i in np.unique(descs.region_ids).tolist()}
+            return Prepared(self.name, None, None, descs, regions)
+        meta = self._peer(peer)
+        sizes = np.full(max((r.region_id for r in meta.regions), default=0) + 1, -1, np.int64)
+        for r in meta.regions:
+            sizes[r.region_id] = r.size
+        check_ranges(sizes, descs.region_ids, descs.offsets, descs.lengths)
+        return Prepared(self.name, peer, self._choose(meta, descs.region_ids, backend), descs)
+
+    def _choose(self, meta: AgentMetadata, ids: np.ndarray,
+                forced: BackendKind | None) -> BackendKind:
+        kinds = (forced,) if forced is not None else self.config.backends
+        for kind in kinds:
+            b = self._backends.get(kind)
+            if b is not None and b.reaches(meta, ids):
+                return kind
+        raise TransferError(Fault.UNSUPPORTED, f"no backend of {[k.value for k in kinds]} "
+                            f"reaches those regions of peer {meta.name!r}")
+
+    # transfers ------------------------------------------------------------------------------
+
+    def post(self, op: Op, local: Prepared, local_idx: Any, remote: Prepared, remote_idx: Any,
+             notify: bytes | None = None) -> Transfer:
+        """Start moving bytes between local[local_idx[i]] and remote[remote_idx[i]].
+
+        Raises TransferError at once for what can be checked now (bad indices, length
+        mismatch, unregistered memory, unknown or departed peer); later failures are raised
+        by the returned handle's poll()/wait()."""
+        self._check_open()
+        op = Op(op)
+        job = self._job(op, local, local_idx, remote, remote_idx, notify)
+        xfer = Transfer(f"{self.name}#{next(self._counter)} {op.name} {remote.peer}", op,
+                        remote.peer, int(job.lengths.size), int(job.lengths.sum()))
+        try:
+            self._backends[remote.backend].post(xfer, job)
+        except TransferError as e:
+            xfer._fail(e)
+            raise e.for_transfer(xfer.name) from e
+        return xfer
+
+    def _job(self, op: Op, local: Prepared, local_idx: Any, remote: Prepared,
+             remote_idx: Any, notify: bytes | None) -> Job:
+        if local.peer is not None or local.agent != self.name:
+            raise TransferError(Fault.INVALID, "local list was not prepared by this agent "
+                                "with peer=None")
+        if remote.peer is None or remote.agent != self.name:
+            raise TransferError(Fault.INVALID, "remote list was not prepared for a peer here")
+        li = as_index(local_idx, len(local), "local_idx")
+        ri = as_index(remote_idx, len(remote), "remote_idx")
+        if li.size != ri.size or li.size == 0:
+            raise TransferError(Fault.INVALID, f"{li.size} local vs {ri.size} remote indices")
+        lengths = local.descs.lengths[li]
+        if not np.array_equal(lengths, remote.descs.lengths[ri]):
+            raise TransferError(Fault.INVALID, "local and remote descriptor lengths differ")
+        local_ids = local.descs.region_ids[li]
+        if (self.regions.sizes[local_ids] < 0).any():  # deregistered since prepare
+            raise TransferError(Fault.UNREGISTERED, "a local region was deregistered")
+        if notify is not None and not isinstance(notify, (bytes, bytearray)):
+            raise TransferError(Fault.INVALID, "notify must be bytes")
+        return Job(op, remote.peer, local.regions, local_ids, local.descs.offsets[li],
+                   remote.descs.region_ids[ri], remote.descs.offsets[ri], lengths,
+                   bytes(notify) if notify is not None else None)
+
+    # notifications --------------------------------------------------------------------------
+
+    def send_notification(self, peer: str, payload: bytes) -> Transfer:
+        """A notification with no data; the handle is DONE once the peer has it."""
+        self._check_open()
+        meta = self._peer(peer)
+        kind = self._choose(meta, np.empty(0, np.int64), None)
+        xfer = Transfer(f"{self.name}#{next(self._counter)} NOTIFY {peer}", Op.WRITE, peer,
+                        0, 0)
+        try:
+            self._backends[kind].notify(peer, bytes(payload), xfer)
+        except TransferError as e:
+            xfer._fail(e)
+            raise e.for_transfer(xfer.name) from e
+        return xfer
+
+    def _deliver(self, note: Notification) -> None:
+        with self._notes_cv:
+            self._notes.append(note)
+            self._notes_cv.notify_all()
+
+    def notifications(self, timeout: float = 0.0) -> list[Notification]:
+        """Drain received notifications; with `timeout` > 0 wait that long for at least one."""
+        with self._notes_cv:
+            if not self._notes and timeout > 0:
+                self._notes_cv.wait_for(lambda: bool(self._notes), timeout)
+            notes = list(self._notes)
+            self._notes.clear()
+        return notes
+
+    # lifecycle ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(Fault.CLOSED, f"agent {self.name!r} is closed")
+
+    def close(self) -> None:
+        """Close every backend (in-flight transfers fail) and forget peers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for b in reversed(list(self._backends.values())):
+            b.close()
+        self._peers.clear()
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

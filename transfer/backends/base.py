@@ -1,0 +1,79 @@
+"""The backend contract. One file per backend; the agent imports a backend only when chosen.
+
+A backend moves the bytes of a `Job` between this agent's registered memory and one peer's,
+and finishes the job's `Transfer` exactly once: `_done_part()` after every byte has landed
+(and, if the job carries a notification, after the peer has it), or `_fail(TransferError)`.
+It must do so within bounded time (`AgentConfig.io_timeout_s`), whatever the peer does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+from ..handle import Transfer
+from ..memory import Region, RegionTable
+from ..metadata import AgentMetadata
+from ..types import AgentConfig, BackendKind, Notification, Op
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    """What a backend may use of its agent."""
+
+    name: str
+    agent_id: str
+    config: AgentConfig
+    regions: RegionTable
+    deliver: Callable[[Notification], None]  # hand a notification to this agent's queue
+
+
+@dataclass(frozen=True, eq=False)
+class Job:
+    """One transfer's descriptors, already selected by index and validated locally.
+
+    Arrays are parallel, one entry per descriptor; `local_regions` maps the local region ids
+    to their registrations (snapshot taken at prepare time).
+    """
+
+    op: Op
+    peer: str
+    local_regions: dict[int, Region]
+    local_ids: np.ndarray
+    local_offsets: np.ndarray
+    remote_ids: np.ndarray
+    remote_offsets: np.ndarray
+    lengths: np.ndarray
+    notify: bytes | None
+
+
+class Backend(Protocol):
+    kind: BackendKind
+
+    def metadata_fields(self) -> dict:
+        """Connection info this backend adds to the agent metadata (e.g., tcp address)."""
+
+    def on_register(self, region: Region) -> None:
+        """A region was registered on this agent (side effect: may publish it to peers)."""
+
+    def on_deregister(self, region: Region) -> None:
+        """A region was deregistered; peers must no longer reach it through this backend."""
+
+    def add_peer(self, peer: AgentMetadata) -> None:
+        """Learn a peer; may connect lazily. Re-adding a name replaces the old peer."""
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer and drop its connections/mappings; in-flight transfers fail."""
+
+    def reaches(self, peer: AgentMetadata, remote_ids: np.ndarray) -> bool:
+        """Whether this backend can address those regions of that peer (may map them now)."""
+
+    def post(self, xfer: Transfer, job: Job) -> None:
+        """Start moving the bytes; never blocks for the whole transfer on the network."""
+
+    def notify(self, peer: str, payload: bytes, xfer: Transfer) -> None:
+        """Deliver `payload` to the peer; finish `xfer` once it is delivered."""
+
+    def close(self) -> None:
+        """Stop threads, close sockets and mappings; pending transfers fail."""

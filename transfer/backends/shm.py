@@ -1,0 +1,127 @@
+"""`shm`: a same-host peer's exported shm/file regions are mapped here once; a transfer is a
+copy between mappings, no socket on the data path.
+
+Liveness and revocation go through a small control segment each agent publishes
+(`kvt-ctl-<agent_id>`): byte 0 is 1 while the agent is open, byte i is 1 while region i is
+exported. A post checks them (vectorized) and the peer's pid before copying. Notifications
+go over the notifier the agent supplies (the tcp control path), after the copy.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from ..copy import copy_job
+from ..errors import Fault, TransferError
+from ..handle import Transfer
+from ..memory import Region
+from ..metadata import AgentMetadata, host_id
+from ..shm import ShmSegment, map_path
+from ..types import BackendKind, Op
+from .base import AgentContext, Job
+from .local import buffer_of
+
+CTL_SLOTS = 1 << 16  # region ids below this can be reached through shm
+
+
+def ctl_name(agent_id: str) -> str:
+    return f"kvt-ctl-{agent_id}"
+
+
+class _Peer:
+    def __init__(self, meta: AgentMetadata, ctl: ShmSegment):
+        self.meta = meta
+        self.ctl = ctl
+        self.infos = {r.region_id: r for r in meta.regions}
+        self.maps: dict[int, tuple[object, np.ndarray]] = {}  # region id → (mmap, view)
+
+    def close(self) -> None:
+        self.maps.clear()
+        self.ctl.close()
+
+
+class ShmBackend:
+    kind = BackendKind.SHM
+
+    def __init__(self, ctx: AgentContext):
+        self.ctx = ctx
+        self._host = host_id()
+        self._ctl = ShmSegment.create(CTL_SLOTS, ctl_name(ctx.agent_id))
+        self._ctl.array[0] = 1
+        self._peers: dict[str, _Peer] = {}
+        self.notifier: Callable[[str, bytes, Transfer], None] | None = None  # set by the agent
+
+    def metadata_fields(self) -> dict:
+        return {}
+
+    def on_register(self, region: Region) -> None:
+        if region.exported and region.path and region.region_id < CTL_SLOTS:
+            self._ctl.array[region.region_id] = 1
+
+    def on_deregister(self, region: Region) -> None:
+        if region.region_id < CTL_SLOTS:
+            self._ctl.array[region.region_id] = 0
+
+    def add_peer(self, peer: AgentMetadata) -> None:
+        self.remove_peer(peer.name)
+        if peer.host != self._host:
+            return
+        try:
+            ctl = ShmSegment.attach(ctl_name(peer.agent_id), CTL_SLOTS)
+        except OSError:
+            return  # the peer runs without shm; another backend will serve it
+        self._peers[peer.name] = _Peer(peer, ctl)
+
+    def remove_peer(self, name: str) -> None:
+        peer = self._peers.pop(name, None)
+        if peer is not None:
+            peer.close()
+
+    def reaches(self, peer: AgentMetadata, remote_ids: np.ndarray) -> bool:
+        p = self._peers.get(peer.name)
+        if p is None or p.meta.agent_id != peer.agent_id:
+            return False
+        ids = np.unique(remote_ids).tolist()
+        if any(i >= CTL_SLOTS or i not in p.infos or not p.infos[i].path for i in ids):
+            return False
+        for i in ids:
+            if i not in p.maps:
+                info = p.infos[i]
+                p.maps[i] = map_path(info.path, info.size, info.path_offset)
+        return True
+
+    def _live_peer(self, name: str, remote_ids: np.ndarray) -> _Peer:
+        p = self._peers.get(name)
+        if p is None:
+            raise TransferError(Fault.UNKNOWN_PEER, f"peer {name!r} is not reachable by shm")
+        if p.ctl.array[0] != 1 or not p.meta.local_pid_alive:
+            raise TransferError(Fault.PEER_GONE, f"peer {name!r} (pid {p.meta.pid}) has gone")
+        if (p.ctl.array[remote_ids] != 1).any():
+            bad = int(remote_ids[p.ctl.array[remote_ids] != 1][0])
+            raise TransferError(Fault.UNREGISTERED, f"peer {name!r} no longer exports "
+                                f"region {bad}")
+        return p
+
+    def post(self, xfer: Transfer, job: Job) -> None:
+        p = self._live_peer(job.peer, job.remote_ids)
+        local = {i: buffer_of(r) for i, r in job.local_regions.items()}
+        remote = {i: p.maps[i][1] for i in np.unique(job.remote_ids).tolist()}
+        copy_job(job.op is Op.WRITE, local, job.local_ids, job.local_offsets, remote,
+                 job.remote_ids, job.remote_offsets, job.lengths)
+        if job.notify is None:
+            xfer._done_part()
+        else:
+            self.notify(job.peer, job.notify, xfer)
+
+    def notify(self, peer: str, payload: bytes, xfer: Transfer) -> None:
+        if self.notifier is None:
+            raise TransferError(Fault.UNSUPPORTED, "shm notifications need the tcp backend")
+        self.notifier(peer, payload, xfer)
+
+    def close(self) -> None:
+        self._ctl.array[0] = 0
+        for name in list(self._peers):
+            self.remove_peer(name)
+        self._ctl.close()

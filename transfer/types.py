@@ -1,0 +1,72 @@
+"""Enums, configs and small value types shared by the agent and every backend."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Op(enum.IntEnum):
+    """Direction of a transfer, seen from the initiator: READ pulls remote → local."""
+
+    READ = 1
+    WRITE = 2
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    RELEASED = "released"
+
+
+class MemKind(enum.IntEnum):
+    HOST = 1  # numpy array / CPU tensor in private process memory
+    SHM = 2  # POSIX shared memory segment (/dev/shm), mappable by same-host peers
+    FILE = 3  # a region of a file, mmapped; mappable by same-host peers
+    DEVICE = 4  # accelerator tensor; reachable by copy through the host
+
+
+class BackendKind(enum.Enum):
+    LOCAL = "local"
+    SHM = "shm"
+    TCP = "tcp"
+    NIXL = "nixl"
+    UCX = "ucx"
+
+
+DEFAULT_BACKENDS = (BackendKind.LOCAL, BackendKind.SHM, BackendKind.TCP)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How an agent moves data. Backends are tried in this order when choosing per peer."""
+
+    backends: tuple[BackendKind, ...] = DEFAULT_BACKENDS
+    tcp_host: str = "127.0.0.1"
+    tcp_port: int = 0  # 0: any free port
+    tcp_num_conns: int = 1  # connections per peer; transfers are spread round-robin
+    tcp_sock_buf_bytes: int = 4 << 20
+    io_timeout_s: float = 10.0  # no progress on a socket for this long → TransferError
+    connect_timeout_s: float = 5.0
+    max_frame_bytes: int = 1 << 32  # largest payload a peer may send in one frame
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("AgentConfig.backends must name at least one backend")
+        for b in self.backends:
+            if not isinstance(b, BackendKind):
+                raise ValueError(f"AgentConfig.backends: {b!r} is not a BackendKind")
+        if self.tcp_num_conns < 1:
+            raise ValueError("AgentConfig.tcp_num_conns must be >= 1")
+        if self.io_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("AgentConfig timeouts must be > 0")
+        if not 0 <= self.tcp_port < 65536:
+            raise ValueError(f"AgentConfig.tcp_port {self.tcp_port} out of range")
+
+
+class Notification(NamedTuple):
+    """A message a peer attached to a transfer, delivered after that transfer's data landed."""
+
+    peer: str
+    payload: bytes
