@@ -160,3 +160,29 @@ def check_ranges(sizes: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
                             f"descriptor {i} (region {int(ids[i])}, offset {int(offsets[i])}, "
                             f"length {int(lengths[i])}) outside region of "
                             f"{int(region_sizes[i])} bytes")
+
+
+def host_views(regions: dict[int, Region], ids: np.ndarray, offsets: np.ndarray,
+               lengths: np.ndarray, incoming: bool) -> tuple[list, list]:
+    """Host byte views for a socket to send from (incoming=False) or receive into.
+
+    Host memory is viewed in place. Device memory is staged through a host copy; for
+    incoming data the returned `finish` list holds the copies to run after the bytes landed.
+    """
+    views, finish = [], []
+    for i, off, n in zip(ids.tolist(), offsets.tolist(), lengths.tolist()):
+        region = regions[i]
+        if region.host is not None:
+            views.append(region.host[off:off + n])
+        elif incoming:
+            stage = np.empty(n, dtype=np.uint8)
+            views.append(stage)
+            finish.append((region.device[off:off + n], stage))
+        else:
+            views.append(region.device[off:off + n].cpu().numpy())
+    return views, finish
+
+
+def finish_staged(finish: list) -> None:
+    for device_slice, stage in finish:
+        device_slice.copy_(torch.from_numpy(stage))

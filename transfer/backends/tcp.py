@@ -1,0 +1,122 @@
+"""`tcp`: any host. Each agent serves its exported memory on a listening socket
+(`tcp_server`); to reach a peer it opens `tcp_num_conns` connections lazily (`tcp_conn`)
+and spreads transfers over them. Also the control path for shm notifications."""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+
+from ..errors import Fault, TransferError
+from ..handle import Transfer
+from ..memory import Region, host_views
+from ..metadata import AgentMetadata
+from ..types import BackendKind, Op
+from .base import AgentContext, Job
+from .tcp_conn import Connection, Request
+from .tcp_server import Server
+from .tcp_wire import Kind, frame
+
+
+class _PeerConns:
+    def __init__(self, meta: AgentMetadata, num_conns: int):
+        self.meta = meta
+        self.conns: list[Connection | None] = [None] * num_conns
+        self.rr = itertools.count()
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        for c in self.conns:
+            if c is not None:
+                c.close()
+
+
+class TcpBackend:
+    kind = BackendKind.TCP
+
+    def __init__(self, ctx: AgentContext):
+        self.ctx = ctx
+        self.server = Server(ctx)
+        self._peers: dict[str, _PeerConns] = {}
+
+    def metadata_fields(self) -> dict:
+        return {"tcp_addr": tuple(self.server.addr)}
+
+    def on_register(self, region: Region) -> None:
+        pass
+
+    def on_deregister(self, region: Region) -> None:
+        pass
+
+    def add_peer(self, peer: AgentMetadata) -> None:
+        old = self._peers.get(peer.name)
+        if old is not None and old.meta.agent_id == peer.agent_id:
+            old.meta = peer  # refreshed region list, same agent: keep the connections
+            return
+        self.remove_peer(peer.name)
+        if peer.tcp_addr is not None:
+            self._peers[peer.name] = _PeerConns(peer, self.ctx.config.tcp_num_conns)
+
+    def remove_peer(self, name: str) -> None:
+        old = self._peers.pop(name, None)
+        if old is not None:
+            old.close()
+
+    def reaches(self, peer: AgentMetadata, remote_ids: np.ndarray) -> bool:
+        return peer.tcp_addr is not None and peer.name in self._peers
+
+    def _conn(self, name: str) -> Connection:
+        """A live connection to the peer, round-robin; reconnects a dead slot lazily."""
+        p = self._peers.get(name)
+        if p is None:
+            raise TransferError(Fault.UNKNOWN_PEER, f"peer {name!r} is not reachable by tcp")
+        with p.lock:
+            slot = next(p.rr) % len(p.conns)
+            conn = p.conns[slot]
+            if conn is None or conn.dead:
+                if conn is not None:
+                    conn.close()
+                p.conns[slot] = None
+                conn = Connection(self.ctx.config, p.meta.tcp_addr, p.meta.agent_id,
+                                  self.ctx.name)
+                p.conns[slot] = conn
+            return conn
+
+    def post(self, xfer: Transfer, job: Job) -> None:
+        parts = self._split(job)
+        xfer._set_parts(len(parts))
+        for sel in parts:
+            conn = self._conn(job.peer)
+            conn.submit(self._request(conn.next_seq(), xfer, job, sel))
+
+    def _split(self, job: Job) -> list[np.ndarray | slice]:
+        """One part per connection for big batches (no notification: it must come last)."""
+        n = min(self.ctx.config.tcp_num_conns, job.lengths.size)
+        if n <= 1 or job.notify is not None or int(job.lengths.sum()) < (4 << 20):
+            return [slice(None)]
+        return list(np.array_split(np.arange(job.lengths.size), n))
+
+    def _request(self, seq: int, xfer: Transfer, job: Job, sel) -> Request:
+        ids, offs, lens = job.remote_ids[sel], job.remote_offsets[sel], job.lengths[sel]
+        wire = [seq, ids.astype("<i8").tobytes(), offs.astype("<i8").tobytes(),
+                lens.astype("<i8").tobytes()]
+        incoming = job.op is Op.READ
+        views, finish = host_views(job.local_regions, job.local_ids[sel],
+                                   job.local_offsets[sel], lens, incoming)
+        nbytes = int(lens.sum())
+        if incoming:
+            return Request(seq, Kind.READ, frame(Kind.READ, wire + [None]), xfer, recv=views,
+                           recv_bytes=nbytes, finish=finish, then_notify=job.notify)
+        return Request(seq, Kind.WRITE, frame(Kind.WRITE, wire + [job.notify], nbytes), xfer,
+                       send=views)
+
+    def notify(self, peer: str, payload: bytes, xfer: Transfer) -> None:
+        conn = self._conn(peer)
+        seq = conn.next_seq()
+        conn.submit(Request(seq, Kind.NOTIFY, frame(Kind.NOTIFY, [seq, payload]), xfer))
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            self.remove_peer(name)
+        self.server.close()
