@@ -1,0 +1,58 @@
+"""Turn caller buffers (tensors, numpy arrays, bytes-like) into uint8 torch views, no copies."""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvstore.errors import BlockSizeError
+
+
+def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
+    """A flat uint8 tensor sharing memory with `buf`."""
+    if isinstance(buf, torch.Tensor):
+        if not buf.is_contiguous():
+            raise BlockSizeError("block tensors must be contiguous (call .contiguous() first)")
+        return buf.reshape(-1).view(torch.uint8)
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise BlockSizeError("block arrays must be C-contiguous")
+        if writable and not buf.flags.writeable:
+            raise TypeError("destination array is read-only")
+        buf = buf.reshape(-1).view(np.uint8)
+    view = memoryview(buf)
+    if writable and view.readonly:
+        raise TypeError(f"destination buffer ({type(buf).__name__}) is read-only; pass a "
+                        "bytearray, numpy array or tensor")
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only sources are only ever read
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def byte_rows(bufs, n: int, nbytes: int, *, writable: bool = False) -> torch.Tensor | list[torch.Tensor]:
+    """n blocks of `nbytes`: one buffer holding all n back to back -> `[n, nbytes]`, or a
+    sequence of n buffers -> a list of n flat tensors. Sizes are checked here, once."""
+    if isinstance(bufs, (list, tuple)):
+        if len(bufs) != n:
+            raise BlockSizeError(f"got {len(bufs)} buffers for {n} blocks")
+        rows = [as_byte_tensor(b, writable=writable) for b in bufs]
+        for i, row in enumerate(rows):
+            if row.numel() != nbytes:
+                raise BlockSizeError(f"buffer {i} is {row.numel()} bytes; blocks are {nbytes} bytes")
+        return rows
+    flat = as_byte_tensor(bufs, writable=writable)
+    if flat.numel() != n * nbytes:
+        raise BlockSizeError(f"buffer is {flat.numel()} bytes; {n} blocks need {n * nbytes} bytes")
+    return flat.view(n, nbytes)
+
+
+def select_rows(rows: torch.Tensor | Sequence[torch.Tensor], idx: Sequence[int]):
+    """The rows at `idx`, keeping the single-tensor form when all rows are taken in order."""
+    if isinstance(rows, torch.Tensor) and len(idx) == rows.shape[0] and list(idx) == list(range(len(idx))):
+        return rows
+    return [rows[i] for i in idx]

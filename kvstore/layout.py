@@ -1,0 +1,133 @@
+"""Block payload layout and the on-wire / on-disk block format.
+
+Payload: one block of one shard, contiguous `[num_layers, 2 (K,V), block_tokens,
+num_kv_heads, head_dim]` in the model dtype, so a layer-wise loader can take a slice.
+
+Encoded block = 64-byte header + payload. Header (little-endian):
+
+    magic "KVTB" | version u16 | dtype code u8 | ndim u8 | ns_id u64 | shape 5 x u32 |
+    checksum u64 (xxh3_64 of the payload) | block hash 16 bytes | reserved u32
+
+Decoding verifies every field and the checksum; the payload comes back as a view into the
+caller's buffer (no copy).
+"""
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import torch
+import xxhash
+
+from kvstore.errors import BlockFormatError, BlockSizeError, ChecksumError, NamespaceMismatchError
+from kvstore.keys import HASH_BYTES, Namespace
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHBBQ5IQ16sI")
+HEADER_BYTES = _HEADER.size
+assert HEADER_BYTES == 64
+
+DTYPE_CODES = {
+    "float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5,
+    "int8": 6, "uint8": 7,
+}
+TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8, "uint8": torch.uint8,
+}
+
+
+class BlockHeader(NamedTuple):
+    ns_id: int
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: int
+    block_hash: bytes
+
+
+def checksum(payload) -> int:
+    """xxh3_64 of a payload (any buffer: bytes, memoryview, contiguous CPU tensor)."""
+    return xxhash.xxh3_64_intdigest(as_memoryview(payload))
+
+
+def as_memoryview(buf) -> memoryview:
+    """A flat byte view of a buffer or a contiguous CPU tensor, without copying."""
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise BlockSizeError("expected a contiguous CPU tensor")
+        return memoryview(buf.view(torch.uint8).reshape(-1).numpy())
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def encode_header(ns: Namespace, block_hash: bytes, payload_checksum: int) -> bytes:
+    if len(block_hash) != HASH_BYTES:
+        raise BlockFormatError(f"block hash must be {HASH_BYTES} bytes, got {len(block_hash)}")
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[ns.dtype], 5, ns.ns_id,
+                        *ns.block_shape, payload_checksum, block_hash, 0)
+
+
+def encode_block(ns: Namespace, block_hash: bytes, payload) -> bytes:
+    """Header + payload as one bytes object (the SSD value; one copy of the payload)."""
+    view = as_memoryview(payload)
+    check_payload_size(ns, len(view))
+    return b"".join((encode_header(ns, block_hash, checksum(view)), view))
+
+
+def decode_header(buf) -> BlockHeader:
+    view = as_memoryview(buf)
+    if len(view) < HEADER_BYTES:
+        raise BlockFormatError(f"encoded block is {len(view)} bytes, shorter than its "
+                               f"{HEADER_BYTES}-byte header")
+    magic, version, dcode, ndim, ns_id, *rest = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise BlockFormatError(f"bad magic {magic!r}: not a kvtier block")
+    if version != FORMAT_VERSION:
+        raise BlockFormatError(f"block format version {version} is not supported "
+                               f"(this build reads version {FORMAT_VERSION})")
+    names = {code: name for name, code in DTYPE_CODES.items()}
+    if dcode not in names or ndim != 5:
+        raise BlockFormatError(f"bad dtype code {dcode} or ndim {ndim} in block header")
+    shape, (csum, bhash, _reserved) = tuple(rest[:5]), rest[5:]
+    return BlockHeader(ns_id, names[dcode], shape, csum, bhash)
+
+
+def decode_block(ns: Namespace, buf, expect_hash: bytes | None = None) -> tuple[BlockHeader, memoryview]:
+    """Validate an encoded block for `ns`; returns its header and a view of the payload.
+
+    Raises NamespaceMismatchError for another namespace's block, BlockFormatError for a
+    malformed one, ChecksumError when the payload does not match its checksum.
+    """
+    view = as_memoryview(buf)
+    header = decode_header(view)
+    if header.ns_id != ns.ns_id or header.dtype != ns.dtype or header.shape != ns.block_shape:
+        raise NamespaceMismatchError(
+            f"block belongs to namespace {header.ns_id:#x} ({header.dtype}, {header.shape}), "
+            f"not {ns.ns_id:#x} ({ns.dtype}, {ns.block_shape})")
+    payload = view[HEADER_BYTES:]
+    if len(payload) != ns.block_bytes:
+        raise BlockFormatError(f"encoded block carries {len(payload)} payload bytes, its header "
+                               f"says {ns.block_bytes} (truncated or padded)")
+    if expect_hash is not None and header.block_hash != expect_hash:
+        raise BlockFormatError(f"block header names hash {header.block_hash.hex()}, "
+                               f"expected {bytes(expect_hash).hex()}")
+    if checksum(payload) != header.checksum:
+        raise ChecksumError(f"checksum mismatch for block {header.block_hash.hex()}: "
+                            "the stored bytes are corrupted")
+    return header, payload
+
+
+def check_payload_size(ns: Namespace, nbytes: int) -> None:
+    if nbytes != ns.block_bytes:
+        raise BlockSizeError(f"block payload is {nbytes} bytes but namespace {ns.model!r} "
+                             f"blocks are {ns.block_bytes} bytes ({ns.dtype} {ns.block_shape})")
+
+
+def payload_tensor(ns: Namespace, payload) -> torch.Tensor:
+    """View a payload buffer as a `[num_layers, 2, block_tokens, num_kv_heads, head_dim]` tensor."""
+    view = as_memoryview(payload)
+    check_payload_size(ns, len(view))
+    flat = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+    return flat.view(TORCH_DTYPES[ns.dtype]).view(ns.block_shape)

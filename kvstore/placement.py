@@ -1,0 +1,208 @@
+"""Placement: which block is in which slot of which tier, the LRU lists, and demotion.
+
+Not thread-safe: every method runs under the TieredStore's lock. Invariant: a hash is in
+`lru[t]` exactly when its entry lives in tier t and is evictable (committed, no readers,
+no hard pin, no live soft pin).
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from typing import Sequence
+
+from kvstore.events import EventKind, KVEvent
+from kvstore.stats import TierCounters
+from kvstore.tiers.base import Tier
+
+
+class State(enum.Enum):
+    RESERVED = 0
+    COMMITTED = 1
+
+
+class Entry:
+    __slots__ = ("hash", "tier", "slot", "state", "readers", "hard_pins", "soft_until")
+
+    def __init__(self, block_hash: bytes, tier: int, slot: int, state: State) -> None:
+        self.hash, self.tier, self.slot, self.state = block_hash, tier, slot, state
+        self.readers = 0
+        self.hard_pins = 0
+        self.soft_until = 0.0
+
+    def evictable(self, now: float) -> bool:
+        return (self.state is State.COMMITTED and self.readers == 0 and self.hard_pins == 0
+                and self.soft_until <= now)
+
+
+def visible(e: Entry | None) -> bool:
+    return e is not None and e.state is State.COMMITTED
+
+
+def group_by_tier(entries: Sequence[Entry]) -> list[tuple[int, list[Entry]]]:
+    groups: dict[int, list[Entry]] = {}
+    for e in entries:
+        groups.setdefault(e.tier, []).append(e)
+    return sorted(groups.items())
+
+
+class Placement:
+    def __init__(self, tiers: Sequence[Tier], node_id: str, event_buffer: int, block_bytes: int) -> None:
+        self.tiers = list(tiers)
+        self.node_id, self.block_bytes = node_id, block_bytes
+        self.entries: dict[bytes, Entry] = {}
+        self.lru = [collections.OrderedDict() for _ in self.tiers]  # hash -> None, oldest first
+        self.soft_pinned: dict[bytes, Entry] = {}
+        self.counters = [TierCounters() for _ in self.tiers]
+        self.events: collections.deque[KVEvent] = collections.deque(maxlen=event_buffer)
+        self.seq = 0
+
+    def emit(self, kind: EventKind, tier_idx: int, hashes: Sequence[bytes]) -> None:
+        if hashes:
+            self.events.append(KVEvent(kind, self.node_id, self.seq, self.tiers[tier_idx].kind,
+                                       tuple(hashes)))
+            self.seq += 1
+
+    def recover(self) -> None:
+        for i, tier in enumerate(self.tiers):
+            found = tier.recover()
+            for h, slot in found:
+                e = Entry(h, i, slot, State.COMMITTED)
+                self.entries[h] = e
+                self.lru[i][h] = None
+            self.emit(EventKind.STORED, i, [h for h, _ in found])
+
+    # -------------------------------------------------------------- evictability
+
+    def make_evictable(self, e: Entry) -> None:
+        """Put an entry at the MRU end of its tier's LRU if nothing holds it."""
+        if e.evictable(time.monotonic()):
+            self.lru[e.tier][e.hash] = None
+            self.lru[e.tier].move_to_end(e.hash)
+
+    def hold(self, e: Entry) -> None:
+        self.lru[e.tier].pop(e.hash, None)
+
+    def expire_soft_pins(self, now: float) -> None:
+        for h in [h for h, e in self.soft_pinned.items() if e.soft_until <= now]:
+            e = self.soft_pinned.pop(h)
+            e.soft_until = 0.0
+            self.make_evictable(e)
+
+    # -------------------------------------------------------------- allocation
+
+    def allocate(self, n: int) -> list[tuple[int, int]]:
+        """Up to n (tier, slot) pairs, fastest tier first, evicting LRU blocks downwards."""
+        out: list[tuple[int, int]] = []
+        for i, tier in enumerate(self.tiers):
+            want = n - len(out)
+            if want == 0:
+                break
+            self.make_room(i, want)
+            slots = tier.alloc_n(min(want, tier.num_free())) or []
+            out.extend((i, s) for s in slots)
+        return out
+
+    def make_room(self, i: int, n: int) -> None:
+        """Evict from tier i until it has n free slots, or nothing more can go."""
+        need = n - self.tiers[i].num_free()
+        if need > 0:
+            self.demote_or_drop(i, self.pick_victims(i, need))
+
+    def pick_victims(self, i: int, n: int) -> list[Entry]:
+        lru = self.lru[i]
+        if len(lru) < n and self.soft_pinned:
+            self.expire_soft_pins(time.monotonic())
+        victims = []
+        while lru and len(victims) < n:
+            h, _ = lru.popitem(last=False)
+            victims.append(self.entries[h])
+        return victims
+
+    def demote_or_drop(self, i: int, victims: list[Entry]) -> None:
+        """Move victims (already out of the LRU) one tier down; drop what cannot move."""
+        if not victims:
+            return
+        if i + 1 == len(self.tiers):
+            self.drop(victims)
+            return
+        self.make_room(i + 1, len(victims))
+        k = min(len(victims), self.tiers[i + 1].num_free())
+        self.demote_to(i, i + 1, victims[:k])
+        self.drop(victims[k:])
+
+    def demote_to(self, src: int, dst: int, group: list[Entry]) -> None:
+        """Copy blocks from tier src into free slots of tier dst (a lower, slower tier)."""
+        if not group:
+            return
+        slots = self.tiers[dst].alloc_n(len(group))
+        assert slots is not None, "caller made room first"
+        hashes = [e.hash for e in group]
+        src_tier = self.tiers[src]
+        self.tiers[dst].write_n(slots, hashes, [src_tier.slot_view(e.slot) for e in group])
+        src_tier.free_n([e.slot for e in group], hashes)
+        for e, slot in zip(group, slots):
+            e.tier, e.slot = dst, slot
+        self.counters[src].demotions_out += len(group)
+        self.counters[dst].demotions_in += len(group)
+        self.counters[dst].bytes_in += len(group) * self.block_bytes
+        self.emit(EventKind.REMOVED, src, hashes)
+        self.emit(EventKind.STORED, dst, hashes)
+        for e in group:  # still newer than what the lower tier held: its MRU end, in order
+            self.make_evictable(e)
+
+    def flush_to_last(self) -> None:
+        """Write every unleased memory-tier block to the last (persistent) tier, slowest
+        memory tier first so the hottest blocks end up most recent there."""
+        last = len(self.tiers) - 1
+        for i in range(last - 1, -1, -1):
+            group = [self.entries[h] for h in self.lru[i]]
+            group += [e for e in self.entries.values()
+                      if e.tier == i and visible(e) and e.readers == 0 and e.hash not in self.lru[i]]
+            for e in group:
+                self.hold(e)
+            self.make_room(last, len(group))
+            self.demote_to(i, last, group[:self.tiers[last].num_free()])
+
+    def promote(self, group: list[Entry], rows: list) -> None:
+        """Move blocks (leased by the caller alone) into the fastest tier, writing them from
+        `rows`, the copies the caller just read."""
+        self.make_room(0, len(group))
+        k = min(len(group), self.tiers[0].num_free())
+        if k == 0:
+            return
+        group, rows = group[:k], rows[:k]
+        slots = self.tiers[0].alloc_n(k)
+        self.tiers[0].write_n(slots, [e.hash for e in group], rows)
+        for src, members in group_by_tier(group):
+            hashes = [e.hash for e in members]
+            self.tiers[src].free_n([e.slot for e in members], hashes)
+            self.emit(EventKind.REMOVED, src, hashes)
+        for e, slot in zip(group, slots):
+            e.tier, e.slot = 0, slot
+        self.counters[0].promotions_in += k
+        self.counters[0].bytes_in += k * self.block_bytes
+        self.emit(EventKind.STORED, 0, [e.hash for e in group])
+
+    def drop(self, group: Sequence[Entry], corrupt: bool = False) -> None:
+        """Remove blocks from the store entirely (last-tier eviction or corruption)."""
+        for tier_idx, members in group_by_tier(group):
+            hashes = [e.hash for e in members]
+            self.tiers[tier_idx].free_n([e.slot for e in members], hashes)
+            for e in members:
+                del self.entries[e.hash]
+                self.lru[tier_idx].pop(e.hash, None)
+                self.soft_pinned.pop(e.hash, None)
+            counters = self.counters[tier_idx]
+            if corrupt:
+                counters.corrupt += len(members)
+            else:
+                counters.evictions += len(members)
+            self.emit(EventKind.REMOVED, tier_idx, hashes)
+
+    def release_reserved(self, group: Sequence[Entry]) -> None:
+        """Free the slots of reserved (never visible) entries."""
+        for tier_idx, members in group_by_tier(group):
+            self.tiers[tier_idx].free_n([e.slot for e in members], [e.hash for e in members])
+            for e in members:
+                del self.entries[e.hash]

@@ -1,0 +1,410 @@
+"""TieredStore: one namespace's blocks over an ordered list of tiers (fastest first).
+
+Lifecycle of a block: reserved (slot taken, invisible) -> committed (readable) -> demoted
+down the tiers by LRU eviction -> dropped from the last tier. Every block lives in exactly
+one slot of one tier. Metadata changes happen under one lock; the bulk copies of user reads
+and writes happen outside it, protected by reservations (writers) and reader counts (leases).
+
+Eviction is LRU over evictable blocks (committed, no readers, no hard pin, no live soft pin).
+A batch of blocks is touched tail-first, so the tail of a prefix chain is older than its
+parents and leaves first. Evicting from a tier demotes to the next tier (write-back);
+evicting from the last tier drops. A hit in a lower tier is promoted when configured.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import threading
+import time
+from typing import NamedTuple, Sequence
+
+from kvstore.buffers import byte_rows, select_rows
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.errors import ReservationError, StoreClosedError
+from kvstore.events import EventKind, KVEvent, TierKind
+from kvstore.keys import HASH_BYTES, Namespace
+from kvstore.layout import decode_block
+from kvstore.placement import Entry, Placement, State, group_by_tier, visible
+from kvstore.stats import StoreStats
+from kvstore.tiers.base import Tier
+
+
+class PutStatus(enum.Enum):
+    STORED = "stored"        # committed by this call
+    EXISTS = "exists"        # already present (content-addressed: a no-op success)
+    NO_SPACE = "no_space"    # every tier is full of pinned / leased / reserved blocks
+
+
+class MatchResult(NamedTuple):
+    num_blocks: int                 # length of the longest stored prefix
+    tiers: tuple[TierKind, ...]     # the tier of each of those blocks
+
+
+class Lease(NamedTuple):
+    lease_id: int
+    hits: tuple[tuple[TierKind, int] | None, ...]  # (tier, slot) per requested hash; None = miss
+
+
+class Reservation(NamedTuple):
+    reservation_id: int
+    hashes: tuple[bytes, ...]
+    statuses: tuple[PutStatus, ...]
+    slots: tuple[tuple[TierKind, int] | None, ...]  # where each STORED block must be written
+
+
+def make_tier(ns: Namespace, cfg: TierConfig) -> Tier:
+    """Build a tier from its config, importing only the chosen implementation."""
+    if cfg.kind is TierKind.GPU:
+        from kvstore.tiers.gpu import GpuTier
+        return GpuTier(cfg.capacity_blocks, ns.block_bytes, cfg.device)
+    if cfg.kind is TierKind.DRAM:
+        from kvstore.tiers.dram import DramTier
+        return DramTier(cfg.capacity_blocks, ns.block_bytes, cfg.shm_name)
+    from kvstore.tiers.ssd import SsdTier
+    return SsdTier(ns, cfg.path, cfg.capacity_blocks)
+
+
+class TieredStore:
+    def __init__(self, ns: Namespace, config: StoreConfig) -> None:
+        self.ns, self.config = ns, config
+        self._lock = threading.Lock()
+        tiers: list[Tier] = []
+        try:
+            for cfg in config.tiers:
+                tiers.append(make_tier(ns, cfg))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        self._p = Placement(tiers, config.node_id, config.event_buffer, ns.block_bytes)
+        self._p.recover()
+        self._reservations: dict[int, tuple[float, list[Entry]]] = {}  # id -> (deadline, entries)
+        self._leases: dict[int, tuple[float, list[Entry]]] = {}
+        self._ids = itertools.count(1)
+        self._num_misses = 0
+        self._closed = False
+        self._stop = threading.Event()
+        self._bg: threading.Thread | None = None
+        if config.background_interval_s:
+            self._bg = threading.Thread(target=self._background, name="kvtier-maintain", daemon=True)
+            self._bg.start()
+
+    # ---------------------------------------------------------------- writes
+
+    def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
+        """Store blocks: `srcs` is one buffer holding len(hashes) blocks back to back, or a
+        list of block buffers (tensors, numpy arrays, bytes-like). Sizes are checked first."""
+        rows = byte_rows(srcs, len(hashes), self.ns.block_bytes)
+        res = self.reserve_n(hashes, timeout_s=math.inf)
+        try:
+            self._write_reserved(res, rows)
+        except BaseException:
+            self.abort(res.reservation_id)
+            raise
+        self.commit(res.reservation_id)
+        return list(res.statuses)
+
+    def put_encoded_n(self, blobs: Sequence) -> list[PutStatus]:
+        """Store encoded blocks (header + payload, as on the wire or on disk). Each is checked
+        for this namespace, its size and its checksum before anything is stored."""
+        decoded = [decode_block(self.ns, blob) for blob in blobs]
+        return self.put_n([h.block_hash for h, _ in decoded], [payload for _, payload in decoded])
+
+    def reserve_n(self, hashes: Sequence[bytes], timeout_s: float | None = None) -> Reservation:
+        """Phase one of a put: a slot for each new hash, invisible until `commit`. A
+        reservation not committed within `timeout_s` (default from the config) is reclaimed."""
+        _check_hashes(hashes)
+        keys = [bytes(h) for h in hashes]
+        timeout = self.config.reservation_timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            self._check_open()
+            p = self._p
+            fresh = [h for h in dict.fromkeys(keys) if h not in p.entries]
+            where = dict(zip(fresh, p.allocate(len(fresh))))
+            statuses, slots, new = [], [], []
+            for h in keys:
+                place = where.pop(h, None)
+                if place is None:
+                    statuses.append(PutStatus.EXISTS if h in p.entries else PutStatus.NO_SPACE)
+                    slots.append(None)
+                    continue
+                entry = Entry(h, place[0], place[1], State.RESERVED)
+                p.entries[h] = entry
+                new.append(entry)
+                statuses.append(PutStatus.STORED)
+                slots.append((p.tiers[place[0]].kind, place[1]))
+            rid = next(self._ids)
+            self._reservations[rid] = (time.monotonic() + timeout, new)
+            return Reservation(rid, tuple(keys), tuple(statuses), tuple(slots))
+
+    def write_reserved(self, res: Reservation, srcs) -> None:
+        """Fill a reservation's STORED blocks from `srcs` (one per hash of the reservation)."""
+        self._write_reserved(res, byte_rows(srcs, len(res.statuses), self.ns.block_bytes))
+
+    def _write_reserved(self, res: Reservation, rows) -> None:
+        todo = [i for i, st in enumerate(res.statuses) if st is PutStatus.STORED]
+        by_tier: dict[TierKind, list[int]] = {}
+        for i in todo:
+            by_tier.setdefault(res.slots[i][0], []).append(i)
+        for kind, idx in by_tier.items():
+            self._tier_of(kind).write_n([res.slots[i][1] for i in idx],
+                                        [res.hashes[i] for i in idx], select_rows(rows, idx))
+
+    def commit(self, reservation_id: int) -> None:
+        """Phase two: the reserved blocks become readable (the batch's tail is the oldest)."""
+        with self._lock:
+            entries = self._take_reservation(reservation_id)
+            p = self._p
+            for e in reversed(entries):
+                e.state = State.COMMITTED
+                p.make_evictable(e)
+            for tier_idx, group in group_by_tier(entries):
+                p.counters[tier_idx].bytes_in += len(group) * self.ns.block_bytes
+                p.emit(EventKind.STORED, tier_idx, [e.hash for e in group])
+
+    def abort(self, reservation_id: int) -> None:
+        """Give back a reservation's slots; its blocks were never visible."""
+        with self._lock:
+            self._p.release_reserved(self._take_reservation(reservation_id))
+
+    def _take_reservation(self, reservation_id: int) -> list[Entry]:
+        if reservation_id not in self._reservations:
+            raise ReservationError(f"reservation {reservation_id} is unknown, already committed "
+                                   "or aborted, or was reclaimed after its timeout")
+        return self._reservations.pop(reservation_id)[1]
+
+    # ---------------------------------------------------------------- reads
+
+    def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
+        """Copy each stored block into its destination (one writable buffer of all blocks, or
+        one per block). Returns per block the tier it was found in, or None for a miss
+        (absent, or found corrupted, in which case it is removed)."""
+        rows = byte_rows(dsts, len(hashes), self.ns.block_bytes, writable=True)
+        _check_hashes(hashes)
+        with self._lock:
+            self._check_open()
+            held = self._hold(hashes)
+        ok = self._read_held(held, rows)
+        with self._lock:
+            return self._finish_read(held, ok, rows)
+
+    def _hold(self, hashes: Sequence[bytes]) -> list[Entry | None]:
+        held = []
+        for h in hashes:
+            e = self._p.entries.get(bytes(h))
+            if visible(e):
+                e.readers += 1
+                self._p.hold(e)
+                held.append(e)
+            else:
+                held.append(None)
+        return held
+
+    def _read_held(self, held: list[Entry | None], rows) -> list[bool]:
+        ok = [False] * len(held)
+        by_tier: dict[int, list[int]] = {}
+        for i, e in enumerate(held):
+            if e is not None:
+                by_tier.setdefault(e.tier, []).append(i)
+        for tier_idx, idx in by_tier.items():
+            got = self._p.tiers[tier_idx].read_n([held[i].slot for i in idx],
+                                                 [held[i].hash for i in idx], select_rows(rows, idx))
+            for i, good in zip(idx, got):
+                ok[i] = good
+        return ok
+
+    def _finish_read(self, held: list[Entry | None], ok: list[bool], rows) -> list[TierKind | None]:
+        p = self._p
+        out: list[TierKind | None] = []
+        corrupt, promote, promote_rows = [], [], []
+        for i, (e, good) in enumerate(zip(held, ok)):
+            if e is None or not good:
+                self._num_misses += 1
+                out.append(None)
+                if e is not None:
+                    e.readers -= 1
+                    corrupt.append(e)
+                continue
+            out.append(p.tiers[e.tier].kind)
+            p.counters[e.tier].hits += 1
+            p.counters[e.tier].bytes_out += self.ns.block_bytes
+            if e.tier > 0 and e.readers == 1 and self.config.promote_on_hit and not self._closed:
+                promote.append(e)
+                promote_rows.append(rows[i])
+        p.drop([e for e in corrupt if p.entries.get(e.hash) is e])
+        if promote:
+            p.promote(promote, promote_rows)
+        dropped = {id(e) for e in corrupt}
+        self._unhold([e for e in held if e is not None and id(e) not in dropped])
+        return out
+
+    def _unhold(self, entries: list[Entry]) -> None:
+        for e in reversed(entries):  # the batch's tail becomes the older end of the LRU
+            if self._p.entries.get(e.hash) is not e:
+                continue  # removed meanwhile (found corrupted by another reader)
+            e.readers -= 1
+            self._p.make_evictable(e)
+
+    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            return [visible(self._p.entries.get(bytes(h))) for h in hashes]
+
+    def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
+        """The longest prefix of `hashes` that is stored, and the tier of each block."""
+        with self._lock:
+            self._check_open()
+            tiers = []
+            for h in hashes:
+                e = self._p.entries.get(bytes(h))
+                if not visible(e):
+                    break
+                tiers.append(self._p.tiers[e.tier].kind)
+            return MatchResult(len(tiers), tuple(tiers))
+
+    # ---------------------------------------------------------------- leases and pins
+
+    def acquire_n(self, hashes: Sequence[bytes], ttl_s: float = 30.0) -> Lease:
+        """Hold blocks for zero-copy reading (e.g. another process mapping the DRAM arena):
+        they cannot move or be evicted until `release(lease_id)` or until `ttl_s` passes."""
+        _check_hashes(hashes)
+        with self._lock:
+            self._check_open()
+            held = self._hold(hashes)
+            lid = next(self._ids)
+            self._leases[lid] = (time.monotonic() + ttl_s, [e for e in held if e is not None])
+            kinds = [None if e is None else (self._p.tiers[e.tier].kind, e.slot) for e in held]
+            return Lease(lid, tuple(kinds))
+
+    def release(self, lease_id: int) -> None:
+        """End a lease (unknown or expired ids are ignored: the lease is already over)."""
+        with self._lock:
+            _, entries = self._leases.pop(lease_id, (0.0, []))
+            self._unhold(entries)
+
+    def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
+        """Keep blocks from eviction: hard (ttl_s None; counted, until `unpin_n`) or soft
+        (until ttl_s passes). Returns whether each block was present to pin."""
+        now = time.monotonic()
+        with self._lock:
+            self._check_open()
+            out = []
+            for h in map(bytes, hashes):
+                e = self._p.entries.get(h)
+                out.append(visible(e))
+                if not visible(e):
+                    continue
+                if ttl_s is None:
+                    e.hard_pins += 1
+                else:
+                    e.soft_until = max(e.soft_until, now + ttl_s)
+                    self._p.soft_pinned[h] = e
+                self._p.hold(e)
+            return out
+
+    def unpin_n(self, hashes: Sequence[bytes]) -> None:
+        """Drop one hard pin and any soft pin of each block."""
+        with self._lock:
+            for h in map(bytes, hashes):
+                e = self._p.entries.get(h)
+                if not visible(e):
+                    continue
+                e.hard_pins = max(0, e.hard_pins - 1)
+                e.soft_until = 0.0
+                self._p.soft_pinned.pop(h, None)
+                self._p.make_evictable(e)
+
+    def evict_n(self, hashes: Sequence[bytes]) -> int:
+        """Demote the given evictable blocks one tier (drop from the last); blocks that are
+        pinned, leased or absent stay. Returns how many moved."""
+        with self._lock:
+            self._check_open()
+            p, moved = self._p, 0
+            for tier_idx in range(len(p.tiers)):
+                group = [p.entries[h] for h in map(bytes, hashes) if h in p.lru[tier_idx]]
+                for e in group:
+                    p.hold(e)
+                moved += len(group)
+                p.demote_or_drop(tier_idx, group)
+            return moved
+
+    # ---------------------------------------------------------------- housekeeping
+
+    def maintain(self) -> None:
+        """Reclaim expired reservations and leases, expire soft pins, and evict every tier
+        above its high watermark down to its low watermark."""
+        now = time.monotonic()
+        with self._lock:
+            if self._closed:
+                return
+            for rid in [r for r, (dl, _) in self._reservations.items() if dl < now]:
+                self._p.release_reserved(self._reservations.pop(rid)[1])
+            for lid in [l for l, (dl, _) in self._leases.items() if dl < now]:
+                self._unhold(self._leases.pop(lid)[1])
+            self._p.expire_soft_pins(now)
+            for i, (tier, cfg) in enumerate(zip(self._p.tiers, self.config.tiers)):
+                if tier.num_slots - tier.num_free() > cfg.high_watermark * tier.num_slots:
+                    self._p.make_room(i, tier.num_slots - int(cfg.low_watermark * tier.num_slots))
+
+    def _background(self) -> None:
+        while not self._stop.wait(self.config.background_interval_s):
+            self.maintain()
+
+    def drain_events(self) -> list[KVEvent]:
+        """KV events since the last drain, in seq order (a gap: the buffer overflowed)."""
+        with self._lock:
+            out = list(self._p.events)
+            self._p.events.clear()
+            return out
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats.collect(self.ns, self._p.tiers, self._p.counters, self._num_misses,
+                                      len(self._reservations), len(self._leases))
+
+    @property
+    def tier_kinds(self) -> tuple[TierKind, ...]:
+        return tuple(t.kind for t in self._p.tiers)
+
+    def tier(self, kind: TierKind) -> Tier:
+        """The tier of a kind (e.g. the DRAM tier, for its shared-memory name)."""
+        return self._tier_of(kind)
+
+    def _tier_of(self, kind: TierKind) -> Tier:
+        for t in self._p.tiers:
+            if t.kind is kind:
+                return t
+        raise KeyError(f"this store has no {kind.name} tier (it has "
+                       f"{', '.join(k.name for k in self.tier_kinds)})")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the store for {self.ns.model!r} is closed")
+
+    def close(self, flush: bool = True) -> None:
+        """Stop. With flush, memory-tier blocks are first written to the persistent last tier
+        (as far as it has room) so a restart finds them. Later calls raise StoreClosedError."""
+        self._stop.set()
+        if self._bg is not None:
+            self._bg.join()
+        with self._lock:
+            if self._closed:
+                return
+            if flush and self._p.tiers[-1].persistent:
+                self._p.flush_to_last()
+            self._closed = True
+            for tier in self._p.tiers:
+                tier.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_hashes(hashes: Sequence[bytes]) -> None:
+    for h in hashes:
+        if len(h) != HASH_BYTES:
+            raise ValueError(f"block hashes are {HASH_BYTES} bytes; got one of {len(h)} bytes")

@@ -1,0 +1,52 @@
+"""The Tier contract: a fixed-slot store of equal-size blocks.
+
+A tier holds `num_slots` slots of `slot_bytes` each (one namespace's block size), a free
+list, and batched copy operations. It knows nothing about LRU, pins or leases: the
+`TieredStore` decides which slot holds which block and calls the tier to move bytes.
+
+Threading: `alloc_n`/`free_n` are called under the store's lock. `write_n`/`read_n` are called
+outside it, concurrently, always on slots the caller has reserved or leased, so two calls never
+touch the same slot at once.
+
+Byte arguments are uint8 torch tensors: either one 2-D tensor `[n, slot_bytes]` (one indexed
+copy for the whole batch) or a sequence of n 1-D tensors of `slot_bytes` each.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from kvstore.events import TierKind
+
+ByteBatch = torch.Tensor | Sequence[torch.Tensor]
+
+
+@runtime_checkable
+class Tier(Protocol):
+    kind: TierKind
+    num_slots: int
+    slot_bytes: int
+    persistent: bool  # True when blocks survive close/reopen (and `recover` lists them)
+
+    def num_free(self) -> int:
+        """Slots not allocated."""
+
+    def alloc_n(self, n: int) -> list[int] | None:
+        """Take n free slots, or None (taking nothing) when fewer than n are free."""
+
+    def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Return slots to the free list; a persistent tier also deletes their stored values."""
+
+    def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
+        """Copy one block into each slot. Persistent tiers make it durable before returning."""
+
+    def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
+        """Copy each slot's block into its destination. False marks a block that failed
+        verification (corrupted on disk): its destination is left unspecified."""
+
+    def recover(self) -> list[tuple[bytes, int]]:
+        """(hash, slot) for every block found at open (persistent tiers only)."""
+
+    def close(self) -> None:
+        """Release memory / files. Any later call raises StoreClosedError."""

@@ -1,0 +1,130 @@
+"""DRAM tier: a fixed-slot arena in POSIX shared memory (`/dev/shm/<name>`).
+
+The segment starts with one 4 KiB page describing it (magic, num_slots, slot_bytes), then
+the slots. Another process on the host maps it by name (`DramArenaReader`) and copies a
+slot it holds a lease on with no socket in between. The arena is pre-faulted at creation
+(first-touch faults on /dev/shm cost ~10x a warm copy) and, where a GPU exists, registered
+with CUDA as pinned memory so device copies run at full speed.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+
+import torch
+
+from kvstore.errors import ConfigError, StoreClosedError
+from kvstore.events import TierKind
+from kvstore.tiers.arena import ArenaTier
+
+SHM_DIR = "/dev/shm"
+_META = struct.Struct("<8sQQ")
+_META_MAGIC = b"KVTSHM01"
+META_BYTES = 4096
+
+
+def shm_path(name: str) -> str:
+    if not name or "/" in name:
+        raise ConfigError(f"shared-memory name {name!r} must be a non-empty name without '/'")
+    return os.path.join(SHM_DIR, name)
+
+
+class _Mapping:
+    """One mmap of a /dev/shm file and a uint8 tensor over it."""
+
+    def __init__(self, path: str, nbytes: int | None, create: bool, writable: bool) -> None:
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        if create:
+            flags |= os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError as e:
+            raise ConfigError(f"shared memory {path} already exists: another kvtier store uses "
+                              "that name, or a crashed one left it (remove the file)") from e
+        except FileNotFoundError as e:
+            raise ConfigError(f"no shared memory at {path}: is the store running?") from e
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            size = os.fstat(fd).st_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mflags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if create else 0)
+            self.mm = mmap.mmap(fd, size, flags=mflags, prot=prot)
+        finally:
+            os.close(fd)
+        self.nbytes = size
+        buf = self.mm if writable else memoryview(self.mm)
+        self.tensor = torch.frombuffer(buf, dtype=torch.uint8) if writable else None
+        self.view = memoryview(self.mm)
+
+    def close(self) -> None:
+        self.tensor = None
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a slot view; the mapping goes when it is dropped
+
+
+class DramTier(ArenaTier):
+    def __init__(self, num_slots: int, slot_bytes: int, shm_name: str | None = None) -> None:
+        self.shm_name = shm_name or f"kvtier-{os.getpid()}-{secrets.token_hex(4)}"
+        self._path = shm_path(self.shm_name)
+        self._map = _Mapping(self._path, META_BYTES + num_slots * slot_bytes, True, True)
+        _META.pack_into(self._map.mm, 0, _META_MAGIC, num_slots, slot_bytes)
+        arena = self._map.tensor[META_BYTES:].view(num_slots, slot_bytes)
+        arena.zero_()  # pre-fault every page now, not on the first put
+        super().__init__(TierKind.DRAM, arena)
+        self._pinned = _cuda_pin(arena)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
+        self.arena = torch.empty((0, self.slot_bytes), dtype=torch.uint8)
+        self._map.close()
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+
+def _cuda_pin(arena: torch.Tensor) -> bool:
+    if not torch.cuda.is_available() or arena.numel() == 0:
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+    return int(err) == 0
+
+
+class DramArenaReader:
+    """Maps another process's DRAM arena by name (read-only) to copy slots it holds leases on."""
+
+    def __init__(self, shm_name: str) -> None:
+        self._map = _Mapping(shm_path(shm_name), None, False, False)
+        magic, self.num_slots, self.slot_bytes = _META.unpack_from(self._map.view, 0)
+        if magic != _META_MAGIC:
+            self._map.close()
+            raise ConfigError(f"/dev/shm/{shm_name} is not a kvtier DRAM arena")
+        self._closed = False
+
+    def read_into(self, slot: int, dst) -> None:
+        """Copy slot `slot` into the writable buffer `dst` (slot_bytes long)."""
+        if self._closed:
+            raise StoreClosedError("DRAM arena reader is closed")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        start = META_BYTES + slot * self.slot_bytes
+        memoryview(dst).cast("B")[:] = self._map.view[start:start + self.slot_bytes]
+
+    def read(self, slot: int) -> bytes:
+        out = bytearray(self.slot_bytes)
+        self.read_into(slot, out)
+        return bytes(out)
+
+    def close(self) -> None:
+        self._closed = True
+        self._map.close()

@@ -1,0 +1,97 @@
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvstore.keys import Namespace, hash_blocks
+
+VECTORS = pathlib.Path(__file__).parents[2] / "data" / "block_hash_vectors.json"
+NS = Namespace("tiny", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_tokens=4)
+
+
+def test_committed_vectors_match():
+    doc = json.loads(VECTORS.read_text())
+    assert len(doc["cases"]) >= 10
+    for case in doc["cases"]:
+        ns = Namespace(**case["namespace"])
+        assert ns.root_hash.hex() == case["root"]
+        assert ns.ns_id == case["ns_id"]
+        got = hash_blocks(ns, case["tokens"], extra=bytes.fromhex(case["extra"]))
+        assert [h.hex() for h in got] == case["hashes"]
+
+
+def test_same_hashes_in_a_process_with_another_hash_seed():
+    tokens = list(range(100))
+    here = [h.hex() for h in hash_blocks(NS, tokens, extra=b"x")]
+    code = ("import json; from kvstore.keys import Namespace, hash_blocks; "
+            "ns = Namespace('tiny', num_layers=2, num_kv_heads=1, head_dim=4, dtype='float32', "
+            "block_tokens=4); print(json.dumps([h.hex() for h in hash_blocks(ns, list(range(100)), "
+            "extra=b'x')]))")
+    for seed in ("1", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert json.loads(out.stdout) == here
+
+
+def test_only_full_blocks_are_hashed():
+    assert len(hash_blocks(NS, list(range(11)))) == 2
+    assert hash_blocks(NS, list(range(3))) == []
+
+
+def test_chain_is_prefix_consistent_and_resumable():
+    whole = hash_blocks(NS, list(range(32)))
+    assert hash_blocks(NS, list(range(16))) == whole[:4]
+    assert hash_blocks(NS, list(range(16, 32)), parent=whole[3]) == whole[4:]
+    assert all(len(h) == 16 for h in whole) and len(set(whole)) == len(whole)
+
+
+def test_a_different_token_changes_that_block_and_every_later_one():
+    a = hash_blocks(NS, list(range(16)))
+    changed = list(range(16))
+    changed[5] = 999
+    b = hash_blocks(NS, changed)
+    assert a[0] == b[0] and all(x != y for x, y in zip(a[1:], b[1:]))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tenant", "other"), ("model", "other"), ("revision", "v2"), ("dtype", "float16"),
+    ("block_tokens", 8), ("num_layers", 3), ("num_kv_heads", 2), ("head_dim", 8)])
+def test_every_namespace_field_separates_hashes(field, value):
+    other = Namespace(**{**NS.__dict__, field: value})
+    assert other.root_hash != NS.root_hash
+    assert hash_blocks(other, list(range(16)))[0] != hash_blocks(NS, list(range(16)))[0]
+
+
+def test_extra_keys_separate_hashes():
+    assert hash_blocks(NS, list(range(8)), extra=b"lora1") != hash_blocks(NS, list(range(8)))
+
+
+def test_numpy_and_list_inputs_agree():
+    toks = [5, 6, 7, 8, 9, 10, 11, 12]
+    assert hash_blocks(NS, np.array(toks, dtype=np.int64)) == hash_blocks(NS, toks)
+
+
+@pytest.mark.parametrize("kw", [dict(model=""), dict(dtype="float64"), dict(block_tokens=0),
+                                dict(num_layers=-1)])
+def test_bad_namespace_is_refused(kw):
+    with pytest.raises(ValueError):
+        Namespace(**{**NS.__dict__, **kw})
+
+
+def test_bad_tokens_and_parent_are_refused():
+    with pytest.raises(ValueError, match="int32"):
+        hash_blocks(NS, [2**40, 1, 2, 3])
+    with pytest.raises(ValueError, match="1-D"):
+        hash_blocks(NS, np.zeros((2, 4)))
+    with pytest.raises(ValueError, match="16 bytes"):
+        hash_blocks(NS, list(range(4)), parent=b"short")
+
+
+def test_block_shape_and_bytes():
+    ns = Namespace("m", num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16")
+    assert ns.block_shape == (30, 2, 16, 3, 64)
+    assert ns.block_bytes == 30 * 2 * 16 * 3 * 64 * 2
