@@ -1,6 +1,12 @@
 """Kernel-test fixtures: the device the Triton kernels run on here."""
+import os
+import sys
+
 import pytest
 import torch
+
+# The tests import their helpers as `kernels_testlib` under either pytest import mode.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config):
