@@ -166,32 +166,8 @@ def paper_table(summaries: dict[PolicyKind, SimSummary]) -> None:
               f"{ours_rnd / ours:>12.2f}")
 
 
-def main() -> None:
-    args = parse_args()
-    started = time.perf_counter()
-    requests = load_trace(args.trace, QUICK_REQUESTS if args.quick else None)
-    bound = infinite_cache_hit_ratio(requests)
-    config = SimConfig(num_prefill=args.prefill, num_decode=args.decode,
-                       prefill_cache_blocks=args.cache_blocks, pool_blocks=args.pool_blocks,
-                       speedup=args.speedup,
-                       scheduler=SchedulerConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo))
-    print(describe(config, len(requests)), file=sys.stderr)
-
-    sim_started = time.perf_counter()
-    outcomes: dict[PolicyKind, list[RequestOutcome]] = {}
-    summaries: dict[PolicyKind, SimSummary] = {}
-    for kind in POLICIES:
-        outcomes[kind], summaries[kind] = run_policy(kind, requests, config, args.seed,
-                                                     kind.value)
-    sim_s = time.perf_counter() - sim_started
-    reject_cfg = dataclasses.replace(
-        config, scheduler=dataclasses.replace(config.scheduler, early_reject=True))
-    _, rejecting = run_policy(PolicyKind.CONDUCTOR, requests, reject_cfg, args.seed,
-                              "conductor+reject")
-    capacities = [512, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
-    curves = capacity_sweep(requests, config, capacities, args.seed)
-    index_us, naive_us = index_latency_us()
-
+def build_rows(summaries, rejecting: SimSummary, bound: float, index_us: float,
+               naive_us: float, sim_s: float, num_requests: int) -> list[Row]:
     rnd = summaries[PolicyKind.RANDOM]
     rows = []
     for kind, s in summaries.items():
@@ -202,15 +178,17 @@ def main() -> None:
                 "infinite-cache bound", bound),
             Row(f"{kind.value} goodput", "req/s", s.goodput_rps, "random", rnd.goodput_rps),
         ]
-    rows += [
+    return rows + [
         Row("conductor+early-reject goodput", "req/s", rejecting.goodput_rps, "random",
             rnd.goodput_rps),
         Row("conductor+early-reject rejections", "requests", rejecting.num_rejected),
         Row("index query 1000 blocks x 64 nodes", "us", index_us, "naive per-node walk",
             naive_us),
-        Row(f"simulate {len(POLICIES)} policies x {len(requests)} requests", "s", sim_s),
+        Row(f"simulate {len(summaries)} policies x {num_requests} requests", "s", sim_s),
     ]
-    report("sched_trace", rows, args.json)
+
+
+def print_details(summaries, rejecting: SimSummary, bound: float) -> None:
     print(f"\n{'policy':<14}{'TTFT mean':>10}{'p50':>8}{'p90':>8}{'p99':>8}{'TBT p90':>9}"
           f"{'hit':>7}{'fetched':>9}{'goodput':>9}{'rejected':>9}")
     for name, s in [(k.value, v) for k, v in summaries.items()] + [("cond+reject", rejecting)]:
@@ -219,6 +197,37 @@ def main() -> None:
               f"{s.fetched_ratio:>9.3f}{s.goodput_rps:>9.2f}{s.num_rejected:>9d}")
     print(f"infinite-cache bound hit ratio {bound:.3f}")
     paper_table(summaries)
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    requests = load_trace(args.trace, QUICK_REQUESTS if args.quick else None)
+    bound = infinite_cache_hit_ratio(requests)
+    sched = SchedulerConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
+    config = SimConfig(num_prefill=args.prefill, num_decode=args.decode,
+                       prefill_cache_blocks=args.cache_blocks, pool_blocks=args.pool_blocks,
+                       speedup=args.speedup, scheduler=sched)
+    print(describe(config, len(requests)), file=sys.stderr)
+
+    sim_started = time.perf_counter()
+    outcomes: dict[PolicyKind, list[RequestOutcome]] = {}
+    summaries: dict[PolicyKind, SimSummary] = {}
+    for kind in POLICIES:
+        outcomes[kind], summaries[kind] = run_policy(kind, requests, config, args.seed,
+                                                     kind.value)
+    sim_s = time.perf_counter() - sim_started
+    reject_cfg = dataclasses.replace(config,
+                                     scheduler=dataclasses.replace(sched, early_reject=True))
+    _, rejecting = run_policy(PolicyKind.CONDUCTOR, requests, reject_cfg, args.seed,
+                              "conductor+reject")
+    capacities = [512, 2048, 8192] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
+    curves = capacity_sweep(requests, config, capacities, args.seed)
+    index_us, naive_us = index_latency_us()
+
+    report("sched_trace", build_rows(summaries, rejecting, bound, index_us, naive_us, sim_s,
+                                     len(requests)), args.json)
+    print_details(summaries, rejecting, bound)
     plot(args.png, outcomes, capacities, curves, bound)
     print(f"\nwrote {args.png}; total wall time {time.perf_counter() - started:.1f} s "
           f"on {os.cpu_count()} CPUs")
