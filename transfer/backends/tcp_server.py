@@ -61,6 +61,10 @@ class Server:
 
     def close(self) -> None:
         self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop now, not at its poll
+        except OSError:
+            pass
         self._sock.close()
         with self._lock:
             conns = list(self._conns)

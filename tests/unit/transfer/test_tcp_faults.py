@@ -1,0 +1,226 @@
+"""Network faults on the tcp backend, against a real agent's server and against fake peers:
+each ends in a TransferError within bounded time, never a hang, never a partial DONE."""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from transfer import (Agent, AgentConfig, AgentMetadata, BackendKind, DescList, Fault, MemKind,
+                      Op, RegionInfo, TransferError)
+from transfer.backends.tcp_wire import HEAD, MAGIC, Kind, frame
+
+TCP = AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=0.6, connect_timeout_s=1.0)
+
+
+class FakePeer:
+    """A listening socket that speaks just enough of the protocol, then misbehaves."""
+
+    def __init__(self, behave):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.behave = behave
+        self.received = bytearray()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(3)
+            head = conn.recv(HEAD.size, socket.MSG_WAITALL)
+            hlen = HEAD.unpack(head)[4]
+            conn.recv(hlen, socket.MSG_WAITALL)
+            conn.sendall(frame(Kind.ACK, [0]))
+            try:
+                self.behave(self, conn)
+            except OSError:
+                pass
+
+    def metadata(self) -> bytes:
+        return AgentMetadata("fake", "f" * 32, "elsewhere", 1, self.sock.getsockname()[:2],
+                             (RegionInfo(1, 1 << 20, MemKind.HOST),)).encode()
+
+    def close(self):
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def _read_some(peer, conn, n=64):
+    peer.received += conn.recv(n)
+
+
+def cut(peer, conn):
+    _read_some(peer, conn)
+
+
+def stall(peer, conn):
+    _read_some(peer, conn)
+    conn.recv(1, socket.MSG_PEEK)  # hold the connection silently until the client gives up
+
+
+def garbage(peer, conn):
+    _read_some(peer, conn)
+    conn.sendall(b"\x00" * HEAD.size)
+    conn.recv(1)
+
+
+def wrong_seq(peer, conn):
+    _read_some(peer, conn)
+    conn.sendall(frame(Kind.ACK, [12345]))
+    conn.recv(1)
+
+
+@pytest.fixture
+def agent():
+    a = Agent("client", TCP)
+    buf = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[: 1 << 20].copy()
+    region = a.register(buf)
+    yield a, region
+    a.close()
+
+
+@pytest.mark.parametrize("behave,fault", [(cut, Fault.CONNECTION_LOST), (stall, Fault.TIMEOUT),
+                                          (garbage, Fault.PROTOCOL),
+                                          (wrong_seq, Fault.PROTOCOL)])
+@pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
+def test_misbehaving_peer_fails_the_transfer(agent, behave, fault, op):
+    a, region = agent
+    peer = FakePeer(behave)
+    try:
+        a.add_peer(peer.metadata())
+        local = a.prepare(DescList.uniform(region, 65536, 8))
+        remote = a.prepare(DescList.uniform(1, 65536, 8), peer="fake")
+        first = a.post(op, local, None, remote, None)
+        others = []
+        for _ in range(2):
+            try:
+                others.append(a.post(op, local, None, remote, None))
+            except TransferError as e:  # the first failure killed the connection already;
+                assert e.fault is Fault.TIMEOUT  # the fake never answers a reconnect's HELLO
+        with pytest.raises(TransferError) as e:
+            first.wait(5)
+        assert e.value.fault in (fault, Fault.CONNECTION_LOST), e.value
+        assert first.name in str(e.value)
+        for x in others:
+            with pytest.raises(TransferError):
+                x.wait(5)
+        assert first.state.value == "failed"
+    finally:
+        peer.close()
+
+
+def test_wait_timeout_while_pending(agent):
+    a, region = agent
+    peer = FakePeer(stall)
+    try:
+        a.add_peer(peer.metadata())
+        local = a.prepare(DescList.uniform(region, 4096, 1))
+        remote = a.prepare(DescList.uniform(1, 4096, 1), peer="fake")
+        x = a.post(Op.READ, local, None, remote, None)
+        with pytest.raises(TransferError) as e:
+            x.wait(0.05)
+        assert e.value.fault is Fault.TIMEOUT
+        with pytest.raises(TransferError):
+            x.release()  # still in flight
+        with pytest.raises(TransferError) as e:
+            x.wait(5)  # the io timeout ends it
+        assert e.value.fault is Fault.TIMEOUT
+    finally:
+        peer.close()
+
+
+def test_dead_address_is_peer_gone(agent):
+    a, region = agent
+    with socket.create_server(("127.0.0.1", 0)) as dead:
+        addr = dead.getsockname()[:2]  # a port nobody listens on once closed
+    a.add_peer(AgentMetadata("fake", "f" * 32, "elsewhere", 1, addr,
+                             (RegionInfo(1, 1 << 20, MemKind.HOST),)).encode())
+    local = a.prepare(DescList.uniform(region, 4096, 1))
+    remote = a.prepare(DescList.uniform(1, 4096, 1), peer="fake")
+    with pytest.raises(TransferError) as e:
+        a.post(Op.WRITE, local, None, remote, None)
+    assert e.value.fault is Fault.PEER_GONE
+
+
+@pytest.fixture
+def target():
+    b = Agent("target", TCP)
+    mem = np.zeros(1 << 16, np.uint8)
+    region = b.register(mem)
+    yield b, region, mem
+    b.close()
+
+
+def _raw_conn(b: Agent) -> socket.socket:
+    addr = AgentMetadata.decode(b.metadata()).tcp_addr
+    s = socket.create_connection(addr, timeout=3)
+    s.sendall(frame(Kind.HELLO, [b.agent_id, "raw"]))
+    assert _reply_kind(s) == Kind.ACK
+    return s
+
+
+def _reply_kind(s: socket.socket) -> int | None:
+    head = s.recv(HEAD.size, socket.MSG_WAITALL)
+    if len(head) != HEAD.size:
+        return None
+    s.recv(HEAD.unpack(head)[4], socket.MSG_WAITALL)  # the reply's header
+    return HEAD.unpack(head)[2]
+
+
+@pytest.mark.parametrize("junk", [
+    b"\xff" * HEAD.size,  # bad magic
+    HEAD.pack(MAGIC, 1, 99, 0, 0, 0),  # unknown kind
+    HEAD.pack(MAGIC, 1, Kind.WRITE, 0, 3, 0) + b"\xc1\xc1\xc1",  # undecodable msgpack
+    HEAD.pack(MAGIC, 1, Kind.WRITE, 0, 0, 1 << 62),  # absurd payload length
+    frame(Kind.WRITE, [1, b"\x01" * 8, b"", b"", None]),  # ragged descriptor arrays
+])
+def test_server_rejects_malformed_frames_and_keeps_serving(target, junk):
+    b, region, mem = target
+    s = _raw_conn(b)
+    s.sendall(junk)
+    kind = _reply_kind(s)
+    assert kind in (Kind.ERROR, None)
+    assert s.recv(1) == b""  # that connection is closed
+    s.close()
+    s = _raw_conn(b)  # others are still served
+    ids = struct.pack("<q", region.region_id)
+    s.sendall(frame(Kind.WRITE, [7, ids, struct.pack("<q", 0), struct.pack("<q", 4), None], 4)
+              + b"abcd")
+    assert _reply_kind(s) == Kind.ACK
+    assert bytes(mem[:4]) == b"abcd"
+    s.close()
+
+
+def test_out_of_range_write_is_refused_and_drained(target):
+    b, region, mem = target
+    s = _raw_conn(b)
+    q = lambda v: struct.pack("<q", v)  # noqa: E731
+    s.sendall(frame(Kind.WRITE, [1, q(region.region_id), q(mem.size - 2), q(4), None], 4)
+              + b"wxyz")
+    assert _reply_kind(s) == Kind.ERROR
+    s.sendall(frame(Kind.WRITE, [2, q(region.region_id), q(0), q(2), b"n"], 2) + b"ok")
+    assert _reply_kind(s) == Kind.ACK
+    assert bytes(mem[:2]) == b"ok" and not mem[-2:].any()
+    assert b.notifications(1.0)[0].payload == b"n"
+    s.close()
+
+
+def test_cut_mid_write_delivers_no_notification(target):
+    b, region, mem = target
+    s = _raw_conn(b)
+    q = lambda v: struct.pack("<q", v)  # noqa: E731
+    s.sendall(frame(Kind.WRITE, [1, q(region.region_id), q(0), q(1000), b"done"], 1000)
+              + b"x" * 10)
+    s.close()
+    assert b.notifications(timeout=0.5) == []
+
+
+def test_hello_to_the_wrong_agent_is_refused(target):
+    b, _, _ = target
+    addr = AgentMetadata.decode(b.metadata()).tcp_addr
+    with socket.create_connection(addr, timeout=3) as s:
+        s.sendall(frame(Kind.HELLO, ["0" * 32, "raw"]))
+        assert _reply_kind(s) == Kind.ERROR
