@@ -9,10 +9,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-try:
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
+import sys
+
+
+def _torch():
+    """torch if the program imported it (a tensor can only exist then); never imports it."""
+    return sys.modules.get("torch")
 
 
 def coalesce(dst_ids: np.ndarray, dst_offs: np.ndarray, src_ids: np.ndarray,
@@ -31,7 +33,7 @@ def coalesce(dst_ids: np.ndarray, dst_offs: np.ndarray, src_ids: np.ndarray,
 
 
 def _torch_view(buf: Any) -> Any:
-    return torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+    return _torch().from_numpy(buf) if isinstance(buf, np.ndarray) else buf
 
 
 def copy_runs(dst: Sequence[Any], dst_offs: np.ndarray, src: Sequence[Any],

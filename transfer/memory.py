@@ -17,10 +17,12 @@ from .errors import Fault, TransferError
 from .shm import ShmSegment, map_path
 from .types import MemKind
 
-try:  # torch is a project dependency, but the transfer layer works on numpy alone
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
+import sys
+
+
+def _torch():
+    """torch if the program imported it (a tensor can only exist then); never imports it."""
+    return sys.modules.get("torch")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def _flat_numpy(arr: np.ndarray) -> np.ndarray:
 def _flat_torch(t) -> Any:
     if not t.is_contiguous():
         raise TransferError(Fault.INVALID, "tensor must be contiguous to register")
-    return t.reshape(-1).view(torch.uint8)
+    return t.reshape(-1).view(_torch().uint8)
 
 
 def make_region(region_id: int, memory: Any, exported: bool) -> Region:
@@ -79,6 +81,7 @@ def make_region(region_id: int, memory: Any, exported: bool) -> Region:
     if isinstance(memory, np.ndarray):
         flat = _flat_numpy(memory)
         return Region(region_id, MemKind.HOST, flat.nbytes, exported, host=flat, _keep=memory)
+    torch = _torch()
     if torch is not None and isinstance(memory, torch.Tensor):
         flat = _flat_torch(memory)
         if flat.device.type == "cpu":
@@ -185,4 +188,4 @@ def host_views(regions: dict[int, Region], ids: np.ndarray, offsets: np.ndarray,
 
 def finish_staged(finish: list) -> None:
     for device_slice, stage in finish:
-        device_slice.copy_(torch.from_numpy(stage))
+        device_slice.copy_(_torch().from_numpy(stage))

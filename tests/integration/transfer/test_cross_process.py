@@ -1,0 +1,121 @@
+"""Transfers between this process and a real child process, over shm and tcp on loopback."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from transfer import (Agent, AgentConfig, BackendKind, DescList, Fault, Op, ShmSegment,
+                      TransferError)
+
+SIZE = 8 << 20
+CHILD = os.path.join(os.path.dirname(__file__), "peer_child.py")
+KINDS = [BackendKind.SHM, BackendKind.TCP]
+
+
+class Child:
+    def __init__(self, backends: str):
+        self.proc = subprocess.Popen([sys.executable, CHILD, backends, str(SIZE)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.metadata = bytes.fromhex(self.readline())
+
+    def readline(self, timeout: float = 20.0) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError("child did not answer")
+        line = self.proc.stdout.readline().decode().strip()
+        if not line:
+            raise EOFError(f"child exited with {self.proc.poll()}")
+        return line
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command.encode() + b"\n")
+        self.proc.stdin.flush()
+        return self.readline()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b"quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+@pytest.fixture
+def child():
+    c = Child("shm,tcp")
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def parent():
+    a = Agent("parent", AgentConfig(io_timeout_s=3.0, connect_timeout_s=3.0))
+    seg = ShmSegment.create(SIZE)
+    yield a, seg, a.register(seg)
+    a.close()
+    seg.close()
+
+
+def _child_pattern() -> np.ndarray:
+    return np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+def test_write_read_notify_across_processes(child, parent, kind):
+    a, seg, region = parent
+    peer = a.add_peer(child.metadata)
+    rid = a.peer_regions(peer)[0].region_id
+    remote = a.prepare(DescList.uniform(rid, 1 << 16, SIZE >> 16), peer=peer, backend=kind)
+    local = a.prepare(DescList.uniform(region, 1 << 16, SIZE >> 16))
+    a.post(Op.READ, local, None, remote, None).wait(10)
+    assert np.array_equal(seg.array, _child_pattern())
+    seg.array[:] = np.random.default_rng(2).integers(0, 256, SIZE, dtype=np.uint8)
+    perm = np.random.default_rng(3).permutation(len(local))
+    xs = [a.post(Op.WRITE, local, perm[i::4], remote, perm[i::4], notify=b"w%d" % i)
+          for i in range(4)]
+    for x in xs:
+        x.wait(10)
+    assert child.ask("digest") == xxhash.xxh3_64_hexdigest(seg.array)
+    notes = child.ask("notes").split(",")
+    while len(notes) < 4:
+        notes += child.ask("notes").split(",")
+    assert sorted(bytes.fromhex(n) for n in notes) == [b"w0", b"w1", b"w2", b"w3"]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+def test_child_writes_into_parent(child, parent, kind):
+    a, seg, _ = parent
+    a.add_peer(child.metadata)
+    assert child.ask("peer " + a.metadata().hex()) == "ok"
+    assert child.ask(f"write {kind.value} 1000000") == "ok"
+    assert np.array_equal(seg.array[:1000000], _child_pattern()[:1000000])
+    assert [n.payload for n in a.notifications(timeout=2)] == [b"child"]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
+def test_killed_peer_fails_within_bounded_time(child, parent, kind):
+    a, _, region = parent
+    peer = a.add_peer(child.metadata)
+    rid = a.peer_regions(peer)[0].region_id
+    remote = a.prepare(DescList.uniform(rid, 1 << 20, 8), peer=peer, backend=kind)
+    local = a.prepare(DescList.uniform(region, 1 << 20, 8))
+    a.post(Op.WRITE, local, None, remote, None).wait(10)
+    child.kill()
+    with pytest.raises(TransferError) as e:
+        a.post(Op.WRITE, local, None, remote, None).wait(10)
+    assert e.value.fault in (Fault.PEER_GONE, Fault.CONNECTION_LOST), e.value

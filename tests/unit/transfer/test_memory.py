@@ -1,0 +1,94 @@
+"""Registration of each memory kind, metadata encoding, descriptor helpers."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from transfer import (Agent, AgentConfig, AgentMetadata, BackendKind, DescList, Fault,
+                      FileRegion, MemKind, Op, TransferError)
+
+LOCAL = AgentConfig(backends=(BackendKind.LOCAL,))
+
+
+@pytest.fixture
+def agents():
+    a, b = Agent("a", LOCAL), Agent("b", LOCAL)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _roundtrip(a: Agent, b: Agent, src_mem, dst_mem, nbytes: int) -> None:
+    rs, rd = a.register(src_mem), b.register(dst_mem)
+    a.add_peer(b.metadata())
+    local = a.prepare(DescList.uniform(rs, nbytes, 1))
+    remote = a.prepare(DescList.uniform(rd.region_id, nbytes, 1), peer="b")
+    a.post(Op.WRITE, local, None, remote, None).wait(1)
+
+
+def test_torch_tensors_of_any_dtype(agents):
+    a, b = agents
+    src = torch.randn(4, 8, 16, dtype=torch.bfloat16)
+    dst = torch.zeros_like(src)
+    _roundtrip(a, b, src, dst, src.numel() * 2)
+    assert torch.equal(src, dst)
+
+
+def test_numpy_to_torch_and_bytearray(agents):
+    a, b = agents
+    src = np.arange(1000, dtype=np.float32)
+    dst = bytearray(4000)
+    _roundtrip(a, b, src, dst, 4000)
+    assert np.array_equal(np.frombuffer(dst, np.float32), src)
+
+
+def test_file_region_is_shared_with_the_file(agents, tmp_path):
+    a, b = agents
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(b"\0" * 20000)
+    src = np.full(5000, 7, np.uint8)
+    region = FileRegion(str(path), offset=12345, length=5000)
+    _roundtrip(a, b, src, region, 5000)
+    data = path.read_bytes()
+    assert data[12345:17345] == b"\7" * 5000 and not data[:12345].strip(b"\0")
+
+
+def test_unsupported_and_bad_memory(agents):
+    a, _ = agents
+    with pytest.raises(TransferError) as e:
+        a.register("not memory")
+    assert e.value.fault is Fault.INVALID
+    with pytest.raises(TransferError):
+        a.register(np.zeros((4, 4), np.uint8)[:, ::2])  # not contiguous
+    with pytest.raises(TransferError):
+        a.register(np.zeros(0, np.uint8))
+    region = a.register(np.zeros(4, np.uint8))
+    a.deregister(region)
+    with pytest.raises(TransferError) as e:
+        a.deregister(region)
+    assert e.value.fault is Fault.UNREGISTERED
+
+
+def test_metadata_roundtrip_and_malformed():
+    with Agent("m", AgentConfig(backends=(BackendKind.LOCAL, BackendKind.TCP))) as a:
+        a.register(np.zeros(64, np.uint8))
+        a.register(np.zeros(64, np.uint8), export=False)
+        meta = AgentMetadata.decode(a.metadata())
+        assert meta.name == "m" and meta.tcp_addr[0] == "127.0.0.1"
+        assert [(r.region_id, r.size, r.kind) for r in meta.regions] == [(1, 64, MemKind.HOST)]
+    for blob in (b"\xc1", msgpack.packb([99, "x", "y", "h", 1, None, []]),
+                 msgpack.packb({"a": 1}), b""):
+        with pytest.raises(TransferError) as e:
+            AgentMetadata.decode(blob)
+        assert e.value.fault is Fault.PROTOCOL
+
+
+def test_desclist_helpers():
+    d = DescList.uniform(3, 100, 4, start=10, stride=150)
+    assert d.offsets.tolist() == [10, 160, 310, 460] and d.nbytes == 400 and len(d) == 4
+    t = DescList.from_tuples([(1, 0, 5), (2, 5, 6)])
+    assert t.region_ids.tolist() == [1, 2] and t.lengths.tolist() == [5, 6]
+    with pytest.raises(TransferError):
+        DescList([1, 2], [0], [1])
