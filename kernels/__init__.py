@@ -37,12 +37,15 @@ Usage:
     cache = kernels.allocate_kv_cache(num_blocks=1024, num_layers=2, block_tokens=16,
                                       num_kv_heads=2, head_dim=64, dtype=torch.float16)
     layer0 = kernels.layer_view(cache, 0)
-    # prefill 20 tokens of one sequence into blocks 7 and 3
+    # prefill 20 tokens of one sequence into blocks 7 and 3 (GQA: 8 query heads, 2 KV heads)
+    k, v, q = (torch.randn(20, h, 64, dtype=torch.float16) for h in (2, 2, 8))
     block_tables = torch.tensor([[7, 3]], dtype=torch.int32)
     slots = torch.cat([7 * 16 + torch.arange(16), 3 * 16 + torch.arange(4)])
-    kernels.write_kv_to_cache(k, v, layer0, slots)                 # k, v: [20, 2, 64]
-    o = kernels.paged_prefill_attention(q, layer0, block_tables,   # q: [20, 8, 64]
+    kernels.write_kv_to_cache(k, v, layer0, slots)
+    o = kernels.paged_prefill_attention(q, layer0, block_tables,   # o: [20, 8, 64]
                                         torch.tensor([0, 20]), torch.tensor([20]))
+    # decode token 21: write its K/V to slot 3 * 16 + 4, then attend over 21 tokens
+    o1 = kernels.paged_decode_attention(q[:1], layer0, block_tables, torch.tensor([21]))
     # save the full block to the store, load it back later
     staged = kernels.gather_blocks(cache, torch.tensor([7]))      # [1, 2, 2, 16, 2, 64]
     kernels.scatter_blocks(staged, cache, torch.tensor([9]))

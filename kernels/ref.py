@@ -36,7 +36,7 @@ def write_kv_to_cache(
 def gather_dense(
     layer_cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first `num_tokens` positions of every sequence, `[batch, T, kv_heads, D]`.
+    """K and V of the first `num_tokens` positions of every sequence, `[batch, kv_heads, T, D]`.
 
     T is num_tokens rounded up to whole blocks; positions past a sequence's length hold
     whatever its (clamped) table entries point at, so callers mask them.
@@ -45,10 +45,11 @@ def gather_dense(
     batch = block_tables.shape[0]
     used = max(1, -(-num_tokens // block_tokens))
     ids = block_tables[:, :used].clamp(0, num_blocks - 1).reshape(-1)  # [batch * used]
-    kv = layer_cache.index_select(0, ids)  # [batch * used, 2, bt, Hkv, D]
-    kv = kv.view(batch, used, 2, block_tokens, num_kv_heads, head_dim)
-    kv = kv.transpose(1, 2).reshape(batch, 2, used * block_tokens, num_kv_heads, head_dim)
-    return kv[:, 0], kv[:, 1]
+    # one row per block: a 2-D index_select is a plain row copy (much faster than 5-D)
+    rows = layer_cache.reshape(num_blocks, -1).index_select(0, ids)  # [batch * used, 2*bt*Hkv*D]
+    kv = rows.view(batch, used, 2, block_tokens, num_kv_heads, head_dim)
+    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, num_kv_heads, used * block_tokens, head_dim)
+    return kv[0], kv[1]  # each [batch, Hkv, T, D], contiguous
 
 
 def paged_decode_attention(
@@ -64,14 +65,14 @@ def paged_decode_attention(
     """
     dims = validate.check_decode(query, layer_cache, block_tables, seq_lens, scale, num_splits, out, check_values)
     batch, num_heads, head_dim = query.shape
-    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()) if batch else 1)  # [B, T, Hkv, D]
-    q = query.view(batch, dims.layer.num_kv_heads, dims.group, head_dim).float()  # [B, Hkv, G, D]
-    scores = torch.einsum("bhgd,bthd->bhgt", q, k.float()) * dims.scale  # [B, Hkv, G, T]
-    past_end = torch.arange(k.shape[1], device=query.device)[None, :] >= seq_lens[:, None]  # [B, T]
+    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()) if batch else 1)  # [B, Hkv, T, D]
+    q = query.view(batch, dims.layer.num_kv_heads, dims.group, head_dim).float() * dims.scale  # [B, Hkv, G, D]
+    scores = q @ k.float().transpose(-1, -2)  # [B, Hkv, G, T]
+    past_end = torch.arange(k.shape[2], device=query.device)[None, :] >= seq_lens[:, None]  # [B, T]
     scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
     splits = num_splits or 1
     if splits == 1:
-        result = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), v.float())  # [B, Hkv, G, D]
+        result = scores.softmax(-1) @ v.float()  # [B, Hkv, G, D]
     else:
         result = _split_k_softmax_v(scores, v.float(), splits)
     result = result.reshape(batch, num_heads, head_dim).to(query.dtype)
@@ -85,12 +86,12 @@ def _split_k_softmax_v(scores: torch.Tensor, v: torch.Tensor, num_splits: int) -
     pad = chunk * num_splits - t
     scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
     scores = scores.view(b, h, g, num_splits, chunk)  # [B, Hkv, G, S, C]
-    v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(b, num_splits, chunk, h, v.shape[-1])
+    v = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(b, h, 1, num_splits, chunk, v.shape[-1])  # [B, Hkv, 1, S, C, D]
     m = scores.amax(-1, keepdim=True)  # [B, Hkv, G, S, 1]
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # empty chunk: keep exp() finite
     p = torch.exp(scores - m)  # [B, Hkv, G, S, C]
     l = p.sum(-1)  # [B, Hkv, G, S]
-    acc = torch.einsum("bhgsc,bschd->bhgsd", p, v) / l.clamp_min(1e-30)[..., None]  # [B, Hkv, G, S, D]
+    acc = (p.unsqueeze(-2) @ v).squeeze(-2) / l.clamp_min(1e-30)[..., None]  # [B, Hkv, G, S, D]
     lse = torch.where(l > 0, m.squeeze(-1) + torch.log(l), torch.full_like(l, float("-inf")))
     weights = torch.softmax(lse, dim=-1)  # [B, Hkv, G, S]
     return (weights[..., None] * acc).sum(-2)  # [B, Hkv, G, D]
@@ -120,17 +121,20 @@ def paged_prefill_attention(
     max_q = max_query_len if max_query_len is not None else int(q_lens.max())
     padded = query.new_zeros(batch, max_q, num_heads, head_dim)  # [B, Mq, H, D]
     padded[seq_of, row] = query
-    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()))  # [B, T, Hkv, D]
+    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()))  # [B, Hkv, T, D]
     g, hkv = dims.group, dims.layer.num_kv_heads
     q = padded.view(batch, max_q, hkv, g, head_dim).permute(0, 2, 3, 1, 4).float()  # [B, Hkv, G, Mq, D]
-    scores = torch.einsum("bhgmd,bthd->bhgmt", q, k.float()) * dims.scale  # [B, Hkv, G, Mq, T]
+    q = q.reshape(batch, hkv, g * max_q, head_dim) * dims.scale  # [B, Hkv, G*Mq, D]
+    scores = (q @ k.float().transpose(-1, -2)).view(batch, hkv, g, max_q, -1)  # [B, Hkv, G, Mq, T]
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=query.device)[None, :]  # [B, Mq]
     q_pos = torch.where(q_pos < seq_lens[:, None], q_pos, 0)  # padding rows see key 0: no NaN
-    k_pos = torch.arange(k.shape[1], device=query.device)  # [T]
+    k_pos = torch.arange(k.shape[2], device=query.device)  # [T]
     hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [B, Mq, T]
     scores.masked_fill_(hidden[:, None, None], float("-inf"))
-    res = torch.einsum("bhgmt,bthd->bmhgd", scores.softmax(-1), v.float())  # [B, Mq, Hkv, G, D]
-    res = res.reshape(batch, max_q, num_heads, head_dim)[seq_of, row].to(query.dtype)  # [total_q, H, D]
+    probs = scores.softmax(-1).view(batch, hkv, g * max_q, -1)  # [B, Hkv, G*Mq, T]
+    res = (probs @ v.float()).view(batch, hkv, g, max_q, head_dim)  # [B, Hkv, G, Mq, D]
+    res = res.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)  # [B, Mq, H, D]
+    res = res[seq_of, row].to(query.dtype)  # [total_q, H, D]
     return res if out is None else out.copy_(res)
 
 
@@ -140,9 +144,11 @@ def gather_blocks(
 ) -> torch.Tensor:
     """Copy blocks (all layers) to a staging buffer `[n, num_layers, 2, bt, Hkv, D]`."""
     validate.check_gather(kv_cache, block_ids, out, check_values)
+    n = block_ids.shape[0]
     if out is None:
-        return kv_cache.index_select(0, block_ids)
-    return torch.index_select(kv_cache, 0, block_ids, out=out)
+        out = kv_cache.new_empty((n, *kv_cache.shape[1:]))
+    torch.index_select(_block_rows(kv_cache), 0, block_ids, out=out.view(n, -1))  # [n, block_numel]
+    return out
 
 
 def scatter_blocks(
@@ -150,4 +156,12 @@ def scatter_blocks(
 ) -> None:
     """Copy staging `[n, num_layers, 2, bt, Hkv, D]` into cache blocks `block_ids` (in place)."""
     validate.check_scatter(staging, kv_cache, block_ids, check_values)
-    kv_cache.index_copy_(0, block_ids.to(torch.int64), staging)
+    rows = staging.view(block_ids.shape[0], -1)  # [n, block_numel]
+    _block_rows(kv_cache).index_copy_(0, block_ids.to(torch.int64), rows)
+
+
+def _block_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as one row per block, `[num_blocks, block_numel]` (a view: blocks are
+    contiguous). Row-wise index_select/index_copy_ are plain memcpys, far faster than 6-D."""
+    block_numel = kv_cache[0].numel()
+    return kv_cache.as_strided((kv_cache.shape[0], block_numel), (kv_cache.stride(0), 1))
