@@ -25,7 +25,7 @@ class Transfer:
         self.nbytes = nbytes
         self._state = State.PENDING
         self._error: TransferError | None = None
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made only if someone has to block
         self._lock = threading.Lock()
         self._parts = 1
 
@@ -46,7 +46,11 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until DONE; TransferError on failure or when `timeout` seconds pass first."""
-        if not self._event.wait(timeout):
+        with self._lock:
+            if self._state is State.PENDING and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if event is not None and self._state is State.PENDING and not event.wait(timeout):
             raise TransferError(Fault.TIMEOUT, f"still pending after wait({timeout})", self.name)
         self.poll()
 
@@ -71,7 +75,9 @@ class Transfer:
             if self._parts > 0:
                 return
             self._state = State.DONE
-        self._event.set()
+            event = self._event
+        if event is not None:
+            event.set()
 
     def _fail(self, err: TransferError) -> None:
         with self._lock:
@@ -79,4 +85,6 @@ class Transfer:
                 return
             self._error = err if err.transfer == self.name else err.for_transfer(self.name)
             self._state = State.FAILED
-        self._event.set()
+            event = self._event
+        if event is not None:
+            event.set()

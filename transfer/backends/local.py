@@ -25,6 +25,16 @@ def buffer_of(region: Region):
     return region.host if region.host is not None else region.device
 
 
+class _Buffers:
+    """region id → buffer, looked up on demand (only for the runs actually copied)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def __getitem__(self, region_id: int):
+        return buffer_of(self.table.get(region_id))
+
+
 class LocalBackend:
     kind = BackendKind.LOCAL
 
@@ -66,7 +76,7 @@ class LocalBackend:
         check_ranges(peer.regions.exported_sizes, job.remote_ids, job.remote_offsets,
                      job.lengths)
         local = {i: buffer_of(r) for i, r in job.local_regions.items()}
-        remote = {i: buffer_of(peer.regions.get(i)) for i in np.unique(job.remote_ids).tolist()}
+        remote = _Buffers(peer.regions)
         copy_job(job.op is Op.WRITE, local, job.local_ids, job.local_offsets, remote,
                  job.remote_ids, job.remote_offsets, job.lengths)
         if job.notify is not None:

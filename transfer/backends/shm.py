@@ -35,9 +35,11 @@ class _Peer:
         self.meta = meta
         self.ctl = ctl
         self.infos = {r.region_id: r for r in meta.regions}
-        self.maps: dict[int, tuple[object, np.ndarray]] = {}  # region id → (mmap, view)
+        self.maps: dict[int, object] = {}  # region id → mmap (kept open)
+        self.views: dict[int, np.ndarray] = {}  # region id → uint8 view of the mapping
 
     def close(self) -> None:
+        self.views.clear()
         self.maps.clear()
         self.ctl.close()
 
@@ -89,7 +91,7 @@ class ShmBackend:
         for i in ids:
             if i not in p.maps:
                 info = p.infos[i]
-                p.maps[i] = map_path(info.path, info.size, info.path_offset)
+                p.maps[i], p.views[i] = map_path(info.path, info.size, info.path_offset)
         return True
 
     def _live_peer(self, name: str, remote_ids: np.ndarray) -> _Peer:
@@ -107,8 +109,7 @@ class ShmBackend:
     def post(self, xfer: Transfer, job: Job) -> None:
         p = self._live_peer(job.peer, job.remote_ids)
         local = {i: buffer_of(r) for i, r in job.local_regions.items()}
-        remote = {i: p.maps[i][1] for i in np.unique(job.remote_ids).tolist()}
-        copy_job(job.op is Op.WRITE, local, job.local_ids, job.local_offsets, remote,
+        copy_job(job.op is Op.WRITE, local, job.local_ids, job.local_offsets, p.views,
                  job.remote_ids, job.remote_offsets, job.lengths)
         if job.notify is None:
             xfer._done_part()
