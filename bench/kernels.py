@@ -53,8 +53,8 @@ def make_config(quick: bool) -> Config:
     prefill = [(1, 1024, 256), (4, 512, 128)]
     if quick:
         decode, prefill = [(1, 1024), (8, 1024)], [(1, 512, 128)]
-    return Config(torch.device("cpu"), torch.float32, 8, 2, 64, 16, 4, 3 if quick else 7,
-                  decode, prefill, [64] if quick else [64, 512], 64 << 20)
+    return Config(torch.device("cpu"), torch.float32, 8, 2, 64, 16, 16, 3 if quick else 7,
+                  decode, prefill, [64] if quick else [64, 256], 64 << 20)
 
 
 def measure(fn: Callable[[], object], cfg: Config) -> float:
@@ -81,7 +81,7 @@ def copy_bandwidth(cfg: Config) -> float:
     """GB/s of a plain device copy (bytes read + bytes written), the roofline proxy."""
     src = torch.ones(cfg.copy_bytes // 4, dtype=torch.float32, device=cfg.device)
     dst = torch.empty_like(src)
-    seconds = measure(lambda: dst.copy_(src), cfg)
+    seconds = measure(lambda: dst.copy_(src), cfg._replace(repeats=max(cfg.repeats, 15)))
     return 2 * cfg.copy_bytes / seconds / 1e9
 
 
@@ -163,8 +163,8 @@ def bench_copies(ops, cfg: Config, gen: torch.Generator, copy_gbs: float) -> lis
         rows.append(Row(f"gather {n} blocks x {block_mib:.2g} MiB", "GB/s", nbytes / t / 1e9, "device copy", copy_gbs))
         t = measure(lambda: ops.scatter_blocks(staging, full, ids, check_values=False), cfg)
         rows.append(Row(f"scatter {n} blocks x {block_mib:.2g} MiB", "GB/s", nbytes / t / 1e9, "device copy", copy_gbs))
-    tokens = 4096 if cfg.device.type == "cuda" else 1024
     layer = kv_cache.layer_view(full, 0)
+    tokens = min(4096 if cfg.device.type == "cuda" else 1024, layer.shape[0] * cfg.block_tokens)
     slots = torch.randperm(layer.shape[0] * cfg.block_tokens, generator=gen)[:tokens].to(cfg.device)
     key = torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, device=cfg.device).to(cfg.dtype)
     value = torch.randn_like(key)

@@ -10,11 +10,31 @@ Attention math runs in float32 and is cast back to the query dtype.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kernels import validate
 
 NAME = "ref"
+
+# Reused scratch for the dense K/V gathers. Fresh multi-MiB CPU allocations are paid in
+# page faults on every call (first touch runs at ~1 GB/s here, a warm copy at 10+), which
+# made the gathers several times slower than the attention math. Per thread, grow-only.
+_scratch = threading.local()
+
+
+def _workspace(slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A reusable uninitialised buffer of `shape`; valid until the next call with `slot`."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    key = (slot, like.dtype, like.device)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel].view(shape)
 
 
 def write_kv_to_cache(
@@ -46,10 +66,14 @@ def gather_dense(
     used = max(1, -(-num_tokens // block_tokens))
     ids = block_tables[:, :used].clamp(0, num_blocks - 1).reshape(-1)  # [batch * used]
     # one row per block: a 2-D index_select is a plain row copy (much faster than 5-D)
-    rows = layer_cache.reshape(num_blocks, -1).index_select(0, ids)  # [batch * used, 2*bt*Hkv*D]
+    flat = layer_cache.reshape(num_blocks, -1)  # [num_blocks, 2*bt*Hkv*D], a view
+    rows = _workspace("rows", (ids.shape[0], flat.shape[1]), flat)
+    torch.index_select(flat, 0, ids, out=rows)  # [batch * used, 2*bt*Hkv*D]
     kv = rows.view(batch, used, 2, block_tokens, num_kv_heads, head_dim)
-    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, num_kv_heads, used * block_tokens, head_dim)
-    return kv[0], kv[1]  # each [batch, Hkv, T, D], contiguous
+    dense = _workspace("dense", (2, batch, num_kv_heads, used, block_tokens, head_dim), flat)
+    dense.copy_(kv.permute(2, 0, 4, 1, 3, 5))  # [2, B, Hkv, used, bt, D]
+    dense = dense.view(2, batch, num_kv_heads, used * block_tokens, head_dim)
+    return dense[0], dense[1]  # each [batch, Hkv, T, D], contiguous; scratch, read before the next call
 
 
 def paged_decode_attention(
