@@ -75,7 +75,10 @@ def make_region(region_id: int, memory: Any, exported: bool) -> Region:
         return Region(region_id, MemKind.SHM, memory.size, exported, host=memory.array,
                       path=memory.path, _keep=memory)
     if isinstance(memory, FileRegion):
-        mm, view = map_path(memory.path, memory.length, memory.offset)
+        try:
+            mm, view = map_path(memory.path, memory.length, memory.offset)
+        except (OSError, ValueError) as e:
+            raise TransferError(Fault.INVALID, f"cannot map {memory}: {e}") from e
         return Region(region_id, MemKind.FILE, memory.length, exported, host=view,
                       path=memory.path, path_offset=memory.offset, _keep=mm)
     if isinstance(memory, np.ndarray):

@@ -91,7 +91,11 @@ class ShmBackend:
         for i in ids:
             if i not in p.maps:
                 info = p.infos[i]
-                p.maps[i], p.views[i] = map_path(info.path, info.size, info.path_offset)
+                try:
+                    p.maps[i], p.views[i] = map_path(info.path, info.size, info.path_offset)
+                except (OSError, ValueError) as e:
+                    raise TransferError(Fault.PEER_GONE, f"cannot map region {i} of peer "
+                                        f"{peer.name!r}: {e}") from e
         return True
 
     def _live_peer(self, name: str, remote_ids: np.ndarray) -> _Peer:
