@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes, args.region_mib = [64 * KIB, 1 * MIB], args.region_mib or 16
         args.min_time = args.min_time or 0.05
     args.region_mib = args.region_mib or 256
-    args.min_time = args.min_time or 0.25
+    args.min_time = args.min_time or 0.5
     batches = [1, min(args.batch, args.region_mib * MIB // max(sizes))]
     bench = Bench(args)
     try:
