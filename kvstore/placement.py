@@ -80,6 +80,12 @@ class Placement:
             self.lru[e.tier][e.hash] = None
             self.lru[e.tier].move_to_end(e.hash)
 
+    def touch(self, entries: Sequence[Entry]) -> None:
+        """Mark blocks just used: MRU end of their LRU, the batch's tail the oldest."""
+        for e in reversed(entries):
+            if e.hash in self.lru[e.tier]:
+                self.lru[e.tier].move_to_end(e.hash)
+
     def hold(self, e: Entry) -> None:
         self.lru[e.tier].pop(e.hash, None)
 

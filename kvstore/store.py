@@ -120,13 +120,16 @@ class TieredStore:
         with self._lock:
             self._check_open()
             p = self._p
-            fresh = [h for h in dict.fromkeys(keys) if h not in p.entries]
+            known = {h for h in keys if h in p.entries}
+            p.touch([p.entries[h] for h in keys if h in known])  # don't evict them for this put
+            fresh = [h for h in dict.fromkeys(keys) if h not in known]
             where = dict(zip(fresh, p.allocate(len(fresh))))
             statuses, slots, new = [], [], []
             for h in keys:
                 place = where.pop(h, None)
                 if place is None:
-                    statuses.append(PutStatus.EXISTS if h in p.entries else PutStatus.NO_SPACE)
+                    statuses.append(PutStatus.EXISTS if h in known or h in p.entries
+                                    else PutStatus.NO_SPACE)
                     slots.append(None)
                     continue
                 entry = Entry(h, place[0], place[1], State.RESERVED)
@@ -232,7 +235,7 @@ class TieredStore:
             if e.tier > 0 and e.readers == 1 and self.config.promote_on_hit and not self._closed:
                 promote.append(e)
                 promote_rows.append(rows[i])
-        p.drop([e for e in corrupt if p.entries.get(e.hash) is e])
+        p.drop([e for e in corrupt if p.entries.get(e.hash) is e], corrupt=True)
         if promote:
             p.promote(promote, promote_rows)
         dropped = {id(e) for e in corrupt}
@@ -320,14 +323,14 @@ class TieredStore:
         pinned, leased or absent stay. Returns how many moved."""
         with self._lock:
             self._check_open()
-            p, moved = self._p, 0
-            for tier_idx in range(len(p.tiers)):
-                group = [p.entries[h] for h in map(bytes, hashes) if h in p.lru[tier_idx]]
-                for e in group:
-                    p.hold(e)
-                moved += len(group)
+            p = self._p
+            keys = list(dict.fromkeys(map(bytes, hashes)))
+            groups = [[p.entries[h] for h in keys if h in lru] for lru in p.lru]  # before moving
+            for e in (e for group in groups for e in group):
+                p.hold(e)  # all out of the LRUs first, so making room never picks one of them
+            for tier_idx, group in enumerate(groups):
                 p.demote_or_drop(tier_idx, group)
-            return moved
+            return sum(map(len, groups))
 
     # ---------------------------------------------------------------- housekeeping
 

@@ -1,0 +1,147 @@
+"""TieredStore against a dict model, with the store's invariants checked after every step.
+
+The model knows each block's bytes (content-addressed) and follows the store's KV events to
+know which blocks are present; every answer of the store is checked against it.
+"""
+import collections
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.events import EventKind
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.store import PutStatus, TieredStore
+
+NS = Namespace("prop", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=2)
+POOL = hash_blocks(NS, list(range(2 * 24)))
+CONTENT = {h: np.random.default_rng(i).integers(0, 256, NS.block_bytes, dtype=np.uint8)
+           for i, h in enumerate(POOL)}
+MAX_PINNED = 4
+keys = st.lists(st.sampled_from(POOL), min_size=1, max_size=6)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kvtier-prop-")
+        self.config = StoreConfig((TierConfig("gpu", 3, device="cpu"), TierConfig("dram", 3),
+                                   TierConfig("ssd", 12, path=self.dir)))
+        self.store = TieredStore(NS, self.config)
+        self.present: set[bytes] = set()
+        self.pins = collections.Counter()
+        self.next_seq = 0
+
+    def teardown(self):
+        self.store.close(flush=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _follow_events(self):
+        for e in self.store.drain_events():
+            assert e.seq == self.next_seq, "KV events must be numbered without gaps"
+            self.next_seq += 1
+            for h in e.block_hashes:
+                (self.present.add if e.kind is EventKind.STORED else self.present.discard)(h)
+        for h in list(self.pins):
+            if h not in self.present:
+                raise AssertionError("a pinned block left the store")
+
+    @rule(hashes=keys)
+    def put(self, hashes):
+        before = set(self.present)
+        statuses = self.store.put_n(hashes, [CONTENT[h] for h in hashes])
+        first = {}
+        for h, status in zip(hashes, statuses):
+            if h in first or h in before:
+                assert status is not PutStatus.STORED
+            if status is PutStatus.NO_SPACE:
+                st_ = self.store.stats()
+                assert all(t.free_blocks == 0 for t in st_.tiers)
+                assert len(self.pins) == MAX_PINNED or sum(self.pins.values()) > 0
+            first.setdefault(h, status)
+        self._follow_events()
+        for h, status in first.items():
+            if status is PutStatus.STORED:
+                assert h in self.present or h not in before  # it may already have been demoted out
+
+    @rule(hashes=keys)
+    def get(self, hashes):
+        before = set(self.present)
+        out = torch.zeros(len(hashes), NS.block_bytes, dtype=torch.uint8)
+        tiers = self.store.get_n(hashes, out)
+        for h, tier, row in zip(hashes, tiers, out):
+            assert (tier is not None) == (h in before), "a hit must be exactly a present block"
+            if tier is not None:
+                assert np.array_equal(row.numpy(), CONTENT[h]), "wrong bytes for a block"
+        self._follow_events()
+
+    @rule(hashes=keys)
+    def match(self, hashes):
+        m = self.store.match_prefix(hashes)
+        n = 0
+        while n < len(hashes) and hashes[n] in self.present:
+            n += 1
+        assert m.num_blocks == n
+
+    @precondition(lambda self: len(self.pins) < MAX_PINNED)
+    @rule(h=st.sampled_from(POOL))
+    def pin(self, h):
+        if self.store.pin_n([h]) == [True]:
+            self.pins[h] += 1
+        else:
+            assert h not in self.present
+
+    @precondition(lambda self: len(self.pins) > 0)
+    @rule(data=st.data())
+    def unpin(self, data):
+        h = data.draw(st.sampled_from(sorted(self.pins)))
+        self.store.unpin_n([h])
+        self.pins[h] -= 1
+        if self.pins[h] == 0:
+            del self.pins[h]
+
+    @rule(hashes=keys)
+    def evict(self, hashes):
+        self.store.evict_n(hashes)
+        self._follow_events()
+
+    @rule()
+    def maintain(self):
+        self.store.maintain()
+        self._follow_events()
+
+    @rule()
+    def reopen(self):
+        in_memory = {e.hash for e in self.store._p.entries.values() if e.tier < 2}
+        must_survive = in_memory | set(self.pins)
+        before = set(self.present)
+        self.store.close(flush=True)
+        self.store = TieredStore(NS, self.config)
+        self.present, self.pins, self.next_seq = set(), collections.Counter(), 0
+        self._follow_events()
+        assert must_survive <= self.present <= before
+
+    @invariant()
+    def slots_are_accounted(self):
+        p = self.store._p
+        per_tier = collections.defaultdict(set)
+        for e in p.entries.values():
+            assert (e.tier, e.slot) not in {(e.tier, s) for s in per_tier[e.tier]}
+            per_tier[e.tier].add(e.slot)
+        for i, tier in enumerate(p.tiers):
+            assert tier.num_free() + len(per_tier[i]) == tier.num_slots
+            for h in p.lru[i]:
+                assert p.entries[h].tier == i
+        assert set(p.entries) == self.present
+        assert self.store.contains_n(POOL) == [h in self.present for h in POOL]
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestStoreModel = StoreMachine.TestCase

@@ -1,0 +1,377 @@
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.errors import (BlockSizeError, ConfigError, NamespaceMismatchError,
+                            ReservationError, StoreClosedError, UnknownTierError)
+from kvstore.events import EventKind, TierKind
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.layout import HEADER_BYTES, encode_block
+from kvstore.store import PutStatus, TieredStore
+
+NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
+CHAIN = hash_blocks(NS, list(range(4 * 12)))
+OTHER = hash_blocks(NS, list(range(1000, 1000 + 4 * 12)))
+
+
+def blocks(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, NS.block_bytes), dtype=torch.uint8, generator=g)
+
+
+def make(tmp_path, gpu=0, dram=4, ssd=0, **kw):
+    tiers = []
+    if gpu:
+        tiers.append(TierConfig(TierKind.GPU, gpu, device="cpu"))
+    if dram:
+        tiers.append(TierConfig(TierKind.DRAM, dram))
+    if ssd:
+        tiers.append(TierConfig(TierKind.SSD, ssd, path=str(tmp_path / "ssd")))
+    return TieredStore(NS, StoreConfig(tuple(tiers), **kw))
+
+
+def read(store, hashes):
+    out = torch.zeros(len(hashes), NS.block_bytes, dtype=torch.uint8)
+    return store.get_n(hashes, out), out
+
+
+def test_put_get_every_buffer_form(tmp_path):
+    with make(tmp_path, dram=8) as s:
+        data = blocks(4)
+        assert s.put_n(CHAIN[:2], data[:2]) == [PutStatus.STORED] * 2          # one buffer
+        assert s.put_n(CHAIN[2:3], [data[2].numpy()]) == [PutStatus.STORED]    # numpy
+        assert s.put_n(CHAIN[3:4], [bytes(data[3].numpy())]) == [PutStatus.STORED]  # bytes
+        tiers, out = read(s, CHAIN[:4])
+        assert tiers == [TierKind.DRAM] * 4 and torch.equal(out, data)
+        typed = torch.zeros((2,) + NS.block_shape, dtype=torch.float16)     # model-dtype dst
+        assert s.get_n(CHAIN[:2], typed) == [TierKind.DRAM] * 2
+        assert torch.equal(typed.view(torch.uint8).reshape(2, -1), data[:2])
+        dst = [bytearray(NS.block_bytes)]
+        assert s.get_n(CHAIN[3:4], dst) == [TierKind.DRAM] and bytes(dst[0]) == bytes(data[3].numpy())
+
+
+def test_put_of_an_existing_hash_is_a_noop(tmp_path):
+    with make(tmp_path) as s:
+        s.put_n(CHAIN[:1], blocks(1, seed=1))
+        assert s.put_n(CHAIN[:1], blocks(1, seed=2)) == [PutStatus.EXISTS]
+        assert s.put_n([CHAIN[1], CHAIN[1]], blocks(2)) == [PutStatus.STORED, PutStatus.EXISTS]
+        assert torch.equal(read(s, CHAIN[:1])[1], blocks(1, seed=1))
+
+
+def test_misses_are_values(tmp_path):
+    with make(tmp_path) as s:
+        s.put_n(CHAIN[:1], blocks(1))
+        assert read(s, [CHAIN[0], OTHER[0]])[0] == [TierKind.DRAM, None]
+        assert s.contains_n([OTHER[0], CHAIN[0]]) == [False, True]
+        assert s.stats().misses == 1
+
+
+def test_match_prefix_stops_at_the_first_gap(tmp_path):
+    with make(tmp_path, dram=3, ssd=8) as s:
+        s.put_n(CHAIN[:5], blocks(5))
+        s.put_n(CHAIN[6:7], blocks(1))
+        m = s.match_prefix(CHAIN[:8])
+        assert m.num_blocks == 5
+        assert sorted(m.tiers) == [TierKind.DRAM] * 2 + [TierKind.SSD] * 3
+        assert s.match_prefix(OTHER).num_blocks == 0
+
+
+def test_bad_sizes_are_refused_and_nothing_is_stored(tmp_path):
+    with make(tmp_path) as s:
+        with pytest.raises(BlockSizeError, match="bytes"):
+            s.put_n(CHAIN[:2], blocks(2)[:, :-1].contiguous())
+        with pytest.raises(BlockSizeError, match="buffer 1"):
+            s.put_n(CHAIN[:2], [blocks(1)[0], b"short"])
+        with pytest.raises(BlockSizeError, match="2 buffers for 3"):
+            s.put_n(CHAIN[:3], list(blocks(2)))
+        with pytest.raises(TypeError, match="read-only"):
+            s.get_n(CHAIN[:1], [b"\0" * NS.block_bytes])
+        with pytest.raises(ValueError, match="16 bytes"):
+            s.put_n([b"short"], blocks(1))
+        assert s.stats().tier(TierKind.DRAM).used_blocks == 0
+
+
+def test_encoded_blocks_of_another_namespace_are_refused(tmp_path):
+    other = Namespace(**{**NS.__dict__, "tenant": "someone-else"})
+    with make(tmp_path) as s:
+        good = encode_block(NS, CHAIN[0], blocks(1)[0])
+        assert s.put_encoded_n([good]) == [PutStatus.STORED]
+        with pytest.raises(NamespaceMismatchError):
+            s.put_encoded_n([encode_block(other, OTHER[0], blocks(1)[0])])
+        assert s.contains_n([OTHER[0]]) == [False]
+
+
+def test_config_errors():
+    with pytest.raises(UnknownTierError, match="choose from gpu, dram, ssd"):
+        TierConfig("nvme", 4)
+    with pytest.raises(ConfigError, match="fastest first"):
+        StoreConfig((TierConfig("ssd", 4, path="/tmp/x"), TierConfig("dram", 4)))
+    with pytest.raises(ConfigError, match="needs a path"):
+        TierConfig("ssd", 4)
+    with pytest.raises(ConfigError, match="watermarks"):
+        TierConfig("dram", 4, high_watermark=0.5, low_watermark=0.9)
+
+
+def test_closed_store_refuses_work(tmp_path):
+    s = make(tmp_path)
+    s.close()
+    for call in (lambda: read(s, CHAIN[:1]), lambda: s.put_n(CHAIN[:1], blocks(1)),
+                 lambda: s.contains_n(CHAIN[:1]), lambda: s.match_prefix(CHAIN[:1])):
+        with pytest.raises(StoreClosedError, match="closed"):
+            call()
+    s.close()
+
+
+def test_eviction_takes_the_tail_of_a_chain_first(tmp_path):
+    with make(tmp_path, dram=4) as s:
+        s.put_n(CHAIN[:4], blocks(4))
+        s.put_n(OTHER[:1], blocks(1))             # full: one block must go
+        assert s.contains_n(CHAIN[:4]) == [True, True, True, False]
+        s.put_n(OTHER[1:3], blocks(2))
+        assert s.contains_n(CHAIN[:4]) == [True, False, False, False]
+        assert s.stats().tier(TierKind.DRAM).counters.evictions == 3
+
+
+def test_recently_read_blocks_stay(tmp_path):
+    with make(tmp_path, dram=4) as s:
+        s.put_n(CHAIN[:2], blocks(2))
+        s.put_n(OTHER[:2], blocks(2))
+        read(s, CHAIN[:2])                          # CHAIN is now the most recent
+        s.put_n(OTHER[2:4], blocks(2))
+        assert s.contains_n(CHAIN[:2]) == [True, True]
+        assert s.contains_n(OTHER[:2]) == [False, False]
+
+
+def test_eviction_demotes_down_the_tiers_and_drops_from_the_last(tmp_path):
+    with make(tmp_path, gpu=2, dram=2, ssd=2) as s:
+        data = blocks(7)
+        s.put_n(CHAIN[:6], data[:6])
+        assert s.stats().tier(TierKind.SSD).used_blocks == 2
+        s.drain_events()
+        s.put_n(CHAIN[6:7], data[6:7])
+        st = s.stats()
+        assert [t.used_blocks for t in st.tiers] == [2, 2, 2]
+        assert st.tier(TierKind.SSD).counters.evictions == 1
+        assert st.tier(TierKind.GPU).counters.demotions_out == 1
+        kinds = [(e.kind, e.tier) for e in s.drain_events()]
+        assert (EventKind.REMOVED, TierKind.SSD) in kinds and (EventKind.STORED, TierKind.DRAM) in kinds
+        present = [h for h in CHAIN[:7] if s.contains_n([h])[0]]
+        tiers, out = read(s, present)
+        assert all(t is not None for t in tiers)
+        for h, row in zip(present, out):
+            assert torch.equal(row, data[CHAIN.index(h)])
+
+
+def test_a_hit_in_a_lower_tier_is_promoted(tmp_path):
+    with make(tmp_path, dram=2, ssd=4) as s:
+        s.put_n(CHAIN[:2], blocks(2))
+        s.put_n(OTHER[:2], blocks(2, seed=3))       # CHAIN -> SSD
+        assert s.match_prefix(CHAIN[:2]).tiers == (TierKind.SSD,) * 2
+        tiers, out = read(s, CHAIN[:2])
+        assert tiers == [TierKind.SSD] * 2 and torch.equal(out, blocks(2))
+        assert s.match_prefix(CHAIN[:2]).tiers == (TierKind.DRAM,) * 2
+        assert s.match_prefix(OTHER[:2]).tiers == (TierKind.SSD,) * 2
+        assert s.stats().tier(TierKind.DRAM).counters.promotions_in == 2
+
+
+def test_promotion_can_be_switched_off(tmp_path):
+    with make(tmp_path, dram=2, ssd=4, promote_on_hit=False) as s:
+        s.put_n(CHAIN[:2], blocks(2))
+        s.put_n(OTHER[:2], blocks(2))
+        read(s, CHAIN[:2])
+        assert s.match_prefix(CHAIN[:2]).tiers == (TierKind.SSD,) * 2
+
+
+def test_a_full_store_of_pinned_blocks_says_no_space(tmp_path):
+    with make(tmp_path, dram=2) as s:
+        s.put_n(CHAIN[:2], blocks(2))
+        assert s.pin_n(CHAIN[:2] + OTHER[:1]) == [True, True, False]
+        assert s.put_n(OTHER[:1], blocks(1)) == [PutStatus.NO_SPACE]
+        assert s.contains_n(CHAIN[:2]) == [True, True]
+        s.unpin_n(CHAIN[1:2])
+        assert s.put_n(OTHER[:1], blocks(1)) == [PutStatus.STORED]
+        assert s.contains_n(CHAIN[:2]) == [True, False]
+
+
+def test_hard_pins_are_counted(tmp_path):
+    with make(tmp_path, dram=1) as s:
+        s.put_n(CHAIN[:1], blocks(1))
+        s.pin_n(CHAIN[:1])
+        s.pin_n(CHAIN[:1])
+        s.unpin_n(CHAIN[:1])
+        assert s.put_n(OTHER[:1], blocks(1)) == [PutStatus.NO_SPACE]
+
+
+def test_soft_pins_expire(tmp_path):
+    with make(tmp_path, dram=2) as s:
+        s.put_n(CHAIN[:2], blocks(2))
+        s.pin_n(CHAIN[:1], ttl_s=3600)
+        s.pin_n(CHAIN[1:2], ttl_s=0.01)
+        time.sleep(0.05)
+        assert s.put_n(OTHER[:1], blocks(1)) == [PutStatus.STORED]
+        assert s.contains_n(CHAIN[:2]) == [True, False]
+
+
+def test_a_leased_block_is_not_evicted_until_released(tmp_path):
+    with make(tmp_path, dram=2) as s:
+        s.put_n(CHAIN[:2], blocks(2))
+        lease = s.acquire_n([CHAIN[0], CHAIN[1], OTHER[0]])
+        assert lease.hits[2] is None and lease.hits[0][0] is TierKind.DRAM
+        assert s.put_n(OTHER[:1], blocks(1)) == [PutStatus.NO_SPACE]
+        s.release(lease.lease_id)
+        assert s.put_n(OTHER[:1], blocks(1)) == [PutStatus.STORED]
+
+
+def test_an_expired_lease_is_reclaimed(tmp_path):
+    with make(tmp_path, dram=1) as s:
+        s.put_n(CHAIN[:1], blocks(1))
+        s.acquire_n(CHAIN[:1], ttl_s=0.01)
+        time.sleep(0.05)
+        s.maintain()
+        assert s.stats().open_leases == 0
+        assert s.put_n(OTHER[:1], blocks(1)) == [PutStatus.STORED]
+
+
+def test_two_phase_put(tmp_path):
+    with make(tmp_path, dram=4) as s:
+        res = s.reserve_n(CHAIN[:2])
+        assert res.statuses == (PutStatus.STORED,) * 2
+        assert s.contains_n(CHAIN[:2]) == [False, False]            # invisible before commit
+        assert s.put_n(CHAIN[:1], blocks(1)) == [PutStatus.EXISTS]  # but its slot is taken
+        s.write_reserved(res, blocks(2))
+        s.commit(res.reservation_id)
+        assert torch.equal(read(s, CHAIN[:2])[1], blocks(2))
+        with pytest.raises(ReservationError, match="unknown"):
+            s.commit(res.reservation_id)
+        res = s.reserve_n(OTHER[:2])
+        s.abort(res.reservation_id)
+        assert s.stats().tier(TierKind.DRAM).used_blocks == 2
+
+
+def test_a_writer_that_never_commits_is_reclaimed(tmp_path):
+    with make(tmp_path, dram=2) as s:
+        res = s.reserve_n(CHAIN[:2], timeout_s=0.01)
+        time.sleep(0.05)
+        s.maintain()
+        assert s.stats().tier(TierKind.DRAM).used_blocks == 0
+        with pytest.raises(ReservationError, match="timeout"):
+            s.commit(res.reservation_id)
+        assert s.put_n(CHAIN[:2], blocks(2)) == [PutStatus.STORED] * 2
+
+
+def test_watermarks_demote_in_the_background(tmp_path):
+    with make(tmp_path, dram=10, ssd=20, background_interval_s=0.01) as s:
+        cfg = s.config.tiers[0]
+        s.put_n(CHAIN[:10], blocks(10))
+        deadline = time.monotonic() + 10
+        while s.stats().tier(TierKind.DRAM).used_blocks > cfg.low_watermark * 10:
+            assert time.monotonic() < deadline, "background maintenance never ran"
+            time.sleep(0.01)
+        assert s.stats().tier(TierKind.SSD).used_blocks >= 1
+        assert all(t is not None for t in read(s, CHAIN[:10])[0])
+
+
+def test_a_corrupted_ssd_value_is_a_miss_and_is_removed(tmp_path):
+    with make(tmp_path, dram=1, ssd=4) as s:
+        data = blocks(3)
+        s.put_n(CHAIN[:3], data)
+        db = s.tier(TierKind.SSD).raw_db()
+        key = next(bytes(h) for h in CHAIN[:3] if bytes(h) in db)
+        value = bytearray(db[key])
+        value[HEADER_BYTES + 3] ^= 0xFF
+        db[key] = bytes(value)
+        tiers, out = read(s, CHAIN[:3])
+        bad = CHAIN.index(key)
+        assert tiers[bad] is None and all(t is not None for i, t in enumerate(tiers) if i != bad)
+        assert s.contains_n([key]) == [False]
+        assert s.stats().tier(TierKind.SSD).counters.corrupt == 1
+        for i in range(3):
+            if i != bad:
+                assert torch.equal(out[i], data[i])
+
+
+def test_close_flushes_memory_tiers_and_reopen_finds_every_block(tmp_path):
+    s = make(tmp_path, gpu=2, dram=2, ssd=8)
+    data = blocks(6)
+    s.put_n(CHAIN[:6], data)
+    s.pin_n(CHAIN[:1])
+    s.close()
+    s = make(tmp_path, gpu=2, dram=2, ssd=8)
+    assert s.match_prefix(CHAIN[:6]).num_blocks == 6
+    tiers, out = read(s, CHAIN[:6])
+    assert torch.equal(out, data)
+    s.close()
+
+
+def test_flush_keeps_the_hottest_prefix_when_ssd_is_small(tmp_path):
+    s = make(tmp_path, gpu=2, dram=3, ssd=4)
+    s.put_n(CHAIN[:9], blocks(9))
+    s.close()
+    s = make(tmp_path, gpu=2, dram=3, ssd=4)
+    assert s.match_prefix(CHAIN[:9]).num_blocks == 4
+    s.close()
+
+
+def test_events_are_numbered_without_gaps(tmp_path):
+    with make(tmp_path, dram=2, ssd=2, node_id="n1") as s:
+        s.put_n(CHAIN[:5], blocks(5))
+        read(s, CHAIN[:5])
+        events = s.drain_events()
+        assert [e.seq for e in events] == list(range(len(events)))
+        assert all(e.node_id == "n1" for e in events)
+        live = set()
+        for e in events:
+            for h in e.block_hashes:
+                (live.add if e.kind is EventKind.STORED else live.discard)((e.tier, h))
+        now = {(t, h) for h, t in zip(CHAIN[:5], s.match_prefix(CHAIN[:5]).tiers)}
+        assert {h for _, h in live} == {h for h in CHAIN[:5] if s.contains_n([h])[0]}
+        assert now <= live
+
+
+def test_a_second_process_reads_a_leased_block_from_the_dram_arena(tmp_path):
+    with make(tmp_path, dram=4) as s:
+        data = blocks(3, seed=9)
+        s.put_n(CHAIN[:3], data)
+        lease = s.acquire_n(CHAIN[2:3])
+        kind, slot = lease.hits[0]
+        name = s.tier(TierKind.DRAM).shm_name
+        code = ("import sys; from kvstore.tiers.dram import DramArenaReader; "
+                "r = DramArenaReader(sys.argv[1]); sys.stdout.buffer.write(r.read(int(sys.argv[2])))")
+        got = subprocess.run([sys.executable, "-c", code, name, str(slot)], capture_output=True,
+                             check=True).stdout
+        s.release(lease.lease_id)
+        assert kind is TierKind.DRAM and got == data[2].numpy().tobytes()
+
+
+def test_concurrent_readers_and_writers_see_exact_bytes(tmp_path):
+    with make(tmp_path, dram=16, ssd=64) as s:
+        errors = []
+
+        def worker(k):
+            try:
+                rng = np.random.default_rng(k)
+                hashes = hash_blocks(NS, list(range(k * 10_000, k * 10_000 + 4 * 20)))
+                payload = {h: rng.integers(0, 256, NS.block_bytes, dtype=np.uint8) for h in hashes}
+                for i in range(0, 20, 4):
+                    s.put_n(hashes[i:i + 4], [payload[h] for h in hashes[i:i + 4]])
+                    got, out = read(s, hashes[:i + 4])
+                    for h, t, row in zip(hashes, got, out):
+                        if t is not None and not np.array_equal(row.numpy(), payload[h]):
+                            errors.append(f"wrong bytes for worker {k}")
+            except Exception as e:  # surfaced below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        st = s.stats()
+        assert sum(t.used_blocks for t in st.tiers) + st.tier(TierKind.SSD).counters.evictions == 80
