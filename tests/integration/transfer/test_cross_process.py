@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from transfer import (Agent, AgentConfig, BackendKind, DescList, Fault, Op, ShmSegment,
-                      TransferError)
+from transfer import (Agent, AgentConfig, AgentMetadata, BackendKind, DescList, Fault, Op,
+                      ShmSegment, TransferError)
+from transfer.backends.shm import ctl_name
 
 SIZE = 8 << 20
 CHILD = os.path.join(os.path.dirname(__file__), "peer_child.py")
@@ -43,6 +44,18 @@ class Child:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
+        self._unlink_leftovers()
+
+    def _unlink_leftovers(self) -> None:
+        """A killed child cannot unlink its shm segments; its parent (the test) does."""
+        meta = AgentMetadata.decode(self.metadata)
+        paths = [r.path for r in meta.regions if r.path]
+        paths.append(os.path.join("/dev/shm", ctl_name(meta.agent_id)))
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def stop(self) -> None:
         if self.proc.poll() is None:
