@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from kvstore.errors import BlockFormatError, BlockSizeError, ChecksumError, NamespaceMismatchError
-from kvstore.keys import HASH_BYTES, Namespace
+from kvstore.keys import DTYPE_BYTES, HASH_BYTES, Namespace
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
@@ -117,6 +117,21 @@ def decode_block(ns: Namespace, buf, expect_hash: bytes | None = None) -> tuple[
         raise ChecksumError(f"checksum mismatch for block {header.block_hash.hex()}: "
                             "the stored bytes are corrupted")
     return header, payload
+
+
+def verify_encoded(buf) -> BlockHeader:
+    """Check an encoded block on its own (no namespace at hand): header, length, checksum."""
+    view = as_memoryview(buf)
+    header = decode_header(view)
+    expected = DTYPE_BYTES[header.dtype]
+    for dim in header.shape:
+        expected *= dim
+    if len(view) - HEADER_BYTES != expected:
+        raise BlockFormatError(f"encoded block carries {len(view) - HEADER_BYTES} payload bytes, "
+                               f"its header says {expected} (truncated or padded)")
+    if checksum(view[HEADER_BYTES:]) != header.checksum:
+        raise ChecksumError(f"checksum mismatch for block {header.block_hash.hex()}")
+    return header
 
 
 def check_payload_size(ns: Namespace, nbytes: int) -> None:

@@ -62,7 +62,7 @@ def make_tier(ns: Namespace, cfg: TierConfig) -> Tier:
         from kvstore.tiers.dram import DramTier
         return DramTier(cfg.capacity_blocks, ns.block_bytes, cfg.shm_name)
     from kvstore.tiers.ssd import SsdTier
-    return SsdTier(ns, cfg.path, cfg.capacity_blocks)
+    return SsdTier(ns, cfg.path, cfg.capacity_blocks, durable=cfg.durable)
 
 
 class TieredStore:

@@ -101,3 +101,15 @@ def test_reopen_with_less_capacity_drops_the_excess_and_foreign_keys(tmp_path):
     assert tier.num_dropped_at_open == 3
     tier.close()
     assert os.path.isdir(tmp_path)
+
+
+def test_a_non_durable_tier_keeps_its_blocks_across_a_clean_close(tmp_path):
+    tier = SsdTier(NS, str(tmp_path), 4, durable=False)
+    tier.write_n(tier.alloc_n(2), HASHES[:2], _blocks(2))
+    tier.close()
+    tier = SsdTier(NS, str(tmp_path), 4, durable=False)
+    found = dict(tier.recover())
+    out = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)
+    assert tier.read_n([found[h] for h in HASHES[:2]], HASHES[:2], out) == [True, True]
+    assert torch.equal(out, _blocks(2))
+    tier.close()

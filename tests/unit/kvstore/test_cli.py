@@ -1,0 +1,47 @@
+import subprocess
+import sys
+
+import torch
+
+from kvstore.cli import main
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.layout import HEADER_BYTES
+from kvstore.tiers.ssd import SsdTier
+
+NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
+
+
+def test_help_explains_every_command():
+    out = subprocess.run([sys.executable, "-m", "kvstore.cli", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for name in ("hash", "fsck", "bench"):
+        assert name in out
+
+
+def test_hash_prints_the_library_hashes(capsys):
+    assert main(["hash", "--model", "m", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim",
+                 "16", "--block-tokens", "4", *map(str, range(9))]) == 0
+    out = capsys.readouterr().out
+    hashes = hash_blocks(NS, list(range(9)))
+    assert all(h.hex() in out for h in hashes) and out.count("block ") == 3
+
+
+def test_fsck_finds_and_repairs_a_corrupted_block(tmp_path, capsys):
+    tier = SsdTier(NS, str(tmp_path), 4)
+    hashes = hash_blocks(NS, list(range(12)))
+    tier.write_n(tier.alloc_n(3), hashes, torch.randint(0, 255, (3, NS.block_bytes), dtype=torch.uint8))
+    db = tier.raw_db()
+    value = bytearray(db[bytes(hashes[1])])
+    value[HEADER_BYTES + 5] ^= 1
+    db[bytes(hashes[1])] = bytes(value)
+    tier.close()
+    assert main(["fsck", str(tmp_path)]) == 1
+    assert "2 blocks ok, 1 bad" in capsys.readouterr().out
+    assert main(["fsck", str(tmp_path), "--repair"]) == 0
+    assert main(["fsck", str(tmp_path)]) == 0
+    assert "2 blocks ok, 0 bad" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_fsck_of_a_wrong_directory_is_a_clear_error(tmp_path, capsys):
+    assert main(["fsck", str(tmp_path)]) == 2
+    assert "not an SSD tier directory" in capsys.readouterr().err
