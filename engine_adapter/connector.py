@@ -1,0 +1,126 @@
+"""The bridge between the paged KV cache and a KV store (in-process `TieredStore` or a
+remote `kvstore.Client`): look up a prompt's prefix, load hit blocks, save new blocks.
+
+Loads are synchronous (the request waits for its prefix anyway) and batched: one
+`get_n` into one staging tensor, one `scatter_blocks`. A miss or a corrupt block ends the
+usable prefix there; the blocks after it are recomputed, so wrong KV never reaches the
+model. Saves copy the blocks out of the cache on the step thread (`gather_blocks`, so a
+block may be reused right after) and `put_n` them on a background thread through a
+bounded queue: a full queue or a failing store drops the save and counts it; the engine
+never stalls or crashes for a save.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+import kernels
+from kvstore.keys import BlockHash
+
+
+class KVStoreLike(Protocol):
+    """What the connector needs of a store; `TieredStore` and `kvstore.Client` both fit."""
+
+    def put_n(self, hashes: Sequence[bytes], srcs: Any) -> list: ...
+    def get_n(self, hashes: Sequence[bytes], dsts: Any) -> list: ...    # None per miss
+    def match_prefix(self, hashes: Sequence[bytes]) -> Any: ...          # has .num_blocks
+    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]: ...
+
+
+@dataclass
+class ConnectorStats:
+    lookups: int = 0
+    lookup_errors: int = 0
+    loaded_blocks: int = 0
+    load_misses: int = 0          # matched, then missing or corrupt on read: recomputed
+    saved_blocks: int = 0
+    save_dropped_blocks: int = 0  # queue full: the save was skipped
+    save_errors: int = 0          # blocks whose put_n raised
+
+
+_STOP = object()
+
+
+class StoreConnector:
+    def __init__(self, store: KVStoreLike, kv_cache: torch.Tensor, queue_batches: int = 64) -> None:
+        self.store, self.kv_cache = store, kv_cache
+        self.stats = ConnectorStats()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
+        self._staging = kv_cache.new_empty((0, *kv_cache.shape[1:]))
+        self._thread = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def num_prefix_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `hashes` the store holds (0 if the store fails)."""
+        if not hashes:
+            return 0
+        self.stats.lookups += 1
+        try:
+            return int(self.store.match_prefix(hashes).num_blocks)
+        except Exception:  # a store outage means recompute, never a failed request
+            self.stats.lookup_errors += 1
+            return 0
+
+    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        """Load blocks into cache blocks `block_ids`; returns the length of the loaded prefix."""
+        n = len(hashes)
+        if n == 0:
+            return 0
+        if self._staging.shape[0] < n:
+            self._staging = self.kv_cache.new_empty((n, *self.kv_cache.shape[1:]))
+        staging = self._staging[:n]  # [n, L, 2, bt, Hkv, D], contiguous
+        try:
+            found = self.store.get_n(hashes, staging)
+        except Exception:
+            self.stats.lookup_errors += 1
+            return 0
+        good = next((i for i, tier in enumerate(found) if tier is None), n)
+        if good:
+            ids = torch.tensor(block_ids[:good], dtype=torch.int64, device=self.kv_cache.device)
+            kernels.scatter_blocks(staging[:good], self.kv_cache, ids, check_values=False)
+        self.stats.loaded_blocks += good
+        self.stats.load_misses += n - good
+        return good
+
+    def save(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        """Queue blocks for saving; returns at once (the copy out of the cache is done here)."""
+        if not hashes or self._closed:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
+        staged = kernels.gather_blocks(self.kv_cache, ids, check_values=False)  # [n, L, 2, bt, Hkv, D]
+        try:
+            self._queue.put_nowait((list(hashes), staged))
+        except queue.Full:
+            self.stats.save_dropped_blocks += len(hashes)
+
+    def _save_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                hashes, staged = item
+                try:
+                    self.store.put_n(hashes, staged)
+                    self.stats.saved_blocks += len(hashes)
+                except Exception:
+                    self.stats.save_errors += len(hashes)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued save has reached the store (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Flush the pending saves and stop the save thread (the store stays open)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()

@@ -1,0 +1,187 @@
+"""LLMEngine: a synchronous continuous-batching loop over the paged model.
+
+    engine = LLMEngine(model, EngineConfig(), tokenizer=tok, store=store)
+    outs = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+
+`step()` schedules, runs one forward pass, samples, retires finished requests and
+returns their progress; `generate` steps until its requests finish.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+from engine_adapter.block_pool import BlockPool
+from engine_adapter.config import EngineConfig
+from engine_adapter.connector import KVStoreLike, StoreConnector
+from engine_adapter.errors import InvalidRequestError
+from engine_adapter.model import LlamaForCausalLM
+from engine_adapter.model_runner import ModelRunner
+from engine_adapter.request import FinishReason, Request, RequestOutput
+from engine_adapter.sampling import SamplingParams, sample
+from engine_adapter.scheduler import ScheduledRequest, Scheduler, cdiv
+from kvstore.keys import Namespace, hash_blocks
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig = EngineConfig(),
+                 tokenizer: Any = None, store: KVStoreLike | None = None,
+                 eos_token_id: int | None = None, record_logits: bool = False) -> None:
+        mc = model.config
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.ns = Namespace(mc.name, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype,
+                            config.block_tokens, tenant=config.tenant)
+        self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+        self.max_model_len = config.model_len(mc)
+        self.runner = ModelRunner(model, config)
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.connector = None if store is None else StoreConnector(store, self.runner.kv_cache,
+                                                                   config.save_queue_batches)
+        self.scheduler = Scheduler(config, self.pool, self.connector)
+        self.requests: dict[str, Request] = {}
+        self.record_logits = record_logits
+        self.logits: dict[str, list[torch.Tensor]] = {}  # per request, when record_logits
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- requests
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat (`[{"role": "user", "content": ...}]`) with the model's template."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenize(text)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | dict | None = None,
+                    request_id: str | None = None, output_token_ids: Sequence[int] = (),
+                    generator: torch.Generator | None = None) -> Request:
+        """Queue a request (or resume one whose first outputs are known); raises
+        InvalidRequestError for one that cannot be served, leaving the others untouched."""
+        params = _as_params(params)
+        ids = self.tokenize(prompt)
+        self._validate(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, params, list(output_token_ids), generator)
+        req.block_hashes = hash_blocks(self.ns, req.token_ids[:req.num_tokens // self.config.block_tokens
+                                                              * self.config.block_tokens])
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; this model's context "
+                                      f"is {self.max_model_len} (leave room for one output token)")
+        if cdiv(len(ids) + 1, self.config.block_tokens) > self.config.num_blocks:
+            raise InvalidRequestError(f"the prompt needs more KV blocks than the cache has "
+                                      f"({self.config.num_blocks}); raise EngineConfig.num_blocks")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})")
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            req.finish_reason = FinishReason.ABORT
+            self.scheduler.finish(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---------------------------------------------------------------- the loop
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        rows = [i for i, s in enumerate(batch)
+                if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
+        logits = self.runner.execute(batch, rows)
+        for s in batch:
+            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_model_tokens += s.num_new_tokens
+            self._commit_full_blocks(s.request)
+        reqs = [batch[i].request for i in rows]
+        if self.record_logits:
+            for r, row in zip(reqs, logits):
+                self.logits.setdefault(r.request_id, []).append(row.clone())
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for r, tok in zip(reqs, tokens):
+            self._append_token(r, tok)
+            if r.finished:
+                self.requests.pop(r.request_id, None)
+        return [RequestOutput.of(s.request) for s in batch if s.request in reqs or s.request.finished]
+
+    def _commit_full_blocks(self, req: Request) -> None:
+        """Register newly computed full blocks in the prefix cache and save them to the store."""
+        first, end = req.num_cached_blocks, req.num_computed_tokens // self.config.block_tokens
+        if end <= first:
+            return
+        blocks, hashes = req.blocks[first:end], req.block_hashes[first:end]
+        self.pool.cache_n(blocks, hashes)
+        if self.connector is not None:
+            self.connector.save(hashes, [b.block_id for b in blocks])
+        req.num_cached_blocks = end
+
+    def _append_token(self, req: Request, token: int) -> None:
+        req.token_ids.append(token)
+        bt = self.config.block_tokens
+        if req.num_tokens % bt == 0:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.extend(hash_blocks(self.ns, req.token_ids[-bt:], parent=parent))
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            req.finish_reason = reason
+            self.scheduler.finish(req)
+
+    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            hits = [i for i in (req.text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                req.text = req.text[:min(hits)]
+                return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion together (continuous batching); outputs in prompt order."""
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while any(not r.finished for r in reqs):
+            self.step()
+        return [RequestOutput.of(r) for r in reqs]
+
+    def close(self) -> None:
+        """Flush pending store saves and stop the save thread (the store stays open)."""
+        if self.connector is not None:
+            self.connector.close()
+
+
+def _as_params(params: SamplingParams | dict | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling params must be SamplingParams or a dict, got {type(params).__name__}")
+    return params

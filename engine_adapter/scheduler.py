@@ -1,0 +1,126 @@
+"""Continuous batching: which requests run this step and how many tokens each computes.
+
+Each step every running request gets its next tokens (one for a decode, a chunk for a
+prefill), then waiting requests are admitted while the token budget, the sequence limit and
+free blocks allow. Admission finds the longest cached prefix: first in the engine's own
+paged cache, then in the store (loaded into fresh blocks). When a running request needs a
+block and none is free, the most recently admitted request is preempted (its blocks freed,
+recomputed later, most of them probably from the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from engine_adapter.block_pool import BlockPool
+from engine_adapter.config import EngineConfig
+from engine_adapter.connector import StoreConnector
+from engine_adapter.request import Request, RequestStatus
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    num_new_tokens: int
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool, connector: StoreConnector | None) -> None:
+        self.config, self.pool, self.connector = config, pool, connector
+        self.bt = config.block_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.config.max_num_batched_tokens
+        out: list[ScheduledRequest] = []
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted by an earlier request of this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
+                continue
+            out.append(ScheduledRequest(req, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            n = self._admit(self.waiting[0], budget)
+            if n is None:
+                break
+            req = self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.append(ScheduledRequest(req, n))
+            budget -= n
+        return out
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for `num_tokens`, preempting later requests if needed; False if req itself
+        was preempted."""
+        need = cdiv(num_tokens, self.bt) - len(req.blocks)
+        while need > 0:
+            new = self.pool.allocate_n(need)
+            if new is not None:
+                req.blocks.extend(new)
+                return True
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = req.num_cached_blocks = 0
+        self.waiting.appendleft(req)
+
+    def free(self, req: Request) -> None:
+        self.pool.free_n(req.blocks)
+        req.blocks = []
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.free(req)
+        req.status = RequestStatus.FINISHED
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Give `req` its cached prefix and blocks for its first chunk; the chunk's size, or
+        None when the blocks are not free now."""
+        max_hit = (req.num_tokens - 1) // self.bt  # compute at least one token (for logits)
+        local = self.pool.get_cached_prefix(req.block_hashes[:max_hit])
+        remote = 0
+        if self.connector is not None and len(local) < max_hit:
+            remote = self.connector.num_prefix_blocks(req.block_hashes[len(local):max_hit])
+        hit_tokens = (len(local) + remote) * self.bt
+        chunk = min(req.num_tokens - hit_tokens, budget)
+        need = cdiv(hit_tokens + chunk, self.bt) - len(local)
+        free_after_touch = self.pool.num_free - sum(b.ref_cnt == 0 for b in local)
+        if need > free_after_touch:
+            return None
+        self.pool.touch(local)
+        req.blocks = local + self.pool.allocate_n(need)
+        loaded = 0
+        if remote:
+            loaded = self.connector.load(req.block_hashes[len(local):len(local) + remote],
+                                         [b.block_id for b in req.blocks[len(local):len(local) + remote]])
+            self.pool.cache_n(req.blocks[len(local):len(local) + loaded],
+                              req.block_hashes[len(local):len(local) + loaded])
+        req.num_cached_blocks = len(local) + loaded
+        req.num_computed_tokens = req.num_cached_blocks * self.bt
+        req.num_local_hit_tokens = len(local) * self.bt
+        req.num_loaded_tokens = loaded * self.bt
+        return min(req.num_tokens - req.num_computed_tokens, budget)
