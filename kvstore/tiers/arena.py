@@ -7,7 +7,7 @@ import torch
 
 from kvstore.errors import StoreClosedError
 from kvstore.events import TierKind
-from kvstore.tiers.base import ByteBatch
+from kvstore.tiers.base import ByteBatch, FreeSlots
 
 
 class ArenaTier:
@@ -20,7 +20,7 @@ class ArenaTier:
         self.kind = kind
         self.arena = arena  # [num_slots, slot_bytes]
         self.num_slots, self.slot_bytes = arena.shape
-        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() yields slot 0 first
+        self._free = FreeSlots(self.num_slots)
         self._closed = False
 
     def _check_open(self) -> None:
@@ -32,14 +32,10 @@ class ArenaTier:
 
     def alloc_n(self, n: int) -> list[int] | None:
         self._check_open()
-        if n > len(self._free):
-            return None
-        taken = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        return taken[::-1]
+        return self._free.take(n)
 
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
-        self._free.extend(slots)
+        self._free.give_back(slots)
 
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         self._check_open()
@@ -75,7 +71,7 @@ class ArenaTier:
 
     def close(self) -> None:
         self._closed = True
-        self._free = []
+        self._free.clear()
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

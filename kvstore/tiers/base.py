@@ -50,3 +50,31 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Release memory / files. Any later call raises StoreClosedError."""
+
+
+class FreeSlots:
+    """The free list of a tier: a stack of slot ids, so alloc and free are O(1) per slot and
+    a fresh tier hands out slots 0, 1, 2... (consecutive slots copy as one run)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int] | None:
+        """n slots, or None (taking nothing) when fewer are free."""
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return taken[::-1]
+
+    def take_one(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        self._free.extend(slots)
+
+    def clear(self) -> None:
+        self._free = []

@@ -21,7 +21,7 @@ from kvstore.errors import BlockFormatError, StoreClosedError
 from kvstore.events import TierKind
 from kvstore.keys import HASH_BYTES, Namespace
 from kvstore.layout import checksum, decode_block, encode_header
-from kvstore.tiers.base import ByteBatch
+from kvstore.tiers.base import ByteBatch, FreeSlots
 
 
 def rocksdb_options() -> Options:
@@ -46,7 +46,7 @@ class SsdTier:
             opts = WriteOptions()
             opts.disable_wal = True
             self._db.set_write_options(opts)
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = FreeSlots(num_slots)
         self.num_dropped_at_open = 0
 
     def _open_db(self) -> Rdict:
@@ -59,11 +59,7 @@ class SsdTier:
 
     def alloc_n(self, n: int) -> list[int] | None:
         self._open_db()
-        if n > len(self._free):
-            return None
-        taken = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        return taken[::-1]
+        return self._free.take(n)
 
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         db = self._open_db()
@@ -71,7 +67,7 @@ class SsdTier:
         for h in hashes:
             batch.delete(bytes(h))
         db.write(batch)
-        self._free.extend(slots)
+        self._free.give_back(slots)
 
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         db = self._open_db()
@@ -103,8 +99,9 @@ class SsdTier:
         db = self._open_db()
         found, extra = [], []
         for key in db.keys():
-            if len(key) == HASH_BYTES and self._free:
-                found.append((key, self._free.pop()))
+            slot = self._free.take_one() if len(key) == HASH_BYTES else None
+            if slot is not None:
+                found.append((key, slot))
             else:
                 extra.append(key)
         if extra:
