@@ -1,0 +1,51 @@
+"""Sampling: greedy, temperature, top-k, top-p, seeds; parameter validation."""
+import pytest
+import torch
+
+from engine_adapter.errors import InvalidRequestError
+from engine_adapter.sampling import SamplingParams, sample
+
+LOGITS = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]] * 4)
+
+
+def draws(params, n=200):
+    gen = params.make_generator()
+    return [sample(LOGITS[:1], [params], [gen])[0] for _ in range(n)]
+
+
+def test_greedy_takes_the_argmax():
+    p = SamplingParams(temperature=0)
+    assert sample(LOGITS, [p] * 4, [None] * 4) == [1] * 4
+
+
+def test_a_seed_makes_sampling_repeatable_and_seeds_differ():
+    p = SamplingParams(temperature=1.0, seed=7)
+    assert draws(p) == draws(p)
+    assert draws(p) != draws(SamplingParams(temperature=1.0, seed=8))
+    assert set(draws(p)) == {0, 1, 2, 3, 4}
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    assert set(draws(SamplingParams(top_k=2, seed=1))) == {1, 2}
+    assert set(draws(SamplingParams(top_k=1, seed=1))) == {1}
+    assert set(draws(SamplingParams(top_p=0.01, seed=1))) == {1}  # just the top token
+    # p(1) + p(2) ~ 0.86: top_p 0.8 needs both, never a third
+    assert set(draws(SamplingParams(top_p=0.8, seed=1))) == {1, 2}
+
+
+def test_low_temperature_concentrates():
+    cold = draws(SamplingParams(temperature=0.05, seed=3))
+    assert cold.count(1) > 0.8 * len(cold)
+
+
+@pytest.mark.parametrize("kw", [dict(max_tokens=0), dict(max_tokens=-1), dict(temperature=-0.1),
+                                dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(stop=("",))])
+def test_bad_parameters_raise(kw):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kw)
+
+
+def test_unknown_parameter_is_an_error():
+    with pytest.raises(InvalidRequestError, match="frequency_penalty"):
+        SamplingParams.from_dict({"temperature": 0.5, "frequency_penalty": 1.0})
+    assert SamplingParams.from_dict({"stop": "x"}).stop == ("x",)
