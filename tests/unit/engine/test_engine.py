@@ -1,0 +1,97 @@
+"""The step loop: batching invariance, prefix-cache hits, preemption, stops, bad requests."""
+import pytest
+
+from engine_adapter.config import EngineConfig
+from engine_adapter.engine import LLMEngine
+from engine_adapter.errors import InvalidRequestError
+from engine_adapter.request import FinishReason
+from engine_adapter.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def alone(model, config, prompts, params=GREEDY):
+    return [LLMEngine(model, config).generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_batched_requests_match_running_each_alone(tiny_model, engine_config, prompts):
+    expected = alone(tiny_model, engine_config, prompts)
+    small_steps = EngineConfig(num_blocks=64, block_tokens=4, max_num_batched_tokens=10)
+    engine = LLMEngine(tiny_model, small_steps)  # chunked prefills mixed with decodes
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+    assert all(len(t) == 12 for t in expected)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_model, engine_config, prompts):
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=5, max_tokens=10)
+    expected = alone(tiny_model, engine_config, prompts, params)
+    got = LLMEngine(tiny_model, engine_config).generate(prompts, params)
+    assert [o.token_ids for o in got] == expected
+
+
+def test_prefix_cache_hit_computes_only_the_suffix_with_identical_logits(tiny_model, engine_config, prompts):
+    engine = LLMEngine(tiny_model, engine_config, record_logits=True)
+    first = engine.generate([prompts[2]], GREEDY)[0]
+    again = engine.generate([prompts[2]], GREEDY)[0]
+    assert again.token_ids == first.token_ids
+    assert again.num_local_hit_tokens == 36  # 40 tokens, 4-token blocks, keep one to compute
+    assert again.num_model_tokens == first.num_model_tokens - 36
+    a, b = (engine.logits[o.request_id] for o in (first, again))
+    for x, y in zip(a, b):
+        assert (x - y).abs().max() < 1e-4
+
+
+def test_preemption_under_a_small_cache_keeps_outputs(tiny_model, engine_config, prompts):
+    expected = alone(tiny_model, engine_config, prompts)
+    engine = LLMEngine(tiny_model, EngineConfig(num_blocks=20, block_tokens=4, max_num_batched_tokens=64))
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
+    assert engine.pool.num_free == 20 and not engine.has_unfinished
+
+
+def test_stop_on_eos_stop_tokens_and_max_tokens(tiny_model, engine_config, prompts):
+    tokens = alone(tiny_model, engine_config, prompts[:1])[0]
+    eos = tokens[3]
+    out = LLMEngine(tiny_model, engine_config, eos_token_id=eos).generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.token_ids == tokens[:tokens.index(eos) + 1] and out.finish_reason is FinishReason.STOP
+    out = LLMEngine(tiny_model, engine_config).generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(tokens[5],)))[0]
+    assert out.token_ids == tokens[:tokens.index(tokens[5]) + 1]
+    out = LLMEngine(tiny_model, engine_config).generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert out.token_ids == tokens[:4] and out.finish_reason is FinishReason.LENGTH
+
+
+class CharTokenizer:
+    """Token t decodes to chr(ord('a') + t % 26): enough to test stop strings."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_stop_strings_end_and_truncate_the_text(tiny_model, engine_config, prompts):
+    tokens = alone(tiny_model, engine_config, prompts[:1])[0]
+    text = CharTokenizer().decode(tokens)
+    stop = text[4:6]
+    engine = LLMEngine(tiny_model, engine_config, tokenizer=CharTokenizer())
+    out = engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, stop=(stop,)))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.text == text[:text.index(stop)] and out.token_ids == tokens[:text.index(stop) + 2]
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], None, "empty"),
+    (list(range(300)), None, "context"),
+    ([1, 2, 99999], None, "token ids"),
+    ([1, 2], {"max_tokens": 0}, "max_tokens"),
+    ([1, 2], {"best_of": 2}, "unknown sampling"),
+    ("text", None, "tokenizer"),
+])
+def test_bad_requests_raise_and_the_engine_keeps_serving(tiny_model, engine_config, prompts, prompt, params, match):
+    engine = LLMEngine(tiny_model, engine_config)
+    good = engine.add_request(prompts[0], GREEDY)
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished:
+        engine.step()
+    assert good.output_token_ids == alone(tiny_model, engine_config, prompts[:1])[0]
