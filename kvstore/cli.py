@@ -3,6 +3,8 @@
     kvtier hash --model NAME ... 1 2 3 ...   block hashes of a token sequence
     kvtier fsck DIR [--repair]               verify every block of an SSD tier directory
     kvtier bench NAME [ARGS...]              run a benchmark from a source checkout's bench/
+    kvtier serve [--dram-size 4GiB ...]      run a store daemon (see `kvtier serve --help`)
+    kvtier stats [--url http://HOST:7480]    a running daemon's figures
 """
 from __future__ import annotations
 
@@ -76,11 +78,35 @@ def _bench_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    from kvstore.daemon.serve import configure
+    configure(p)
+
+
+def _serve_run(args: argparse.Namespace) -> int:
+    from kvstore.daemon.serve import run
+    return run(args)
+
+
+def _stats_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:7480", help="the daemon's control plane")
+    p.add_argument("--token", default=None, help="auth token (default $KVTIER_TOKEN)")
+
+
+def _stats_run(args: argparse.Namespace) -> int:
+    from kvstore.client.http import print_stats
+    return print_stats(args.url, args.token or os.environ.get("KVTIER_TOKEN", ""))
+
+
 COMMANDS: list[Command] = [
     ("hash", "print the block hashes of a token sequence", _hash_args, _hash_run),
     ("fsck", "verify (and repair) the blocks of an SSD tier directory", _fsck_args, _fsck_run),
     ("bench", "run a benchmark (store, transfer, kernels, sched) and print its figures",
      _bench_args, _bench_run),
+    ("serve", "run a store daemon node (DRAM + SSD tiers; GPU where present)", _serve_args,
+     _serve_run),
+    ("stats", "print a running daemon's per-namespace, per-tier figures", _stats_args,
+     _stats_run),
 ]
 
 

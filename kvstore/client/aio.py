@@ -1,0 +1,102 @@
+"""`AsyncClient`: the SDK's asyncio surface, the same methods as `Client` as coroutines.
+
+Each call runs the blocking client's call on this client's own thread pool: the data
+plane's bulk bytes move with blocking recv_into / sendmsg (which release the GIL and reach
+the raw socket figure), so the event loop only waits on a future and is never blocked.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from kvstore.client.sync import Client
+from kvstore.events import TierKind
+from kvstore.keys import Namespace
+from kvstore.stats import StoreStats
+from kvstore.store import MatchResult, PutStatus
+
+
+class AsyncClient:
+    def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
+                 timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
+                 use_shm: bool = True) -> None:
+        """Connects lazily: the first call (or `await connect()`) opens the connection."""
+        self._args = (url, token, namespace)
+        self._kw = dict(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                        pool_size=pool_size, use_shm=use_shm)
+        self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvtier-client")
+        self._client: Client | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    async def connect(self) -> "AsyncClient":
+        if self._client is None:
+            self._connecting = self._connecting or asyncio.Lock()
+            async with self._connecting:
+                if self._client is None:
+                    self._client = await self._in_pool(
+                        functools.partial(Client, *self._args, **self._kw))
+        return self
+
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _call(self, name: str, *args):
+        await self.connect()
+        return await self._in_pool(getattr(self._client, name), *args)
+
+    async def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
+        return await self._call("put_n", hashes, srcs)
+
+    async def put(self, key: bytes, value) -> PutStatus:
+        return await self._call("put", key, value)
+
+    async def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
+        return await self._call("get_n", hashes, dsts)
+
+    get_n_into = get_n
+
+    async def get_into(self, key: bytes, buffer) -> TierKind | None:
+        return await self._call("get_into", key, buffer)
+
+    async def get(self, key: bytes) -> bytes | None:
+        return await self._call("get", key)
+
+    async def exists_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        return await self._call("exists_n", hashes)
+
+    contains_n = exists_n
+
+    async def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
+        return await self._call("match_prefix", hashes)
+
+    async def remove_n(self, hashes: Sequence[bytes]) -> int:
+        return await self._call("remove_n", hashes)
+
+    async def remove(self, key: bytes) -> bool:
+        return await self._call("remove", key)
+
+    async def pin(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
+        return await self._call("pin", hashes, ttl_s)
+
+    async def unpin(self, hashes: Sequence[bytes]) -> None:
+        return await self._call("unpin", hashes)
+
+    async def stats(self) -> StoreStats:
+        return await self._call("stats")
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._client is not None and self._client.uses_shm
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._in_pool(self._client.close)
+        self._pool.shutdown(wait=False)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

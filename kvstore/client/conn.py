@@ -1,0 +1,93 @@
+"""One data-plane connection of the SDK: connect, hello, and blocking request/reply."""
+from __future__ import annotations
+
+import socket
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+from kvstore import wire as w
+from kvstore.client.errors import ConnectError, RequestTimeout
+from kvstore.keys import Namespace
+
+DEFAULT_PORT = 7481
+
+
+class Address(NamedTuple):
+    host: str
+    port: int
+
+
+def parse_url(url: str) -> Address:
+    """'kvtier://HOST:PORT' or 'HOST:PORT' (the daemon's data-plane address)."""
+    parts = urlsplit(url if "://" in url else f"kvtier://{url}")
+    if parts.scheme != "kvtier" or not parts.hostname:
+        raise ValueError(f"daemon url {url!r} must look like kvtier://HOST:PORT (the data-plane "
+                         "port `kvtier serve` prints; not the http:// control plane)")
+    return Address(parts.hostname, parts.port or DEFAULT_PORT)
+
+
+class Connection:
+    def __init__(self, addr: Address, token: str, ns: Namespace, timeout_s: float,
+                 connect_timeout_s: float) -> None:
+        self.addr, self.timeout_s = addr, timeout_s
+        self.pending_release: list[int] = []
+        try:
+            self.sock = socket.create_connection(addr, timeout=connect_timeout_s)
+        except OSError as e:
+            raise ConnectError(f"cannot reach the kvtier daemon at {addr.host}:{addr.port} ({e}); "
+                               "is `kvtier serve` running there?") from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            self.sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        self.sock.settimeout(timeout_s)
+        hello = w.Hello(token=token, model=ns.model, num_layers=ns.num_layers,
+                        num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, dtype=ns.dtype,
+                        block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant)
+        try:
+            self.info: w.HelloOk = self.call(hello)[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, msg: w.Message, payload=()) -> None:
+        try:
+            w.send_frame(self.sock, msg, msg.OP, False, payload)
+        except socket.timeout as e:
+            raise RequestTimeout(f"sending {msg.OP.name} to {self.addr.host}:{self.addr.port} "
+                                 f"stalled for {self.timeout_s}s") from e
+
+    def receive(self, op: w.Op) -> tuple[w.Message, int]:
+        """The reply to `op` (its payload, if any, is still to be read); raises RemoteError."""
+        try:
+            frame = w.recv_frame(self.sock, 1 << 62)
+        except socket.timeout as e:
+            raise RequestTimeout(f"no reply to {op.name} from {self.addr.host}:{self.addr.port} "
+                                 f"within {self.timeout_s}s (raise timeout_s for big batches)") from e
+        if not frame.reply:
+            raise w.ProtocolError(f"the daemon sent a request frame ({frame.op.name})")
+        if frame.op is w.Op.ERROR:
+            msg = frame.msg
+            raise w.remote_error(w.ErrorCode(msg.code) if msg.code in w.ErrorCode._value2member_map_
+                                 else w.ErrorCode.INTERNAL, msg.message)
+        if frame.op is not op:
+            raise w.ProtocolError(f"expected a {op.name} reply, got {frame.op.name}")
+        return frame.msg, frame.payload_bytes
+
+    def call(self, msg: w.Message, payload=()) -> tuple[w.Message, int]:
+        self.send(msg, payload)
+        return self.receive(msg.OP)
+
+    def recv_into(self, view: memoryview) -> None:
+        try:
+            w.recv_exact(self.sock, view)
+        except socket.timeout as e:
+            raise RequestTimeout(f"payload from {self.addr.host}:{self.addr.port} stalled for "
+                                 f"{self.timeout_s}s") from e
+
+    def flush_releases(self) -> None:
+        if self.pending_release:
+            ids, self.pending_release = tuple(self.pending_release), []
+            self.call(w.Release(lease_ids=ids))
+
+    def close(self) -> None:
+        self.sock.close()

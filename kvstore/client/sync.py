@@ -1,0 +1,270 @@
+"""`Client`: the blocking SDK for one `kvtier serve` daemon and one namespace.
+
+Same semantics as `TieredStore` for the engine-facing names (`put_n`, `get_n`,
+`contains_n`, `match_prefix`), so an engine connector can swap an in-process store for a
+client. Thread-safe: each call borrows a pooled connection. A call that finds its
+connection dead (daemon restarted) retries once on a fresh one; a daemon that cannot be
+reached raises `ConnectError`, a silent one `RequestTimeout`.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from kvstore import wire as w
+from kvstore.buffers import byte_rows
+from kvstore.client.conn import Connection, parse_url
+from kvstore.client.errors import ConnectError, RequestTimeout
+from kvstore.client.shm import ArenaMap, same_host_arena
+from kvstore.events import TierKind
+from kvstore.keys import Namespace
+from kvstore.stats import StoreStats, TierCounters, TierStats
+from kvstore.store import MatchResult, PutStatus
+
+PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)
+
+
+def _tiers(raw: bytes) -> list[TierKind | None]:
+    return [None if b == w.MISS else TierKind(b) for b in raw]
+
+
+class Client:
+    def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
+                 timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
+                 use_shm: bool = True) -> None:
+        if namespace is None:
+            raise ValueError("Client needs namespace=Namespace(model, num_layers, num_kv_heads, "
+                             "head_dim, ...): the model whose KV blocks it stores")
+        self.addr, self.token, self.ns = parse_url(url), token, namespace
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.pool_size, self.use_shm = pool_size, use_shm
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._arena: ArenaMap | None = None
+        self._closed = False
+        self.block_bytes = namespace.block_bytes
+        with self._conn():  # fail fast: wrong address, token or namespace
+            pass
+
+    # ------------------------------------------------------------ connections
+
+    def _new_conn(self) -> Connection:
+        conn = Connection(self.addr, self.token, self.ns, self.timeout_s, self.connect_timeout_s)
+        self._check_arena(conn.info)
+        return conn
+
+    def _check_arena(self, info: w.HelloOk) -> None:
+        with self._lock:
+            key = (info.shm_path, info.shm_dev, info.shm_ino)
+            if self._arena is not None and self._arena.key == key:
+                return
+            old, self._arena = self._arena, None
+        if old is not None:
+            old.close()
+        arena = same_host_arena(info) if self.use_shm else None
+        with self._lock:
+            self._arena = arena
+
+    @contextmanager
+    def _conn(self) -> Iterator[Connection]:
+        if self._closed:
+            raise ConnectError("this Client is closed")
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        conn = conn or self._new_conn()
+        try:
+            yield conn
+        except (w.RemoteError, ValueError, TypeError) as e:
+            if isinstance(e, w.RemoteError) and e.code is w.ErrorCode.UNAVAILABLE:
+                conn.close()
+            else:
+                self._give_back(conn)
+            raise
+        except BaseException:
+            conn.close()  # mid-frame state unknown: never reuse it
+            raise
+        else:
+            self._give_back(conn)
+
+    def _give_back(self, conn: Connection) -> None:
+        with self._lock:
+            if len(self._idle) < self.pool_size and not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _run(self, fn, *args):
+        """Run fn(conn, *args); on a dead connection (daemon restarted) retry once."""
+        for attempt in (0, 1):
+            try:
+                with self._conn() as conn:
+                    return fn(conn, *args)
+            except RequestTimeout:
+                raise
+            except (ConnectionError, OSError, w.ProtocolError) as e:
+                if isinstance(e, ConnectError) or attempt:
+                    raise ConnectError(f"lost the connection to {self.addr.host}:"
+                                       f"{self.addr.port}: {e}") from e
+                self._drop_idle()
+            except w.RemoteError as e:
+                if e.code is not w.ErrorCode.UNAVAILABLE or attempt:
+                    raise
+                self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    # ------------------------------------------------------------ writes
+
+    def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
+        """Store blocks (one buffer of len(hashes) blocks, or one buffer per block)."""
+        rows = byte_rows(srcs, len(hashes), self.block_bytes)
+        if not len(hashes):
+            return []
+        return self._run(self._put_n, w.pack_hashes(hashes), rows)
+
+    def _put_n(self, conn: Connection, packed: bytes, rows) -> list[PutStatus]:
+        conn.flush_releases()
+        arena = self._arena
+        if arena is None:
+            reply, _ = conn.call(w.Put(hashes=packed), [_np(r) for r in _iter_rows(rows)])
+            return [PUT_STATUSES[s] for s in reply.statuses]
+        res, _ = conn.call(w.Reserve(hashes=packed))
+        slots = np.frombuffer(res.slots, "<i8")
+        inline = []
+        try:
+            for i, (status, slot) in enumerate(zip(res.statuses, slots.tolist())):
+                if status == 0 and slot >= 0:
+                    arena.rows[slot].copy_(rows[i])
+                elif status == 0:
+                    inline.append(_np(rows[i]))
+        except BaseException:
+            conn.call(w.Abort(reservation_id=res.reservation_id))
+            raise
+        conn.call(w.Commit(reservation_id=res.reservation_id), inline)
+        return [PUT_STATUSES[s] for s in res.statuses]
+
+    def put(self, key: bytes, value) -> PutStatus:
+        return self.put_n([key], [value])[0]
+
+    # ------------------------------------------------------------ reads
+
+    def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
+        """Copy each stored block into its destination (one writable buffer of all blocks
+        or one per block: tensors, numpy arrays, bytearrays). Returns the tier each block
+        was found in, or None for a miss (its destination is left as it was)."""
+        rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
+        if not len(hashes):
+            return []
+        return self._run(self._get_n, w.pack_hashes(hashes), rows)
+
+    get_n_into = get_n
+
+    def _get_n(self, conn: Connection, packed: bytes, rows) -> list[TierKind | None]:
+        arena = self._arena
+        release, conn.pending_release = tuple(conn.pending_release), []
+        reply, payload_bytes = conn.call(w.Get(hashes=packed, shm=arena is not None,
+                                               release=release))
+        tiers = _tiers(reply.tiers)
+        hits = [i for i, t in enumerate(tiers) if t is not None]
+        if reply.lease_id:
+            slots = np.frombuffer(reply.slots, "<i8")
+            try:
+                for i in hits:
+                    rows[i].copy_(arena.rows[int(slots[i])])
+            finally:
+                conn.pending_release.append(reply.lease_id)
+            return tiers
+        if payload_bytes != len(hits) * self.block_bytes:
+            raise w.ProtocolError(f"GET reply carries {payload_bytes} bytes for {len(hits)} hits")
+        for i in hits:
+            _recv_row(conn, rows[i])
+        return tiers
+
+    def get_into(self, key: bytes, buffer) -> TierKind | None:
+        return self.get_n([key], [buffer])[0]
+
+    def get(self, key: bytes) -> bytes | None:
+        out = bytearray(self.block_bytes)
+        return bytes(out) if self.get_n([key], [out])[0] is not None else None
+
+    # ------------------------------------------------------------ metadata
+
+    def exists_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        reply = self._call(w.Exists(hashes=w.pack_hashes(hashes)))
+        return [bool(b) for b in reply.flags]
+
+    contains_n = exists_n
+
+    def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
+        reply = self._call(w.Match(hashes=w.pack_hashes(hashes)))
+        return MatchResult(reply.num_blocks, tuple(_tiers(reply.tiers)))
+
+    def remove_n(self, hashes: Sequence[bytes]) -> int:
+        """Drop blocks from every tier (pinned or leased ones stay); how many went."""
+        return self._call(w.Remove(hashes=w.pack_hashes(hashes))).value
+
+    def remove(self, key: bytes) -> bool:
+        return self.remove_n([key]) == 1
+
+    def pin(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
+        reply = self._call(w.Pin(hashes=w.pack_hashes(hashes), ttl_s=ttl_s))
+        return [bool(b) for b in reply.flags]
+
+    def unpin(self, hashes: Sequence[bytes]) -> None:
+        self._call(w.Unpin(hashes=w.pack_hashes(hashes)))
+
+    def stats(self) -> StoreStats:
+        r = self._call(w.Stats())
+        tiers = tuple(TierStats(TierKind(row[0]), row[1], row[2], row[3], TierCounters(*row[4:]))
+                      for row in r.tiers)
+        return StoreStats(self.ns.model, self.block_bytes, tiers, r.misses,
+                          r.open_reservations, r.open_leases)
+
+    @property
+    def uses_shm(self) -> bool:
+        """True when blocks move through the daemon's shared-memory arena (same host)."""
+        return self._arena is not None
+
+    def _call(self, msg: w.Message):
+        def op(conn: Connection):
+            conn.flush_releases()
+            return conn.call(msg)[0]
+        return self._run(op)
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop_idle()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _iter_rows(rows):
+    return rows if isinstance(rows, list) else list(rows)
+
+
+def _np(row: torch.Tensor) -> np.ndarray:
+    return row.numpy() if row.device.type == "cpu" else row.cpu().numpy()
+
+
+def _recv_row(conn: Connection, row: torch.Tensor) -> None:
+    if row.device.type == "cpu":
+        conn.recv_into(memoryview(row.numpy()))
+        return
+    staging = torch.empty(row.numel(), dtype=torch.uint8)
+    conn.recv_into(memoryview(staging.numpy()))
+    row.copy_(staging)

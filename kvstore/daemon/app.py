@@ -1,0 +1,133 @@
+"""The control plane: `create_app(cfg)` builds the aiohttp application that owns the daemon.
+
+Resources live in `cleanup_ctx` (set up in order, torn down in reverse): the data-plane
+listening socket, the namespace registry (stores), then the data-plane threads. So on
+shutdown the data plane stops first (in-flight ops finish), then every store closes with
+flush. Slow store work runs in the default executor, never on the event loop.
+
+Endpoints: /healthz (no auth), /stats, /metrics, /admin/namespaces, /admin/quotas,
+POST /admin/namespaces/{ns_id}/clear. With tokens configured every endpoint but /healthz
+needs `Authorization: Bearer TOKEN`; a tenant token sees only its tenant's namespaces, and
+/metrics and /admin/quotas need an admin token.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvstore.daemon.config import ADMIN, DaemonConfig
+from kvstore.daemon.dataplane import DataPlane, listen
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.namespaces import Hosted, Registry
+from kvstore.daemon import views
+
+CONFIG = web.AppKey("config", DaemonConfig)
+DATA_SOCKET = web.AppKey("data_socket", socket.socket)
+REGISTRY = web.AppKey("registry", Registry)
+METRICS = web.AppKey("metrics", Metrics)
+DATAPLANE = web.AppKey("dataplane", DataPlane)
+
+
+async def _listen_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    app[DATA_SOCKET] = listen(cfg.host, cfg.port)
+    yield
+    app[DATA_SOCKET].close()
+
+
+async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    port = app[DATA_SOCKET].getsockname()[1]
+    registry = app[REGISTRY] = Registry(cfg, shm_tag=str(port))
+    app[METRICS] = Metrics(registry.hosted)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, registry.reopen_existing)
+    yield
+    await loop.run_in_executor(None, registry.close)
+
+
+async def _dataplane_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    plane = app[DATAPLANE] = DataPlane(cfg, app[REGISTRY], app[METRICS], app[DATA_SOCKET])
+    plane.start()
+    yield
+    await asyncio.get_running_loop().run_in_executor(None, plane.shutdown, cfg.shutdown_grace_s)
+
+
+def grant_of(request: web.Request) -> str:
+    """The tenant the request's bearer token grants (ADMIN for all); 401 without one."""
+    cfg = request.app[CONFIG]
+    auth = request.headers.get("Authorization", "")
+    token = auth[7:] if auth.startswith("Bearer ") else ""
+    grant = cfg.tenant_of(token)
+    if grant is None:
+        raise web.HTTPUnauthorized(text="bad or missing token: send Authorization: Bearer TOKEN\n",
+                                   headers={"WWW-Authenticate": "Bearer"})
+    return grant
+
+
+def require_admin(request: web.Request) -> None:
+    if grant_of(request) != ADMIN:
+        raise web.HTTPForbidden(text="this endpoint needs an admin token (one with no tenant)\n")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    app = request.app
+    return web.json_response({"status": "ok", "node_id": app[CONFIG].node_id,
+                              "data_port": app[DATAPLANE].port})
+
+
+async def stats(request: web.Request) -> web.Response:
+    hosted = request.app[REGISTRY].hosted(grant_of(request))
+    rows = await asyncio.get_running_loop().run_in_executor(None, views.stats_rows, hosted)
+    return web.json_response({"node_id": request.app[CONFIG].node_id, "namespaces": rows})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    require_admin(request)
+    body = await asyncio.get_running_loop().run_in_executor(
+        None, generate_latest, request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def namespaces(request: web.Request) -> web.Response:
+    hosted = request.app[REGISTRY].hosted(grant_of(request))
+    return web.json_response({"namespaces": [views.namespace_row(h) for h in hosted]})
+
+
+async def quotas(request: web.Request) -> web.Response:
+    require_admin(request)
+    cfg = request.app[CONFIG]
+    return web.json_response({"default_blocks": cfg.quota_blocks,
+                              "tenants": dict(cfg.tenant_quotas)})
+
+
+async def clear(request: web.Request) -> web.Response:
+    grant = grant_of(request)
+    try:
+        ns_id = int(request.match_info["ns_id"], 16)
+    except ValueError:
+        raise web.HTTPBadRequest(text="ns_id is the namespace id in hex (see /admin/namespaces)\n")
+    registry = request.app[REGISTRY]
+    hosted: Hosted | None = registry.find(ns_id, grant)
+    if hosted is None:
+        raise web.HTTPNotFound(text=f"no namespace {ns_id:016x} visible to this token\n")
+    await asyncio.get_running_loop().run_in_executor(None, registry.clear, hosted)
+    return web.json_response({"cleared": f"{ns_id:016x}"})
+
+
+def create_app(cfg: DaemonConfig) -> web.Application:
+    app = web.Application()
+    app[CONFIG] = cfg
+    app.cleanup_ctx.extend([_listen_ctx, _registry_ctx, _dataplane_ctx])
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/namespaces", namespaces)
+    app.router.add_get("/admin/quotas", quotas)
+    app.router.add_post("/admin/namespaces/{ns_id}/clear", clear)
+    return app

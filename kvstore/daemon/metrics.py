@@ -1,0 +1,74 @@
+"""Prometheus metrics of one daemon, in its own CollectorRegistry (never the global one).
+
+Op counts, latencies, bytes and connections are recorded by the data plane as they happen;
+per-tier store figures (hits, misses, bytes, evictions, demotions, promotions, fill) are read
+from every hosted store's `stats()` at scrape time by a custom collector.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.daemon.namespaces import Hosted
+
+LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0, 2.5)
+_COUNTERS = ("hits", "bytes_in", "bytes_out", "demotions_in", "demotions_out",
+             "promotions_in", "evictions", "corrupt")
+
+
+class StoreCollector:
+    def __init__(self, hosted: Callable[[], list[Hosted]]) -> None:
+        self._hosted = hosted
+
+    def collect(self) -> Iterable:
+        counters = {name: CounterMetricFamily(f"kvtier_tier_{name}", f"per-tier {name} "
+                                              "(blocks or bytes) since start",
+                                              labels=["namespace", "tier"])
+                    for name in _COUNTERS}
+        used = GaugeMetricFamily("kvtier_tier_used_blocks", "blocks held per tier",
+                                 labels=["namespace", "tier"])
+        capacity = GaugeMetricFamily("kvtier_tier_capacity_blocks", "slots per tier",
+                                     labels=["namespace", "tier"])
+        misses = CounterMetricFamily("kvtier_misses", "block reads that found nothing",
+                                     labels=["namespace"])
+        for h in self._hosted():
+            s = h.store.stats()
+            misses.add_metric([h.label], s.misses)
+            for t in s.tiers:
+                labels = [h.label, t.kind.name.lower()]
+                used.add_metric(labels, t.used_blocks)
+                capacity.add_metric(labels, t.capacity_blocks)
+                for name in _COUNTERS:
+                    counters[name].add_metric(labels, getattr(t.counters, name))
+        yield from counters.values()
+        yield from (used, capacity, misses)
+
+
+class Metrics:
+    def __init__(self, hosted: Callable[[], list[Hosted]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ops = Counter("kvtier_ops", "data-plane requests by op and outcome",
+                           ["op", "outcome"], registry=r)
+        self.latency = Histogram("kvtier_op_seconds", "data-plane request latency by op",
+                                 ["op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.blocks = Counter("kvtier_op_blocks", "blocks named in data-plane requests",
+                              ["op"], registry=r)
+        self.net_bytes = Counter("kvtier_net_bytes", "payload bytes over the data plane",
+                                 ["direction"], registry=r)
+        self.connections = Gauge("kvtier_connections", "open data-plane connections",
+                                 registry=r)
+        self.connections_total = Counter("kvtier_connections_accepted",
+                                         "data-plane connections accepted", registry=r)
+        self.protocol_errors = Counter("kvtier_protocol_errors",
+                                       "connections closed for a protocol error", registry=r)
+        r.register(StoreCollector(hosted))
+
+    def observe(self, op: str, outcome: str, seconds: float, num_blocks: int) -> None:
+        self.ops.labels(op, outcome).inc()
+        self.latency.labels(op).observe(seconds)
+        if num_blocks:
+            self.blocks.labels(op).inc(num_blocks)

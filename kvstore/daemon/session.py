@@ -1,0 +1,247 @@
+"""One data-plane connection: hello (auth + namespace), then ops on that namespace's store.
+
+Runs on the connection's thread; every store call is synchronous (the store core is). Bulk
+bytes go straight between the socket and DRAM arena slots the op has reserved or leased
+(recv_into / sendmsg), through a scratch buffer only for SSD / GPU blocks.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvstore import wire as w
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.namespaces import Hosted, Registry, namespace_of
+from kvstore.errors import ReservationError
+from kvstore.events import TierKind
+from kvstore.store import PutStatus, Reservation
+
+STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
+
+
+def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
+    return bytes(w.MISS if t is None else int(t) for t in tiers)
+
+
+class Session:
+    def __init__(self, sock: socket.socket, registry: Registry, cfg: DaemonConfig) -> None:
+        self.sock, self.registry, self.cfg = sock, registry, cfg
+        self.hosted: Hosted | None = None
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: set[int] = set()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self.bytes_in = self.bytes_out = 0
+
+    # ------------------------------------------------------------ plumbing
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
+
+    def recv_into(self, buf: torch.Tensor) -> None:
+        w.recv_exact(self.sock, memoryview(buf.numpy()))
+        self.bytes_in += buf.numel()
+
+    def drain(self, nbytes: int) -> None:
+        """Read and drop a payload we refuse, so the connection stays in step."""
+        chunk = self.scratch(min(nbytes, 4 << 20))
+        while nbytes:
+            k = min(nbytes, chunk.numel())
+            self.recv_into(chunk[:k])
+            nbytes -= k
+
+    def reply(self, op: w.Op, msg: w.Message, payload=()) -> None:
+        w.send_frame(self.sock, msg, op, True, payload)
+        self.bytes_out += sum(memoryview(p).nbytes for p in payload)
+
+    @property
+    def store(self):
+        if self.hosted is None:
+            raise w.ProtocolError("send HELLO (token and namespace) before any other op")
+        return self.hosted.store
+
+    def dram_rows(self) -> torch.Tensor | None:
+        if self.hosted is None or TierKind.DRAM not in self.store.tier_kinds:
+            return None
+        return self.store.tier(TierKind.DRAM).arena  # [num_slots, block_bytes], CPU
+
+    # ------------------------------------------------------------ ops
+
+    def hello(self, msg: w.Hello, payload_bytes: int) -> None:
+        grant = self.cfg.tenant_of(msg.token)
+        if grant is None:
+            raise w.RemoteError(w.ErrorCode.AUTH, "bad or missing token (pass token= to the "
+                                "client; the daemon reads its tokens from --token-file)")
+        self.close_ops()
+        self.hosted = self.registry.open(namespace_of(msg), grant)
+        shm = self.hosted.shm
+        self.reply(w.Op.HELLO, w.HelloOk(
+            node_id=self.cfg.node_id, block_bytes=self.hosted.ns.block_bytes,
+            shm_path=shm.path if shm else "", shm_dev=shm.dev if shm else 0,
+            shm_ino=shm.ino if shm else 0, shm_slots=shm.num_slots if shm else 0,
+            max_payload_bytes=self.cfg.max_payload_bytes))
+
+    def check_payload(self, n: int, payload_bytes: int) -> None:
+        bb = self.hosted.ns.block_bytes
+        if payload_bytes != n * bb:
+            self.drain(payload_bytes)
+            raise w.RemoteError(w.ErrorCode.BLOCK_SIZE, f"{payload_bytes} payload bytes for "
+                                f"{n} blocks; blocks of namespace {self.hosted.ns.model!r} "
+                                f"are {bb} bytes")
+
+    def put(self, msg: w.Put, payload_bytes: int) -> None:
+        store, hashes = self.store, msg.hash_list
+        self.check_payload(len(hashes), payload_bytes)
+        res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
+        try:
+            self._recv_blocks(res, range(len(hashes)))
+        except BaseException:
+            store.abort(res.reservation_id)
+            raise
+        store.commit(res.reservation_id)
+        self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in res.statuses)))
+
+    def _recv_blocks(self, res: Reservation, indices: Sequence[int]) -> None:
+        """Receive blocks `indices` of a reservation: DRAM slots in place, the rest via
+        scratch then the tier's write_n; blocks not STORED are read and dropped."""
+        bb = self.hosted.ns.block_bytes
+        arena = self.dram_rows()
+        scratch = self.scratch(len(indices) * bb).view(-1, bb) if indices else None
+        others: dict[TierKind, list[int]] = {}
+        for k, i in enumerate(indices):
+            slot = res.slots[i]
+            if slot is not None and slot[0] is TierKind.DRAM:
+                self.recv_into(arena[slot[1]])
+                continue
+            self.recv_into(scratch[k])
+            if slot is not None:
+                others.setdefault(slot[0], []).append(k)
+        for kind, ks in others.items():
+            idx = [indices[k] for k in ks]
+            self.store.tier(kind).write_n([res.slots[i][1] for i in idx],
+                                          [res.hashes[i] for i in idx], [scratch[k] for k in ks])
+
+    def get(self, msg: w.Get, payload_bytes: int) -> None:
+        store, hashes = self.store, msg.hash_list
+        self.release_n(msg.release)
+        lease = store.acquire_n(hashes, ttl_s=self.cfg.lease_ttl_s)
+        hits = [h for h in lease.hits if h is not None]
+        arena = self.dram_rows()
+        if arena is None or any(kind is not TierKind.DRAM for kind, _ in hits):
+            store.release(lease.lease_id)
+            return self._get_copied(hashes)
+        tiers = tier_bytes([None if h is None else h[0] for h in lease.hits])
+        if msg.shm:
+            self.leases.add(lease.lease_id)
+            slots = np.array([w.NO_SLOT if h is None else h[1] for h in lease.hits], "<i8")
+            return self.reply(w.Op.GET, w.GetOk(tiers=tiers, lease_id=lease.lease_id,
+                                                slots=slots.tobytes()))
+        try:
+            self.reply(w.Op.GET, w.GetOk(tiers=tiers),
+                       [arena[slot].numpy() for _, slot in hits])
+        finally:
+            store.release(lease.lease_id)
+
+    def _get_copied(self, hashes: list[bytes]) -> None:
+        """Blocks outside DRAM (SSD, GPU): the store copies them out (and promotes them)."""
+        bb = self.hosted.ns.block_bytes
+        rows = self.scratch(len(hashes) * bb).view(-1, bb)
+        found = self.store.get_n(hashes, rows)
+        payload = [rows[i].numpy() for i, t in enumerate(found) if t is not None]
+        self.reply(w.Op.GET, w.GetOk(tiers=tier_bytes(found)), payload)
+
+    def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:
+        res = self.store.reserve_n(msg.hash_list, timeout_s=self.cfg.reservation_timeout_s)
+        self.reservations[res.reservation_id] = res
+        slots = [s[1] if s is not None and s[0] is TierKind.DRAM else w.NO_SLOT for s in res.slots]
+        self.reply(w.Op.RESERVE, w.ReserveOk(
+            reservation_id=res.reservation_id,
+            statuses=bytes(STATUS_CODES[s] for s in res.statuses),
+            slots=np.array(slots, "<i8").tobytes()))
+
+    def commit(self, msg: w.Commit, payload_bytes: int) -> None:
+        res = self.reservations.pop(msg.reservation_id, None)
+        if res is None:
+            self.drain(payload_bytes)
+            raise w.RemoteError(w.ErrorCode.RESERVATION, f"reservation {msg.reservation_id} "
+                                "is not open on this connection")
+        inline = [i for i, s in enumerate(res.slots) if s is not None and s[0] is not TierKind.DRAM]
+        try:
+            self.check_payload(len(inline), payload_bytes)
+            self._recv_blocks(res, inline)
+            self.store.commit(res.reservation_id)
+        except ReservationError as e:
+            raise w.RemoteError(w.ErrorCode.RESERVATION, str(e)) from e
+        except BaseException:
+            self._abort(res.reservation_id)
+            raise
+        self.reply(w.Op.COMMIT, w.Ack(value=len(res.hashes)))
+
+    def abort(self, msg: w.Abort, payload_bytes: int) -> None:
+        if self.reservations.pop(msg.reservation_id, None) is not None:
+            self._abort(msg.reservation_id)
+        self.reply(w.Op.ABORT, w.Ack())
+
+    def _abort(self, rid: int) -> None:
+        try:
+            self.store.abort(rid)
+        except ReservationError:
+            pass  # already reclaimed after its timeout: nothing is left to give back
+
+    def exists(self, msg: w.Exists, payload_bytes: int) -> None:
+        self.reply(w.Op.EXISTS, w.Ack(flags=bytes(self.store.contains_n(msg.hash_list))))
+
+    def match(self, msg: w.Match, payload_bytes: int) -> None:
+        m = self.store.match_prefix(msg.hash_list)
+        self.reply(w.Op.MATCH, w.MatchOk(num_blocks=m.num_blocks, tiers=tier_bytes(m.tiers)))
+
+    def remove(self, msg: w.Remove, payload_bytes: int) -> None:
+        store, hashes = self.store, msg.hash_list
+        before = sum(store.contains_n(hashes))
+        for _ in store.tier_kinds:  # evict_n moves one tier down; the last tier drops
+            store.evict_n(hashes)
+        self.reply(w.Op.REMOVE, w.Ack(value=before - sum(store.contains_n(hashes))))
+
+    def pin(self, msg: w.Pin, payload_bytes: int) -> None:
+        self.reply(w.Op.PIN, w.Ack(flags=bytes(self.store.pin_n(msg.hash_list, msg.ttl_s))))
+
+    def unpin(self, msg: w.Unpin, payload_bytes: int) -> None:
+        self.store.unpin_n(msg.hash_list)
+        self.reply(w.Op.UNPIN, w.Ack())
+
+    def release(self, msg: w.Release, payload_bytes: int) -> None:
+        self.release_n(msg.lease_ids)
+        self.reply(w.Op.RELEASE, w.Ack())
+
+    def release_n(self, lease_ids: Sequence[int]) -> None:
+        for lid in lease_ids:
+            if lid in self.leases:  # only this connection's own leases
+                self.leases.discard(lid)
+                self.store.release(lid)
+
+    def stats(self, msg: w.Stats, payload_bytes: int) -> None:
+        s = self.store.stats()
+        rows = tuple((int(t.kind), t.capacity_blocks, t.used_blocks, t.free_blocks,
+                      *vars(t.counters).values()) for t in s.tiers)
+        self.reply(w.Op.STATS, w.StatsOk(misses=s.misses, open_reservations=s.open_reservations,
+                                         open_leases=s.open_leases, tiers=rows))
+
+    def close_ops(self) -> None:
+        """The connection ended (or re-helloed): its reservations and leases end with it."""
+        if self.hosted is None:
+            return
+        for rid in list(self.reservations):
+            self._abort(rid)
+        self.reservations.clear()
+        self.release_n(list(self.leases))
+
+
+HANDLERS = {w.Op.HELLO: Session.hello, w.Op.PUT: Session.put, w.Op.GET: Session.get,
+            w.Op.RESERVE: Session.reserve, w.Op.COMMIT: Session.commit,
+            w.Op.ABORT: Session.abort, w.Op.EXISTS: Session.exists, w.Op.MATCH: Session.match,
+            w.Op.REMOVE: Session.remove, w.Op.PIN: Session.pin, w.Op.UNPIN: Session.unpin,
+            w.Op.RELEASE: Session.release, w.Op.STATS: Session.stats}
