@@ -1,0 +1,115 @@
+"""Membership and leader election against a real etcd server."""
+import asyncio
+import itertools
+
+import pytest
+
+from kvstore.cluster.membership import Change, ClusterMember
+from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
+from kvstore.errors import ConfigError
+
+TTL = 2
+_prefixes = itertools.count()
+
+
+def address(etcd):
+    # a fresh key prefix per test so tests never see each other's nodes
+    return parse_etcd_url(f"{etcd.url}-{next(_prefixes)}")
+
+
+def member(addr, name, **kw):
+    rec = NodeRecord(name, f"127.0.0.1:{9000 + len(name)}", "http://127.0.0.1:1", b"meta-" + name.encode())
+    return ClusterMember(addr, rec, ttl_s=TTL, **kw)
+
+
+def test_parse_etcd_url():
+    a = parse_etcd_url("etcd://10.0.0.1:2379,h2:2380/pool")
+    assert a.endpoints == (("10.0.0.1", 2379), ("h2", 2380)) and a.prefix == "/pool"
+    assert parse_etcd_url("etcd://h:1").prefix == "/kvtier"
+    for bad in ("http://h:1", "etcd://h", "etcd://:5"):
+        with pytest.raises(ConfigError):
+            parse_etcd_url(bad)
+
+
+def test_records_roundtrip_and_refuse_garbage():
+    rec = NodeRecord("n1", "127.0.0.1:5", "http://127.0.0.1:6", b"\x00\x01")
+    assert NodeRecord.decode(rec.encode()) == rec
+    with pytest.raises(ClusterError):
+        NodeRecord.decode(b"\xc1garbage")
+
+
+@pytest.mark.asyncio
+async def test_nodes_see_each_other_and_one_leads(etcd):
+    addr = address(etcd)
+    a, b = member(addr, "a"), member(addr, "b")
+    await a.start()
+    await b.start()
+    try:
+        await a.wait_for(lambda m: set(m.members) == {"a", "b"}, 10)
+        assert set(b.members) == {"a", "b"}
+        assert b.members["a"].agent_metadata == b"meta-a"
+        assert a.is_leader and not b.is_leader and b.leader_id == "a"
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_graceful_leave_is_seen_at_once_and_the_standby_leads(etcd):
+    addr = address(etcd)
+    a, b = member(addr, "a"), member(addr, "b")
+    await a.start()
+    await b.start()
+    events = b.subscribe()
+    try:
+        await a.stop(graceful=True)
+        await b.wait_for(lambda m: m.is_leader and "a" not in m.members, 5)
+        seen = []
+        while not events.empty():
+            seen.append(events.get_nowait())
+        assert (Change.LEFT, "a") in [(e.change, e.node_id) for e in seen]
+    finally:
+        await b.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_crashed_leader_is_replaced_after_its_lease_expires(etcd):
+    addr = address(etcd)
+    a, b, c = member(addr, "a"), member(addr, "b"), member(addr, "c")
+    for m in (a, b, c):
+        await m.start()
+    try:
+        await c.wait_for(lambda m: len(m.members) == 3, 10)
+        await a.stop(graceful=False)           # silent: no revoke, like a SIGKILL
+        assert "a" in b.members                # still there until the TTL runs out
+        await b.wait_for(lambda m: "a" not in m.members and m.leader_id in ("b", "c"), 4 * TTL + 5)
+        await c.wait_for(lambda m: m.leader_id == b.leader_id, 5)
+        assert [b.is_leader, c.is_leader].count(True) == 1
+    finally:
+        await b.stop()
+        await c.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_node_that_comes_back_registers_again(etcd):
+    addr = address(etcd)
+    a, b = member(addr, "a"), member(addr, "b")
+    await a.start()
+    await b.start()
+    try:
+        await b.stop()
+        await a.wait_for(lambda m: "b" not in m.members, 5)
+        b = member(addr, "b")
+        await b.start()
+        await a.wait_for(lambda m: "b" in m.members, 5)
+        assert b.leader_id == "a"
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_no_etcd_is_a_clear_error():
+    m = member(parse_etcd_url("etcd://127.0.0.1:1/x"), "a")
+    with pytest.raises(ClusterError, match="no etcd endpoint answered"):
+        await m.start()
