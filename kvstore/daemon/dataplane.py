@@ -64,6 +64,9 @@ class Connection:
         outcome = "ok"
         try:
             handler(self.session, frame.msg, frame.payload_bytes)
+        except w.ProtocolError:
+            outcome = "protocol"
+            raise  # answered and closed by run()
         except w.RemoteError as e:
             outcome = e.code.name.lower()
             self._send_error(e.code, str(e).split(": ", 1)[-1])

@@ -34,9 +34,13 @@ class StoreCollector:
                                      labels=["namespace", "tier"])
         misses = CounterMetricFamily("kvtier_misses", "block reads that found nothing",
                                      labels=["namespace"])
+        lease_hits = CounterMetricFamily("kvtier_lease_hits", "DRAM blocks read through "
+                                         "leases (shared memory or zero-copy TCP)",
+                                         labels=["namespace"])
         for h in self._hosted():
             s = h.store.stats()
             misses.add_metric([h.label], s.misses)
+            lease_hits.add_metric([h.label], h.lease_hits)
             for t in s.tiers:
                 labels = [h.label, t.kind.name.lower()]
                 used.add_metric(labels, t.used_blocks)
@@ -44,7 +48,7 @@ class StoreCollector:
                 for name in _COUNTERS:
                     counters[name].add_metric(labels, getattr(t.counters, name))
         yield from counters.values()
-        yield from (used, capacity, misses)
+        yield from (used, capacity, misses, lease_hits)
 
 
 class Metrics:

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from kvstore.config import StoreConfig, TierConfig
@@ -37,6 +37,14 @@ class Hosted:
     store: TieredStore
     shm: ShmInfo | None
     quota_blocks: int
+    # Hits served from leased DRAM slots (shm and zero-copy TCP reads): the store counts
+    # only get_n hits, so the daemon counts these itself.
+    lease_hits: int = 0
+    _count_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count_lease_hits(self, n: int) -> None:
+        with self._count_lock:
+            self.lease_hits += n
 
     @property
     def label(self) -> str:

@@ -135,6 +135,7 @@ class Session:
             store.release(lease.lease_id)
             return self._get_copied(hashes)
         tiers = tier_bytes([None if h is None else h[0] for h in lease.hits])
+        self.hosted.count_lease_hits(len(hits))
         if msg.shm:
             self.leases.add(lease.lease_id)
             slots = np.array([w.NO_SLOT if h is None else h[1] for h in lease.hits], "<i8")

@@ -1,0 +1,91 @@
+"""The SDK against a real daemon: every op, both paths (shared memory and TCP), byte-exact."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore import AsyncClient, Client
+from kvstore.events import TierKind
+from kvstore.keys import hash_blocks
+from kvstore.store import PutStatus
+
+from .conftest import NS, block_of
+
+BB = NS.block_bytes
+
+
+def chain(seed: int, n: int) -> list[bytes]:
+    return hash_blocks(NS, np.arange(n * NS.block_tokens) + seed * 1_000_003)
+
+
+@pytest.fixture(params=[True, False], ids=["shm", "tcp"])
+def client(request, daemon):
+    c = Client(daemon.url, namespace=NS, use_shm=request.param)
+    assert c.uses_shm is request.param  # same host: the shm path is negotiated
+    yield c
+    c.close()
+
+
+def test_put_get_byte_exact_tensor_and_numpy(client):
+    hs = chain(1 + client.uses_shm, 12)
+    src = torch.from_numpy(np.stack([block_of(h, BB) for h in hs]))
+    assert client.put_n(hs, src) == [PutStatus.STORED] * 12
+    assert client.put_n(hs, src) == [PutStatus.EXISTS] * 12  # content-addressed no-op
+    dst = torch.zeros_like(src)
+    assert all(t is not None for t in client.get_n(hs, dst))
+    assert torch.equal(dst, src)
+    arrays = [np.zeros(BB, np.uint8) for _ in hs]
+    assert None not in client.get_n_into(hs, arrays)
+    assert all((a == block_of(h, BB)).all() for a, h in zip(arrays, hs))
+    assert client.get(hs[3]) == block_of(hs[3], BB).tobytes()
+
+
+def test_misses_leave_destination_alone(client):
+    hs = chain(10 + client.uses_shm, 3)
+    client.put(hs[1], block_of(hs[1], BB))
+    dst = np.full((3, BB), 7, np.uint8)
+    tiers = client.get_n(hs, dst)
+    assert tiers[0] is None and tiers[2] is None and tiers[1] is not None
+    assert (dst[0] == 7).all() and (dst[1] == block_of(hs[1], BB)).all()
+    assert client.get(b"\x00" * 16) is None
+
+
+def test_metadata_ops_match_store_semantics(client):
+    hs = chain(20 + client.uses_shm, 8)
+    client.put_n(hs[:5], [block_of(h, BB) for h in hs[:5]])
+    assert client.exists_n(hs) == [True] * 5 + [False] * 3
+    assert client.contains_n(hs[4:6]) == [True, False]
+    m = client.match_prefix(hs)
+    assert m.num_blocks == 5 and all(isinstance(t, TierKind) for t in m.tiers)
+    assert client.remove(hs[2]) is True and client.remove(hs[2]) is False
+    assert client.match_prefix(hs).num_blocks == 2
+    assert client.pin(hs[:3]) == [True, True, False]
+    client.unpin(hs[:2])
+    s = client.stats()
+    assert s.block_bytes == BB and sum(t.used_blocks for t in s.tiers) >= 4
+
+
+def test_wrong_buffer_size_is_refused_before_sending(client):
+    from kvstore.errors import BlockSizeError
+    with pytest.raises(BlockSizeError):
+        client.put_n(chain(30, 2), np.zeros(BB, np.uint8))
+
+
+def test_async_client_same_surface(daemon):
+    async def main():
+        async with AsyncClient(daemon.url, namespace=NS) as c:
+            hs = chain(40, 6)
+            src = np.stack([block_of(h, BB) for h in hs])
+            assert await c.put_n(hs, src) == [PutStatus.STORED] * 6
+            dst = np.zeros_like(src)
+            results = await asyncio.gather(c.get_n(hs[:3], dst[:3]), c.get_n(hs[3:], dst[3:]))
+            assert None not in results[0] + results[1] and (dst == src).all()
+            assert (await c.match_prefix(hs)).num_blocks == 6
+            assert await c.exists_n(hs[:1]) == [True]
+            assert await c.get(hs[0]) == src[0].tobytes()
+            assert await c.remove(hs[5])
+            assert (await c.stats()).block_bytes == BB
+    asyncio.run(main())

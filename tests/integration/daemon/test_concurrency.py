@@ -1,0 +1,50 @@
+"""Many clients at once (threads and processes), mixed put/get, byte-exact."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import numpy as np
+
+from kvstore import Client
+from kvstore.keys import hash_blocks
+
+from .conftest import NS, block_of
+
+BB = NS.block_bytes
+
+
+def _worker(url: str, seed: int, use_shm: bool, rounds: int = 15) -> int:
+    """Puts its own chains and re-reads them plus a shared chain; returns bad block count."""
+    rng = np.random.default_rng(seed)
+    shared = hash_blocks(NS, np.arange(8 * 16))
+    bad = 0
+    with Client(url, namespace=NS, use_shm=use_shm, pool_size=2) as c:
+        c.put_n(shared, np.stack([block_of(h, BB) for h in shared]))
+        for r in range(rounds):
+            hs = hash_blocks(NS, rng.integers(0, 50_000, 16 * int(rng.integers(1, 9))))
+            c.put_n(hs, np.stack([block_of(h, BB) for h in hs]))
+            probe = hs + shared
+            dst = np.zeros((len(probe), BB), np.uint8)
+            for i, t in enumerate(c.get_n(probe, dst)):
+                if t is not None and not (dst[i] == block_of(probe[i], BB)).all():
+                    bad += 1  # a hit must be exact; a miss is allowed (evicted)
+    return bad
+
+
+def test_threads_mixed_put_get(daemon):
+    bad: list[int] = []
+    threads = [threading.Thread(target=lambda i=i: bad.append(_worker(daemon.url, i, i % 2 == 0)))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(bad) == 8 and sum(bad) == 0
+
+
+def test_processes_mixed_put_get(daemon):
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        bad = pool.starmap(_worker, [(daemon.url, 100 + i, i % 2 == 0) for i in range(4)])
+    assert bad == [0, 0, 0, 0]

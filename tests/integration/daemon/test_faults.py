@@ -1,0 +1,183 @@
+"""Bad input and faults against a real daemon: each refused clearly, only that connection
+closed, and the daemon keeps serving everyone else."""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvstore import Client
+from kvstore import wire as w
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.store import PutStatus
+
+from .conftest import NS, block_of
+
+BB = NS.block_bytes
+
+
+def raw_conn(daemon) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", daemon.port), timeout=5)
+    return s
+
+
+def hello(s: socket.socket, ns=NS, token: str = "") -> w.Message:
+    msg = w.Hello(token=token, model=ns.model, num_layers=ns.num_layers,
+                  num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, dtype=ns.dtype,
+                  block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant)
+    w.send_frame(s, msg, w.Op.HELLO, False)
+    return w.recv_frame(s, 1 << 30).msg
+
+
+def expect_error_then_close(s: socket.socket, code: w.ErrorCode) -> str:
+    frame = w.recv_frame(s, 1 << 30)
+    assert frame.op is w.Op.ERROR and frame.msg.code == code, frame.msg
+    try:  # the daemon closed this connection (a reset when our junk was left unread)
+        assert s.recv(1) == b""
+    except ConnectionResetError:
+        pass
+    return frame.msg.message
+
+
+def still_serving(daemon) -> None:
+    with Client(daemon.url, namespace=NS, use_shm=False) as c:
+        h = hash_blocks(NS, np.arange(16) + int(time.time_ns() % 10**9))[0]
+        c.put(h, block_of(h, BB))
+        assert c.get(h) == block_of(h, BB).tobytes()
+
+
+def test_malformed_frame(daemon):
+    with raw_conn(daemon) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert "magic" in expect_error_then_close(s, w.ErrorCode.PROTOCOL)
+    with raw_conn(daemon) as s:  # right prefix, header not msgpack of the right shape
+        s.sendall(w.PREFIX.pack(w.MAGIC, w.PROTOCOL_VERSION, w.Op.HELLO, 3, 0) + b"\xc1\xc1\xc1")
+        expect_error_then_close(s, w.ErrorCode.PROTOCOL)
+    still_serving(daemon)
+
+
+def test_wrong_protocol_version(daemon):
+    with raw_conn(daemon) as s:
+        s.sendall(w.PREFIX.pack(w.MAGIC, 99, w.Op.HELLO, 0, 0))
+        assert "version 99" in expect_error_then_close(s, w.ErrorCode.VERSION)
+    still_serving(daemon)
+
+
+def test_oversized_length_fields(daemon):
+    for header_len, payload_len in ((w.MAX_HEADER_BYTES + 1, 0), (10, 1 << 40)):
+        with raw_conn(daemon) as s:
+            s.sendall(w.PREFIX.pack(w.MAGIC, w.PROTOCOL_VERSION, w.Op.PUT, header_len, payload_len))
+            expect_error_then_close(s, w.ErrorCode.TOO_LARGE)
+    still_serving(daemon)
+
+
+def test_op_before_hello_and_unknown_op(daemon):
+    with raw_conn(daemon) as s:
+        w.send_frame(s, w.Stats(), w.Op.STATS, False)
+        assert "HELLO" in expect_error_then_close(s, w.ErrorCode.PROTOCOL)
+    with raw_conn(daemon) as s:
+        s.sendall(w.PREFIX.pack(w.MAGIC, w.PROTOCOL_VERSION, 4242, 1, 0) + msgpack.packb([]))
+        expect_error_then_close(s, w.ErrorCode.PROTOCOL)
+
+
+def test_wrong_block_size_keeps_connection(daemon):
+    with raw_conn(daemon) as s:
+        assert isinstance(hello(s), w.HelloOk)
+        h = hash_blocks(NS, np.arange(16) + 5)[0]
+        w.send_frame(s, w.Put(hashes=h), w.Op.PUT, False, [b"\x01" * (BB - 1)])
+        frame = w.recv_frame(s, 1 << 30)
+        assert frame.msg.code == w.ErrorCode.BLOCK_SIZE and str(BB) in frame.msg.message
+        w.send_frame(s, w.Exists(hashes=h), w.Op.EXISTS, False)  # same connection still works
+        assert w.recv_frame(s, 1 << 30).msg.flags == b"\x00"
+
+
+def test_bad_namespace_refused(daemon):
+    with raw_conn(daemon) as s:
+        w.send_frame(s, w.Hello(model="", num_layers=0), w.Op.HELLO, False)
+        frame = w.recv_frame(s, 1 << 30)
+        assert frame.msg.code == w.ErrorCode.NAMESPACE and "model" in frame.msg.message
+
+
+def test_disconnect_mid_put_leaves_nothing(daemon):
+    hs = hash_blocks(NS, np.arange(4 * 16) + 777)
+    with raw_conn(daemon) as s:  # TCP put: header + a block and a bit, then gone
+        hello(s)
+        s.sendall(w.encode(w.Put(hashes=w.pack_hashes(hs)), w.Op.PUT, False, 4 * BB))
+        s.sendall(b"\x01" * (BB + 100))
+    with raw_conn(daemon) as s:  # shm-style put: reserve, then the client dies before commit
+        hello(s)
+        w.send_frame(s, w.Reserve(hashes=w.pack_hashes(hs)), w.Op.RESERVE, False)
+        assert w.recv_frame(s, 1 << 30).msg.statuses == b"\x00" * 4
+    with Client(daemon.url, namespace=NS) as c:
+        deadline = time.monotonic() + 10
+        while c.stats().open_reservations and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats().open_reservations == 0
+        assert c.exists_n(hs) == [False] * 4  # nothing half-written became visible
+        assert c.put_n(hs, [block_of(h, BB) for h in hs]) == [PutStatus.STORED] * 4
+
+
+def test_full_store_reports_no_space(make_daemon):
+    d = make_daemon("--dram-size", "16KiB", "--ssd-size", "0")  # 4 slots, DRAM only
+    with Client(d.url, namespace=NS) as c:
+        hs = hash_blocks(NS, np.arange(6 * 16))
+        assert c.put_n(hs[:4], [block_of(h, BB) for h in hs[:4]]) == [PutStatus.STORED] * 4
+        assert c.pin(hs[:4]) == [True] * 4
+        assert c.put_n(hs[4:], [block_of(h, BB) for h in hs[4:]]) == [PutStatus.NO_SPACE] * 2
+        c.unpin(hs[:4])
+        assert c.put_n(hs[4:], [block_of(h, BB) for h in hs[4:]]) == [PutStatus.STORED] * 2
+
+
+def test_auth_token_and_tenant_isolation(make_daemon, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admin-secret\nalice-secret alice\nbob-secret bob\n")
+    d = make_daemon("--token-file", str(tokens))
+    alice = Namespace(NS.model, 1, 1, 64, tenant="alice")
+    bob = Namespace(NS.model, 1, 1, 64, tenant="bob")
+    for token in ("", "wrong"):
+        with pytest.raises(w.AuthError):
+            Client(d.url, token=token, namespace=alice)
+    with pytest.raises(w.AuthError, match="tenant"):
+        Client(d.url, token="alice-secret", namespace=bob)
+    with Client(d.url, token="alice-secret", namespace=alice) as a, \
+            Client(d.url, token="bob-secret", namespace=bob) as b:
+        hs = hash_blocks(NS, np.arange(32))  # same raw hashes in both namespaces
+        a.put_n(hs, [block_of(h, BB) for h in hs])
+        assert b.exists_n(hs) == [False, False] and b.get(hs[0]) is None
+        assert b.remove_n(hs) == 0 and a.exists_n(hs) == [True, True]
+    import urllib.error
+    with pytest.raises(urllib.error.HTTPError) as e:
+        d.get_json("/stats")
+    assert e.value.code == 401
+    seen = d.get_json("/admin/namespaces", token="bob-secret")["namespaces"]
+    assert {n["tenant"] for n in seen} == {"bob"}
+    assert len(d.get_json("/admin/namespaces", token="admin-secret")["namespaces"]) == 2
+
+
+def test_non_loopback_bind_without_token_refused(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--host", "0.0.0.0",
+                        "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "token" in r.stderr
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.binary(min_size=1, max_size=200))
+def test_fuzzed_bytes_close_only_that_connection(daemon, junk):
+    with raw_conn(daemon) as s:
+        s.settimeout(5)
+        try:
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):  # an error frame (or nothing), then the daemon closes
+                pass
+        except OSError:  # reset / not connected: the daemon already closed it
+            pass
+    with raw_conn(daemon) as s:  # and it still serves the next client
+        assert isinstance(hello(s), w.HelloOk)

@@ -1,0 +1,38 @@
+"""Daemon configuration: the loopback rule, token files, tenants, the TOML file."""
+from __future__ import annotations
+
+import pytest
+
+from kvstore.daemon.config import ADMIN, DaemonConfig, read_token_file, read_toml
+from kvstore.errors import ConfigError
+
+
+def test_non_loopback_bind_needs_a_token():
+    with pytest.raises(ConfigError, match="token"):
+        DaemonConfig(host="0.0.0.0")
+    assert DaemonConfig(host="0.0.0.0", tokens=(("s", ADMIN),)).auth_required
+    assert not DaemonConfig(host="::1").auth_required
+
+
+def test_token_file_and_tenant_grants(tmp_path):
+    f = tmp_path / "tokens"
+    f.write_text("# comment\nadmin-token\nalice-token alice  # alice only\n")
+    cfg = DaemonConfig(tokens=read_token_file(str(f)))
+    assert cfg.tenant_of("admin-token") == ADMIN
+    assert cfg.tenant_of("alice-token") == "alice"
+    assert cfg.tenant_of("nope") is None and cfg.tenant_of("") is None
+    assert DaemonConfig().tenant_of("") == ADMIN  # no tokens configured: loopback, open
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="no token"):
+        read_token_file(str(tmp_path / "empty"))
+
+
+def test_toml(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[serve]\nport = 9000\ndram_bytes = "2GiB"\n[quotas]\nalice = 10\n')
+    kw = read_toml(str(f))
+    assert kw["port"] == 9000 and kw["tenant_quotas"] == (("alice", 10),)
+    f.write_text("[serve]\nbogus = 1\n")
+    with pytest.raises(ConfigError, match="bogus"):
+        read_toml(str(f))
+    assert DaemonConfig(quota_blocks=5, tenant_quotas=(("a", 2),)).quota_for("a") == 2

@@ -1,0 +1,77 @@
+"""The data-plane codec: round trips, clear errors, and a Hypothesis fuzz of the decoder."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+from hypothesis import given, strategies as st
+
+from kvstore import wire as w
+
+MESSAGES = [w.Hello(token="t", model="m", num_layers=1, num_kv_heads=1, head_dim=64,
+                    dtype="float16", block_tokens=16, revision="main", tenant="a"),
+            w.Put(hashes=b"h" * 32), w.Get(hashes=b"g" * 16, shm=True, release=(3, 4)),
+            w.Reserve(hashes=b"r" * 16), w.Commit(reservation_id=7), w.Abort(reservation_id=7),
+            w.Exists(hashes=b""), w.Match(hashes=b"m" * 48), w.Remove(hashes=b"x" * 16),
+            w.Pin(hashes=b"p" * 16, ttl_s=1.5), w.Pin(hashes=b"p" * 16), w.Unpin(hashes=b""),
+            w.Release(lease_ids=(1,)), w.Stats()]
+
+
+def decode(raw: bytes, max_payload: int = 1 << 30) -> w.Message:
+    op, reply, header_len, payload_len = w.decode_prefix(raw[:w.PREFIX.size], max_payload)
+    return w.decode_header(op, reply, raw[w.PREFIX.size:w.PREFIX.size + header_len])
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_requests_round_trip(msg):
+    assert decode(w.encode(msg, msg.OP, False)) == msg
+
+
+def test_replies_round_trip():
+    for op, msg in [(w.Op.GET, w.GetOk(tiers=b"\x01\xff", lease_id=3, slots=b"\0" * 16)),
+                    (w.Op.STATS, w.StatsOk(misses=1, tiers=((1, 2, 3),))),
+                    (w.Op.EXISTS, w.Ack(flags=b"\x01")), (w.Op.ERROR, w.Error(code=2, message="x"))]:
+        assert decode(w.encode(msg, op, True)) == msg
+
+
+def test_clear_errors():
+    good = w.encode(w.Stats(), w.Op.STATS, False)
+    with pytest.raises(w.ProtocolError, match="magic"):
+        decode(b"XXXX" + good[4:])
+    with pytest.raises(w.ProtocolError, match="version 9") as e:
+        decode(w.PREFIX.pack(w.MAGIC, 9, w.Op.STATS, 0, 0))
+    assert e.value.code is w.ErrorCode.VERSION
+    with pytest.raises(w.ProtocolError, match="limit") as e:
+        decode(w.PREFIX.pack(w.MAGIC, 1, w.Op.PUT, 1, 1 << 31))
+    assert e.value.code is w.ErrorCode.TOO_LARGE
+    with pytest.raises(w.ProtocolError, match="multiple of 16"):
+        w.Put(hashes=b"short")
+    with pytest.raises(w.ProtocolError, match="must be int"):
+        w.Commit(reservation_id="7")
+
+
+def test_send_frame_gathers_payload():
+    a, b = socket.socketpair()
+    with a, b:
+        w.send_frame(a, w.Put(hashes=b"h" * 16), w.Op.PUT, False, [b"x" * 1000, bytearray(24)])
+        frame = w.recv_frame(b, 1 << 20)
+        assert frame.payload_bytes == 1024 and frame.msg.hashes == b"h" * 16
+        buf = bytearray(1024)
+        w.recv_exact(b, memoryview(buf))
+        assert buf[:1000] == b"x" * 1000
+
+
+@given(st.binary(max_size=300))
+def test_fuzz_decoder_any_bytes_decode_or_protocol_error(raw):
+    try:
+        decode(raw.ljust(w.PREFIX.size, b"\0"))
+    except w.ProtocolError:
+        pass
+
+
+@given(st.sampled_from(list(w.Op)), st.booleans(), st.binary(max_size=200))
+def test_fuzz_header_after_valid_prefix(op, reply, header):
+    try:
+        w.decode_header(int(op), reply, header)
+    except w.ProtocolError:
+        pass
