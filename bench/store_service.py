@@ -1,0 +1,328 @@
+"""`kvtier serve` through the SDK, against baselines measured in the same run.
+
+A real daemon runs in another process (DRAM tier only, so fresh puts evict instead of
+writing SSD). For 256 KiB, 1 MiB and 4 MiB blocks, single and batched (16): put and get
+GB/s over the same-host shared-memory path and over TCP. Baselines: a memcpy of the same
+bytes (shm path), a raw loopback socket stream of the same bytes with one round trip per
+op (TCP path), and a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken
+directly over a socket) when `redis-server` is on PATH. Mooncake Store is skipped with a
+reason. Metadata: match_prefix over a 1,000-block chain and exists_n of 1,000 keys vs the
+same calls on an in-process TieredStore.
+
+    python bench/store_service.py [--quick] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+import torch
+
+# bench/transfer.py would shadow the `transfer` package the SDK imports: drop bench/ from
+# the path while importing kvstore, then put it back for `common`.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+from kvstore.client import Client  # noqa: E402
+from kvstore.config import StoreConfig, TierConfig  # noqa: E402
+from kvstore.events import TierKind  # noqa: E402
+from kvstore.keys import Namespace, hash_blocks  # noqa: E402
+from kvstore.store import TieredStore  # noqa: E402
+
+sys.path.insert(0, _HERE)
+from common import Row, add_common_args, report  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = {"256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def namespace_for(block_bytes: int) -> Namespace:
+    return Namespace("bench", num_layers=block_bytes // (32 * KiB), num_kv_heads=8, head_dim=64)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rate(fn, nbytes: int, seconds: float) -> float:
+    """GB/s of repeated fn() calls moving nbytes each, over about `seconds`."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds and n >= 3:
+            return n * nbytes / dt / 1e9
+
+
+def ops_rate(fn, seconds: float) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while (dt := time.perf_counter() - t0) < seconds or n < 3:
+        fn()
+        n += 1
+    return n / dt
+
+
+# ------------------------------------------------------------------ raw socket baseline
+
+
+def _sink(port: int, ready) -> None:
+    srv = socket.create_server(("127.0.0.1", port))
+    ready.set()
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(64 * MiB)
+    view = memoryview(buf)
+    while True:
+        head = conn.recv(9, socket.MSG_WAITALL)
+        if len(head) < 9:
+            return
+        op, n = struct.unpack("<cQ", head)
+        if op == b"P":
+            got = 0
+            while got < n:
+                got += conn.recv_into(view[:min(n - got, len(buf))])
+            conn.sendall(b"k")
+        else:
+            conn.sendall(view[:n])
+
+
+class RawSocket:
+    """One request/ack (put) or request/stream (get) per op, like the daemon's protocol."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        port, ready = free_port(), ctx.Event()
+        self.proc = ctx.Process(target=_sink, args=(port, ready), daemon=True)
+        self.proc.start()
+        ready.wait(30)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def put(self, data: memoryview) -> None:
+        self.sock.sendall(struct.pack("<cQ", b"P", len(data)))
+        self.sock.sendall(data)
+        self.sock.recv(1)
+
+    def get(self, out: memoryview) -> None:
+        self.sock.sendall(struct.pack("<cQ", b"G", len(out)))
+        got = 0
+        while got < len(out):
+            got += self.sock.recv_into(out[got:])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(5)
+
+
+# ------------------------------------------------------------------ redis (RESP by hand)
+
+
+class RedisPeer:
+    """A redis-server on a free loopback port, driven with pipelined SET/GET."""
+
+    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+        self.proc = proc
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.rfile = self.sock.makefile("rb", buffering=1 << 20)
+
+    @staticmethod
+    def skip_reason() -> str:
+        return "redis-server is not on PATH (apt-get install redis-server)"
+
+    @classmethod
+    def start(cls) -> "RedisPeer | None":
+        exe = shutil.which("redis-server")
+        if exe is None:
+            return None
+        port = free_port()
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--protected-mode", "yes"],
+                                stdout=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                return cls(proc, port)
+            except OSError:
+                time.sleep(0.05)
+        proc.kill()
+        return None
+
+    def set_n(self, keys: list[bytes], value: memoryview) -> None:
+        head = b"$%d\r\n" % len(value)
+        bufs = []
+        for k in keys:
+            bufs += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n" % (len(k), k) + head, value, b"\r\n"]
+        self.sock.sendmsg(bufs) if sum(map(len, bufs)) < (1 << 16) else _send_all(self.sock, bufs)
+        for _ in keys:
+            assert self.rfile.readline() == b"+OK\r\n"
+
+    def get_n(self, keys: list[bytes], out: memoryview) -> None:
+        self.sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+                                   for k in keys))
+        n = len(out) // len(keys)
+        for i in range(len(keys)):
+            line = self.rfile.readline()
+            self.rfile.readinto(out[i * n:(i + 1) * n])
+            self.rfile.read(2)
+            assert int(line[1:]) == n
+
+    def rates(self, nbytes: int, batch: int, seconds: float) -> tuple[float, float]:
+        value = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, np.uint8))
+        out = memoryview(bytearray(nbytes * batch))
+        keys = [b"k%d-%d" % (nbytes, i) for i in range(batch)]
+        return (rate(lambda: self.set_n(keys, value), nbytes * batch, seconds),
+                rate(lambda: self.get_n(keys, out), nbytes * batch, seconds))
+
+    def stop(self) -> None:
+        self.sock.close()
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def _send_all(sock: socket.socket, bufs: list) -> None:
+    for b in bufs:
+        sock.sendall(b)
+
+
+# ------------------------------------------------------------------ the daemon
+
+
+def start_daemon(workdir: str) -> tuple[subprocess.Popen, str, int]:
+    port, http_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port), "--http-port",
+           str(http_port), "--data-dir", workdir, "--dram-size", "320MiB", "--ssd-size", "0",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1).read()
+            return proc, f"kvtier://127.0.0.1:{port}", http_port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("kvtier serve did not start")
+
+
+class Case:
+    """Fresh hashes for every put (so each put moves bytes); gets re-read one stored set."""
+
+    def __init__(self, client: Client, ns: Namespace, batch: int) -> None:
+        self.c, self.ns, self.batch = client, ns, batch
+        self.src = torch.randint(0, 256, (batch, ns.block_bytes), dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.round = 0
+        self.stored = self._fresh()
+        client.put_n(self.stored, self.src)
+        client.pin(self.stored)  # the puts that follow must not evict the set gets re-read
+
+    def close(self) -> None:
+        self.c.unpin(self.stored)
+
+    def _fresh(self) -> list[bytes]:
+        self.round += 1
+        toks = np.arange(self.batch * self.ns.block_tokens) + self.round * 10**7 + id(self) % 997
+        return hash_blocks(self.ns, toks)
+
+    def put(self) -> None:
+        self.c.put_n(self._fresh(), self.src)
+
+    def get(self) -> None:
+        if None in self.c.get_n(self.stored, self.dst):
+            raise RuntimeError("a benchmark get missed: the figures would be meaningless")
+
+
+def data_rows(url: str, redis: RedisPeer | None, raw: RawSocket, seconds: float) -> list[Row]:
+    rows = []
+    for label, nbytes in SIZES.items():
+        ns = namespace_for(nbytes)
+        clients = {"shm": Client(url, namespace=ns), "tcp": Client(url, namespace=ns, use_shm=False)}
+        assert clients["shm"].uses_shm, "the bench runs on the daemon's host"
+        for batch in (1, 16):
+            total = nbytes * batch
+            a = torch.randint(0, 256, (total,), dtype=torch.uint8)
+            b = torch.empty_like(a)
+            memcpy = rate(lambda: b.copy_(a), total, seconds)
+            view = memoryview(b.numpy())
+            raw_put = rate(lambda: raw.put(memoryview(a.numpy())), total, seconds)
+            raw_get = rate(lambda: raw.get(view), total, seconds)
+            peer = redis.rates(nbytes, batch, seconds) if redis else None
+            for path, client in clients.items():
+                case = Case(client, ns, batch)
+                name = f"{path} {{}} {label} x{batch}"
+                base = ("memcpy", memcpy, memcpy) if path == "shm" else \
+                    ("raw socket", raw_put, raw_get)
+                get, put = rate(case.get, total, seconds), rate(case.put, total, seconds)
+                case.close()
+                rows += [Row(name.format("put"), "GB/s", put, base[0], base[1]),
+                         Row(name.format("get"), "GB/s", get, base[0], base[2])]
+                if peer and path == "tcp":
+                    rows += [Row(name.format("put"), "GB/s", put, "redis", peer[0]),
+                             Row(name.format("get"), "GB/s", get, "redis", peer[1])]
+        for c in clients.values():
+            c.close()
+    return rows
+
+
+def metadata_rows(url: str, seconds: float) -> list[Row]:
+    ns = Namespace("bench-meta", num_layers=1, num_kv_heads=1, head_dim=64)
+    hs = hash_blocks(ns, np.arange(1000 * ns.block_tokens))
+    blocks = torch.zeros(1000, ns.block_bytes, dtype=torch.uint8)
+    local = TieredStore(ns, StoreConfig((TierConfig(TierKind.DRAM, 2000),)))
+    rows = []
+    with Client(url, namespace=ns) as c:
+        c.put_n(hs, blocks)
+        local.put_n(hs, blocks)
+        for name, remote, inproc in (
+                ("match_prefix 1000-block chain", lambda: c.match_prefix(hs),
+                 lambda: local.match_prefix(hs)),
+                ("exists_n 1000 keys", lambda: c.exists_n(hs), lambda: local.contains_n(hs))):
+            rows.append(Row(name, "ops/s", ops_rate(remote, seconds), "in-process store",
+                            ops_rate(inproc, seconds)))
+    local.close()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(p)
+    p.add_argument("--quick", action="store_true", help="short run (< 30 s)")
+    args = p.parse_args()
+    torch.manual_seed(args.seed)
+    seconds = 0.08 if args.quick else 0.4
+    workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
+    proc, url, _ = start_daemon(workdir)
+    raw = RawSocket()
+    redis = RedisPeer.start()
+    if redis is None:
+        print(f"redis: skipped ({RedisPeer.skip_reason()})")
+    print("mooncake: skipped (mooncake-transfer-engine-non-cuda is not installed here; its "
+          "store listens on every interface and needs libibverbs1/libnl — see the report)")
+    try:
+        rows = data_rows(url, redis, raw, seconds) + metadata_rows(url, seconds)
+    finally:
+        raw.close()
+        if redis:
+            redis.stop()
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(workdir, ignore_errors=True)
+    report("store_service", rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
