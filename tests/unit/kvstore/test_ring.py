@@ -1,0 +1,34 @@
+import collections
+
+from kvstore.cluster.ring import HashRing
+from kvstore.keys import Namespace, hash_blocks
+
+NS = Namespace("m", 1, 1, 8)
+KEYS = hash_blocks(NS, list(range(16 * 4000)))
+
+
+def test_owners_are_distinct_and_stable():
+    ring = HashRing(["a", "b", "c"])
+    for k in KEYS[:100]:
+        owners = ring.owners(k, replicas=2)
+        assert len(owners) == 2 and len(set(owners)) == 2
+        assert owners == HashRing(["c", "a", "b"]).owners(k, replicas=2)
+    assert ring.owners(KEYS[0], replicas=5) == ring.owners(KEYS[0], replicas=3)
+    assert HashRing().owners(KEYS[0]) == []
+
+
+def test_load_is_spread():
+    ring = HashRing([f"n{i}" for i in range(4)])
+    counts = collections.Counter(ring.owners(k)[0] for k in KEYS)
+    assert min(counts.values()) > len(KEYS) / 4 * 0.6
+
+
+def test_a_leaving_node_moves_only_its_own_blocks():
+    ring = HashRing(["a", "b", "c", "d"])
+    before = {k: ring.owners(k)[0] for k in KEYS}
+    ring.remove("d")
+    after = {k: ring.owners(k)[0] for k in KEYS}
+    moved = [k for k in KEYS if before[k] != after[k]]
+    assert moved and all(before[k] == "d" for k in moved)
+    ring.add("d")
+    assert {k: ring.owners(k)[0] for k in KEYS} == before
