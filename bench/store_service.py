@@ -205,7 +205,7 @@ def _send_all(sock: socket.socket, bufs: list) -> None:
 def start_daemon(workdir: str) -> tuple[subprocess.Popen, str, int]:
     port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port), "--http-port",
-           str(http_port), "--data-dir", workdir, "--dram-size", "320MiB", "--ssd-size", "0",
+           str(http_port), "--data-dir", workdir, "--dram-size", "192MiB", "--ssd-size", "0",
            "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     for _ in range(300):
@@ -235,8 +235,8 @@ class Case:
 
     def _fresh(self) -> list[bytes]:
         self.round += 1
-        toks = np.arange(self.batch * self.ns.block_tokens) + self.round * 10**7 + id(self) % 997
-        return hash_blocks(self.ns, toks)
+        toks = np.arange(self.batch * self.ns.block_tokens)
+        return hash_blocks(self.ns, toks, extra=struct.pack("<QQ", self.round, id(self)))
 
     def put(self) -> None:
         self.c.put_n(self._fresh(), self.src)
@@ -256,7 +256,7 @@ def data_rows(url: str, redis: RedisPeer | None, raw: RawSocket, seconds: float)
             total = nbytes * batch
             a = torch.randint(0, 256, (total,), dtype=torch.uint8)
             b = torch.empty_like(a)
-            memcpy = rate(lambda: b.copy_(a), total, seconds)
+            memcpy = rate(lambda: np.copyto(b.numpy(), a.numpy()), total, seconds)
             view = memoryview(b.numpy())
             raw_put = rate(lambda: raw.put(memoryview(a.numpy())), total, seconds)
             raw_get = rate(lambda: raw.get(view), total, seconds)
