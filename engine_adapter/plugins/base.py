@@ -1,0 +1,97 @@
+"""What every engine plugin shares: the store contract and how a plugin opens its store.
+
+A plugin talks to kvtier through `KVStoreLike` (the four batched calls below), so an
+in-process `TieredStore` or a `kvstore.Client` of a `kvtier serve` daemon plugs in alike.
+Which one is chosen by `StoreSpec`: `url` for a daemon, else `path` for a local store
+directory (DRAM tier + RocksDB SSD tier under it).
+
+Block hashes are always computed by kvtier (`kvstore.keys.hash_blocks`) from the token ids,
+never taken from the engine, so they agree across processes, restarts and engines.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, Sequence
+
+from kvstore.keys import Namespace
+
+
+class KVStoreLike(Protocol):
+    """The four calls a plugin makes. `get_n` returns None per miss (absent or corrupt: never
+    wrong bytes); `match_prefix(...).num_blocks` is the longest stored prefix."""
+
+    def put_n(self, hashes: Sequence[bytes], srcs: Any) -> list: ...
+    def get_n(self, hashes: Sequence[bytes], dsts: Any) -> list: ...
+    def match_prefix(self, hashes: Sequence[bytes]) -> Any: ...
+    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]: ...
+
+
+ENV_URL, ENV_TOKEN, ENV_PATH = "KVTIER_URL", "KVTIER_TOKEN", "KVTIER_PATH"
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Where a plugin's blocks go: a daemon (`url`, `token`) or a local store (`path`)."""
+
+    url: str = ""
+    token: str = ""
+    path: str = ""
+    dram_blocks: int = 1024
+    ssd_blocks: int = 65536
+
+    def __post_init__(self) -> None:
+        if not self.url and not self.path:
+            raise ValueError("kvtier needs a store: set kvtier_url (a `kvtier serve` daemon, "
+                             f"or ${ENV_URL}) or kvtier_path (a local store directory, or ${ENV_PATH})")
+        if self.dram_blocks <= 0 or self.ssd_blocks <= 0:
+            raise ValueError("kvtier_dram_blocks and kvtier_ssd_blocks must be > 0")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "StoreSpec":
+        """From an engine's string-keyed config (`kvtier_url`, `kvtier_token`, `kvtier_path`,
+        `kvtier_dram_blocks`, `kvtier_ssd_blocks`), falling back to $KVTIER_URL/_TOKEN/_PATH."""
+        return cls(
+            url=str(options.get("kvtier_url") or os.environ.get(ENV_URL, "")),
+            token=str(options.get("kvtier_token") or os.environ.get(ENV_TOKEN, "")),
+            path=str(options.get("kvtier_path") or os.environ.get(ENV_PATH, "")),
+            dram_blocks=int(options.get("kvtier_dram_blocks", 1024)),
+            ssd_blocks=int(options.get("kvtier_ssd_blocks", 65536)),
+        )
+
+
+class _ClientStore:
+    """`kvstore.Client` under the plugin contract (the SDK names `contains_n` `exists_n`)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.put_n, self.get_n, self.match_prefix = client.put_n, client.get_n, client.match_prefix
+
+    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        return self.client.exists_n(hashes)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_store(ns: Namespace, spec: StoreSpec) -> KVStoreLike:
+    """A store for namespace `ns`; the caller closes it (`close()`) when done."""
+    if spec.url:
+        from kvstore.client import Client
+        return _ClientStore(Client(spec.url, token=spec.token, namespace=ns))
+    from kvstore.config import StoreConfig, TierConfig
+    from kvstore.store import TieredStore
+    ssd_dir = os.path.join(spec.path, f"{ns.ns_id:016x}")
+    return TieredStore(ns, StoreConfig((TierConfig("dram", spec.dram_blocks),
+                                        TierConfig("ssd", spec.ssd_blocks, path=ssd_dir))))
+
+
+def close_store(store: KVStoreLike) -> None:
+    close = getattr(store, "close", None)
+    if close is not None:
+        close()
+
+
+def dtype_name(dtype) -> str:
+    """'torch.bfloat16' -> 'bfloat16' (the spelling `Namespace.dtype` takes)."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,131 @@
+"""Hugging Face transformers prefix offload: a drop-in for `model.generate(...)`.
+
+    from engine_adapter.plugins.hf import KVTierGenerate
+    kv = KVTierGenerate(model, store)          # or StoreSpec(path=...) / StoreSpec(url=...)
+    out = kv.generate(input_ids, max_new_tokens=32)   # same arguments as model.generate
+    kv.last                                    # GenerateStats: tokens loaded vs computed
+    # or patch the model in place: enable_kvtier(model, store); model.generate(...)
+
+One call: hash the prompt's full blocks (kvtier's own recipe), ask the store for the longest
+stored prefix, load it into a fresh `DynamicCache`, let `generate` compute only the rest, then
+save the full blocks of the sequence whose KV the cache now holds. At least one prompt token
+is always computed (generate needs logits for the last prompt position). A block that fails
+its checksum is a miss: the prefix ends before it and the rest is recomputed.
+Batches of more than one row, or calls that bring their own cache, run plain `generate`.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from engine_adapter.plugins.base import KVStoreLike, StoreSpec, dtype_name, open_store
+from kvstore.keys import Namespace, hash_blocks
+
+
+class GenerateStats(NamedTuple):
+    num_prompt_tokens: int
+    num_loaded_tokens: int    # prefix KV taken from kvtier
+    num_computed_tokens: int  # prompt tokens the model ran a forward pass over
+    num_saved_blocks: int     # blocks handed to the store after generating (new or not)
+    bypassed: bool            # plain generate ran (batch > 1 or a caller-owned cache)
+
+
+def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, tenant: str = "") -> Namespace:
+    """The kvtier namespace of a transformers decoder (its KV layout and dtype)."""
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return Namespace(
+        model=model_id or cfg._name_or_path or type(model).__name__,
+        num_layers=cfg.num_hidden_layers, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim, dtype=dtype_name(model.dtype), block_tokens=block_tokens, tenant=tenant)
+
+
+def cache_to_blocks(cache, num_blocks: int, block_tokens: int) -> torch.Tensor:
+    """The first num_blocks blocks of a batch-1 cache -> [n, L, 2, bt, Hkv, D] contiguous."""
+    n_tok = num_blocks * block_tokens
+    k = torch.stack([layer.keys[0, :, :n_tok] for layer in cache.layers])    # [L, Hkv, T, D]
+    v = torch.stack([layer.values[0, :, :n_tok] for layer in cache.layers])
+    kv = torch.stack((k, v), dim=1)                                           # [L, 2, Hkv, T, D]
+    L, _, H, _, D = kv.shape
+    kv = kv.view(L, 2, H, num_blocks, block_tokens, D)
+    return kv.permute(3, 0, 1, 4, 2, 5).contiguous()                          # [n, L, 2, bt, Hkv, D]
+
+
+def blocks_to_cache(blocks: torch.Tensor, config) -> Any:
+    """[n, L, 2, bt, Hkv, D] -> a DynamicCache holding those n*bt tokens (batch 1)."""
+    from transformers import DynamicCache
+    n, L, _, bt, H, D = blocks.shape
+    kv = blocks.permute(1, 2, 4, 0, 3, 5).reshape(L, 2, 1, H, n * bt, D)     # [L, 2, B=1, Hkv, T, D]
+    cache = DynamicCache(config=config)
+    for layer_idx in range(L):
+        cache.update(kv[layer_idx, 0].contiguous(), kv[layer_idx, 1].contiguous(), layer_idx)
+    return cache
+
+
+class KVTierGenerate:
+    """`generate` with kvtier prefix offload for one transformers model."""
+
+    def __init__(self, model, store: KVStoreLike | StoreSpec, *, model_id: str | None = None,
+                 block_tokens: int = 16, tenant: str = "") -> None:
+        self.model = model
+        self.ns = namespace_for(model, model_id, block_tokens, tenant)
+        self.owns_store = isinstance(store, StoreSpec)
+        self.store = open_store(self.ns, store) if self.owns_store else store
+        self._plain_generate = model.generate
+        self.last: GenerateStats | None = None
+
+    def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
+        if input_ids is None:
+            input_ids = kwargs.pop("input_ids")
+        if input_ids.shape[0] != 1 or kwargs.get("cache") is not None \
+                or kwargs.get("past_key_values") is not None:
+            self.last = GenerateStats(input_ids.shape[-1], 0, input_ids.shape[-1], 0, True)
+            return self._plain_generate(input_ids, **kwargs)
+        tokens = input_ids[0].tolist()
+        bt = self.ns.block_tokens
+        hashes = hash_blocks(self.ns, tokens[:len(tokens) - 1])  # keep >= 1 token to compute
+        cache, num_loaded = self._load_prefix(hashes)
+        kwargs["cache"] = cache
+        kwargs["return_dict_in_generate"], want_dict = True, kwargs.get("return_dict_in_generate", False)
+        kwargs.setdefault("use_cache", True)
+        out = self._plain_generate(input_ids, **kwargs)
+        num_saved = self._save(out.sequences[0].tolist(), out.cache, num_loaded // bt)
+        self.last = GenerateStats(len(tokens), num_loaded, len(tokens) - num_loaded, num_saved, False)
+        return out if want_dict else out.sequences
+
+    def _load_prefix(self, hashes) -> tuple[Any, int]:
+        from transformers import DynamicCache
+        hit = self.store.match_prefix(hashes).num_blocks if hashes else 0
+        if hit == 0:
+            return DynamicCache(config=self.model.config), 0
+        blocks = torch.empty((hit, *self.ns.block_shape), dtype=self.model.dtype)
+        found = self.store.get_n(hashes[:hit], blocks)
+        good = next((i for i, tier in enumerate(found) if tier is None), hit)  # a miss ends it
+        if good == 0:
+            return DynamicCache(config=self.model.config), 0
+        device = next(self.model.parameters()).device
+        return blocks_to_cache(blocks[:good].to(device), self.model.config), good * self.ns.block_tokens
+
+    def _save(self, sequence: list[int], cache, num_loaded_blocks: int) -> int:
+        """Store the full blocks whose KV the cache holds, past those just loaded."""
+        num_cached = min(cache.get_seq_length(), len(sequence))
+        hashes = hash_blocks(self.ns, sequence[:num_cached])
+        if len(hashes) <= num_loaded_blocks:
+            return 0
+        blocks = cache_to_blocks(cache, len(hashes), self.ns.block_tokens).cpu()
+        new = slice(num_loaded_blocks, len(hashes))
+        self.store.put_n(hashes[new], blocks[new])
+        return len(hashes) - num_loaded_blocks
+
+    def close(self) -> None:
+        if self.owns_store:
+            self.store.close()
+
+
+def enable_kvtier(model, store: KVStoreLike | StoreSpec, **options) -> KVTierGenerate:
+    """Patch `model.generate` in place; returns the wrapper (its `.last` has the stats)."""
+    wrapper = KVTierGenerate(model, store, **options)
+    model.generate = wrapper.generate
+    return wrapper

@@ -1,0 +1,120 @@
+"""transformers prefix offload on SmolLM2-135M: a second generate sharing a long prefix loads
+it from kvtier, computes only the rest, and yields exactly the tokens of a plain generate."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from engine_adapter.plugins.base import StoreSpec
+from engine_adapter.plugins.hf import KVTierGenerate, blocks_to_cache, cache_to_blocks, enable_kvtier
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.events import TierKind
+from kvstore.keys import hash_blocks
+from kvstore.layout import HEADER_BYTES
+from kvstore.store import TieredStore
+
+DOC = ("The harbour town of Vell sits where two rivers meet. Its fishermen leave before dawn, "
+       "its bakers light their ovens at four, and its lighthouse keeper, Ada Morn, has kept "
+       "the lamp burning for thirty-one years without missing a night. ") * 6
+QUESTIONS = ["Question: who keeps the lighthouse? Answer:",
+             "Question: where do the two rivers meet? Answer:"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from engine_adapter.loader import load_hf_gguf
+    model, tokenizer = load_hf_gguf()
+    return model.eval(), tokenizer
+
+
+def prompt_ids(tokenizer, question: str) -> torch.Tensor:
+    return tokenizer(DOC + question, return_tensors="pt").input_ids
+
+
+class ForwardTokens:
+    """Counts the tokens of the first forward pass of each generate (the prefill)."""
+
+    def __init__(self, model):
+        self.seen: list[int] = []
+        self.handle = model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.seen.append(int(ids.shape[-1]))
+
+
+def plain(model, ids):
+    return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def test_second_call_loads_the_shared_prefix_and_matches_plain_generate(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    first, second = (prompt_ids(tokenizer, q) for q in QUESTIONS)
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)))
+    try:
+        kv.generate(first, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert kv.last.num_loaded_tokens == 0 and kv.last.num_saved_blocks > 0
+        counter = ForwardTokens(model)
+        try:
+            out = kv.generate(second, max_new_tokens=NEW_TOKENS, do_sample=False)
+        finally:
+            counter.handle.remove()
+        shared = next(i for i, (a, b) in enumerate(zip(first[0], second[0])) if a != b)
+        assert shared > 200
+        assert kv.last.num_loaded_tokens == shared // 16 * 16
+        assert kv.last.num_computed_tokens == second.shape[-1] - kv.last.num_loaded_tokens
+        assert counter.seen[0] == kv.last.num_computed_tokens   # the model really skipped it
+        assert torch.equal(out, plain(model, second))
+    finally:
+        kv.close()
+
+
+def test_a_corrupted_block_ends_the_loaded_prefix_and_output_is_unchanged(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    first, second = (prompt_ids(tokenizer, q) for q in QUESTIONS)
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)))
+    store = TieredStore(kv.ns, StoreConfig((TierConfig("ssd", 4096, path=str(tmp_path / "ssd")),)))
+    kv.store = store  # SSD only, so the block can be corrupted on disk
+    try:
+        kv.generate(first, max_new_tokens=NEW_TOKENS, do_sample=False)
+        bad = 3
+        key = bytes(hash_blocks(kv.ns, first[0].tolist())[bad])
+        db = store.tier(TierKind.SSD).raw_db()
+        value = bytearray(db[key])
+        value[HEADER_BYTES + 100] ^= 0xFF
+        db[key] = bytes(value)
+        out = kv.generate(second, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert kv.last.num_loaded_tokens == bad * 16
+        assert torch.equal(out, plain(model, second))
+    finally:
+        store.close()
+        kv.close()
+
+
+def test_drop_in_patch_and_batch_bypass(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    ids = prompt_ids(tokenizer, QUESTIONS[0])
+    expected = plain(model, ids)
+    kv = enable_kvtier(model, StoreSpec(path=str(tmp_path)))
+    try:
+        assert torch.equal(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
+        assert torch.equal(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
+        assert kv.last.num_loaded_tokens == (ids.shape[-1] - 1) // 16 * 16
+        model.generate(torch.cat([ids, ids]), max_new_tokens=2, do_sample=False)
+        assert kv.last.bypassed
+    finally:
+        del model.generate  # back to the class's generate
+        kv.close()
+
+
+def test_block_layout_round_trip(smollm2):
+    model, _ = smollm2
+    cfg = model.config
+    L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    blocks = torch.randn(3, L, 2, 16, H, D)
+    cache = blocks_to_cache(blocks, cfg)
+    assert cache.get_seq_length() == 48
+    # token 17 of the cache is token 1 of block 1; layer 5's V, head 2
+    assert torch.equal(cache.layers[5].values[0, 2, 17], blocks[1, 5, 1, 1, 2])
+    assert torch.equal(cache_to_blocks(cache, 3, 16), blocks)
