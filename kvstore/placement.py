@@ -190,8 +190,9 @@ class Placement:
         self.counters[0].bytes_in += k * self.block_bytes
         self.emit(EventKind.STORED, 0, [e.hash for e in group])
 
-    def drop(self, group: Sequence[Entry], corrupt: bool = False) -> None:
-        """Remove blocks from the store entirely (last-tier eviction or corruption)."""
+    def drop(self, group: Sequence[Entry], corrupt: bool = False, removed: bool = False) -> None:
+        """Remove blocks from the store entirely: last-tier eviction, corruption, or an
+        explicit remove (which counts as neither)."""
         for tier_idx, members in group_by_tier(group):
             hashes = [e.hash for e in members]
             self.tiers[tier_idx].free_n([e.slot for e in members], hashes)
@@ -202,7 +203,7 @@ class Placement:
             counters = self.counters[tier_idx]
             if corrupt:
                 counters.corrupt += len(members)
-            else:
+            elif not removed:
                 counters.evictions += len(members)
             self.emit(EventKind.REMOVED, tier_idx, hashes)
 

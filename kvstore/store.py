@@ -275,10 +275,20 @@ class TieredStore:
         with self._lock:
             self._check_open()
             held = self._hold(hashes)
+            self._count_reads(held)
             lid = next(self._ids)
             self._leases[lid] = (time.monotonic() + ttl_s, [e for e in held if e is not None])
             kinds = [None if e is None else (self._p.tiers[e.tier].kind, e.slot) for e in held]
             return Lease(lid, tuple(kinds))
+
+    def _count_reads(self, held: list[Entry | None]) -> None:
+        """Count a lease's hits and misses like a get's (its reader copies the bytes)."""
+        for e in held:
+            if e is None:
+                self._num_misses += 1
+            else:
+                self._p.counters[e.tier].hits += 1
+                self._p.counters[e.tier].bytes_out += self.ns.block_bytes
 
     def release(self, lease_id: int) -> None:
         """End a lease (unknown or expired ids are ignored: the lease is already over)."""
@@ -331,6 +341,27 @@ class TieredStore:
             for tier_idx, group in enumerate(groups):
                 p.demote_or_drop(tier_idx, group)
             return sum(map(len, groups))
+
+    def remove_n(self, hashes: Sequence[bytes]) -> int:
+        """Delete blocks from every tier, pinned ones included; blocks a reader holds right
+        now stay (remove again after its lease ends). Returns how many went."""
+        with self._lock:
+            self._check_open()
+            p = self._p
+            group = [p.entries[h] for h in dict.fromkeys(map(bytes, hashes))
+                     if visible(p.entries.get(h)) and p.entries[h].readers == 0]
+            p.drop(group, removed=True)
+            return len(group)
+
+    def clear(self) -> int:
+        """Remove every block no reader holds; returns how many went."""
+        return self.remove_n(self.list_hashes())
+
+    def list_hashes(self) -> list[bytes]:
+        """The hashes of every stored (committed) block."""
+        with self._lock:
+            self._check_open()
+            return [h for h, e in self._p.entries.items() if visible(e)]
 
     # ---------------------------------------------------------------- housekeeping
 

@@ -110,6 +110,15 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.evict_n(hashes)
         self._follow_events()
 
+    @rule(hashes=keys)
+    def remove(self, hashes):
+        gone = self.store.remove_n(hashes)
+        assert gone == len({h for h in hashes if h in self.present})  # no reader holds any
+        for h in hashes:
+            self.pins.pop(h, None)
+        self._follow_events()
+        assert not any(h in self.present for h in hashes)
+
     @rule()
     def maintain(self):
         self.store.maintain()

@@ -375,3 +375,26 @@ def test_concurrent_readers_and_writers_see_exact_bytes(tmp_path):
         assert errors == []
         st = s.stats()
         assert sum(t.used_blocks for t in st.tiers) + st.tier(TierKind.SSD).counters.evictions == 80
+
+
+def test_remove_and_clear(tmp_path):
+    with make(tmp_path, dram=2, ssd=4) as s:
+        s.put_n(CHAIN[:5], blocks(5))
+        s.pin_n(CHAIN[:1])
+        lease = s.acquire_n(CHAIN[1:2])
+        assert s.remove_n([CHAIN[0], CHAIN[1], CHAIN[2], OTHER[0]]) == 2   # the leased one stays
+        assert s.contains_n(CHAIN[:5]) == [False, True, False, True, True]
+        assert sorted(s.list_hashes()) == sorted([CHAIN[1], CHAIN[3], CHAIN[4]])
+        s.release(lease.lease_id)
+        assert s.clear() == 3 and s.list_hashes() == []
+        assert sum(t.used_blocks for t in s.stats().tiers) == 0
+        assert s.put_n(CHAIN[:2], blocks(2)) == [PutStatus.STORED] * 2
+
+
+def test_leases_count_as_reads(tmp_path):
+    with make(tmp_path, dram=2) as s:
+        s.put_n(CHAIN[:1], blocks(1))
+        s.release(s.acquire_n([CHAIN[0], OTHER[0]]).lease_id)
+        st = s.stats()
+        assert st.tier(TierKind.DRAM).counters.hits == 1 and st.misses == 1
+        assert st.tier(TierKind.DRAM).counters.bytes_out == NS.block_bytes
