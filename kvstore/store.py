@@ -392,6 +392,20 @@ class TieredStore:
             self._p.events.clear()
             return out
 
+    def snapshot(self) -> tuple[int, dict[TierKind, list[bytes]]]:
+        """The store's whole content by tier, as of its last event: (that event's seq, or -1
+        before any, and the blocks). Undrained events, all covered by it, are dropped, so
+        `drain_events` continues right after the snapshot."""
+        with self._lock:
+            self._check_open()
+            p = self._p
+            p.events.clear()
+            blocks: dict[TierKind, list[bytes]] = {t.kind: [] for t in p.tiers}
+            for h, e in p.entries.items():
+                if visible(e):
+                    blocks[p.tiers[e.tier].kind].append(h)
+            return p.seq - 1, blocks
+
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats.collect(self.ns, self._p.tiers, self._p.counters, self._num_misses,

@@ -49,23 +49,26 @@ async def connect(address: EtcdAddress, timeout_s: float = 3.0) -> aetcd.Client:
 
 
 class ClusterMember:
-    def __init__(self, address: EtcdAddress, record: NodeRecord, ttl_s: int = 5,
+    def __init__(self, address: EtcdAddress, record: NodeRecord | None, ttl_s: int = 5,
                  campaign: bool = True) -> None:
+        """`record` None: an observer (a client) that follows the members and the leader
+        without registering or campaigning."""
         if ttl_s < 2:
             raise ClusterError("the etcd lease TTL must be at least 2 s")
-        self.address, self.record, self.ttl_s, self.campaign = address, record, ttl_s, campaign
+        self.address, self.record, self.ttl_s = address, record, ttl_s
+        self.campaign = campaign and record is not None
         self.members: dict[str, NodeRecord] = {}
         self.leader_id: str | None = None
         self._client: aetcd.Client | None = None
         self._lease = None
         self._tasks: list[asyncio.Task] = []
         self._queues: list[asyncio.Queue] = []
-        self._node_key = f"{address.prefix}/nodes/{record.node_id}".encode()
+        self._node_key = f"{address.prefix}/nodes/{record.node_id if record else ''}".encode()
         self._leader_key = f"{address.prefix}/leader".encode()
 
     @property
     def is_leader(self) -> bool:
-        return self.leader_id == self.record.node_id
+        return self.record is not None and self.leader_id == self.record.node_id
 
     def subscribe(self) -> asyncio.Queue:
         """A queue that receives every MembershipEvent this member sees from now on."""
@@ -75,10 +78,12 @@ class ClusterMember:
 
     async def start(self) -> None:
         self._client = await connect(self.address)
-        await self._register()
+        if self.record is not None:
+            await self._register()
         revision = await self._load()
-        self._tasks = [asyncio.create_task(self._keepalive(), name="etcd-keepalive"),
-                       asyncio.create_task(self._follow(revision + 1), name="etcd-watch")]
+        self._tasks = [asyncio.create_task(self._follow(revision + 1), name="etcd-watch")]
+        if self.record is not None:
+            self._tasks.append(asyncio.create_task(self._keepalive(), name="etcd-keepalive"))
         await self._try_lead()
 
     async def stop(self, graceful: bool = True) -> None:

@@ -113,3 +113,24 @@ async def test_no_etcd_is_a_clear_error():
     m = member(parse_etcd_url("etcd://127.0.0.1:1/x"), "a")
     with pytest.raises(ClusterError, match="no etcd endpoint answered"):
         await m.start()
+
+
+@pytest.mark.asyncio
+async def test_an_observer_follows_without_registering(etcd):
+    addr = address(etcd)
+    a = member(addr, "a")
+    await a.start()
+    watcher = ClusterMember(addr, None, ttl_s=TTL)
+    await watcher.start()
+    try:
+        assert set(watcher.members) == {"a"} and watcher.leader_id == "a"
+        assert not watcher.is_leader
+        b = member(addr, "b")
+        await b.start()
+        await watcher.wait_for(lambda m: "b" in m.members, 5)
+        await b.stop()
+        await watcher.wait_for(lambda m: "b" not in m.members, 5)
+        assert set(a.members) == {"a"}
+    finally:
+        await watcher.stop()
+        await a.stop()

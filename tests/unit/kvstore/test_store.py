@@ -398,3 +398,20 @@ def test_leases_count_as_reads(tmp_path):
         st = s.stats()
         assert st.tier(TierKind.DRAM).counters.hits == 1 and st.misses == 1
         assert st.tier(TierKind.DRAM).counters.bytes_out == NS.block_bytes
+
+
+def test_snapshot_then_events_rebuild_the_content(tmp_path):
+    with make(tmp_path, dram=2, ssd=6) as s:
+        s.put_n(CHAIN[:4], blocks(4))
+        seq, content = s.snapshot()
+        assert s.drain_events() == []
+        assert sorted(content[TierKind.DRAM] + content[TierKind.SSD]) == sorted(CHAIN[:4])
+        s.put_n(CHAIN[4:6], blocks(2))
+        s.remove_n(CHAIN[:1])
+        events = s.drain_events()
+        assert events[0].seq == seq + 1
+        live = {(t, h) for t, hs in content.items() for h in hs}
+        for e in events:
+            for h in e.block_hashes:
+                (live.add if e.kind is EventKind.STORED else live.discard)((e.tier, h))
+        assert {h for _, h in live} == set(s.list_hashes())
