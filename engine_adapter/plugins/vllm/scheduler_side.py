@@ -1,0 +1,100 @@
+"""Scheduler-side bookkeeping of the kvtier vLLM connector (no vLLM imports: plain state).
+
+Per request it keeps the kvtier hashes of the prompt's full blocks, the vLLM block ids the
+request holds, how many leading blocks are known to be stored, and a pending load. Each step
+it turns that into `KVTierMetadata`: blocks to load before the forward pass, and prompt
+blocks that this step's forward pass completes, to save after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from engine_adapter.plugins.base import KVStoreLike
+from engine_adapter.plugins.vllm.metadata import BlockTransfer, KVTierMetadata
+from kvstore.keys import Namespace, hash_blocks
+
+
+@dataclass
+class _Request:
+    hashes: list[bytes]            # prompt's full blocks, but the last token's block never loads
+    num_stored: int                # leading blocks known to be in kvtier (matched or saved)
+    num_local_tokens: int = 0      # vLLM's own prefix-cache hit at lookup
+    block_ids: list[int] = field(default_factory=list)
+    load: tuple[int, int] | None = None   # [first, end) blocks to load, until handed over
+    is_async: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, ns: Namespace, store: KVStoreLike, async_load: bool = False) -> None:
+        self.ns, self.store, self.async_load = ns, store, async_load
+        self.requests: dict[str, _Request] = {}
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+
+    def lookup(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> tuple[int, bool]:
+        """`get_num_new_matched_tokens`: tokens past vLLM's own hit that kvtier can load."""
+        bt = self.ns.block_tokens
+        hashes = hash_blocks(self.ns, prompt)
+        loadable = (len(prompt) - 1) // bt   # vLLM must compute at least the last token
+        hit = self.store.match_prefix(hashes[:loadable]).num_blocks if loadable else 0
+        self.requests[req_id] = _Request(hashes, hit, num_computed_tokens)
+        num_new = max(0, hit * bt - num_computed_tokens)
+        return num_new, bool(num_new and self.async_load)
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """`update_state_after_alloc`: `block_ids` are all of the request's blocks so far."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return
+        req.block_ids = list(block_ids)
+        if num_external_tokens > 0:
+            bt = self.ns.block_tokens
+            first = req.num_local_tokens // bt
+            req.load = (first, first + num_external_tokens // bt)
+            req.is_async = self.async_load
+            self.num_hit_tokens += num_external_tokens
+
+    def build(self, new_reqs, cached, num_scheduled: dict[str, int]) -> KVTierMetadata:
+        """This step's loads (pending ones) and saves (prompt blocks this step completes)."""
+        meta = KVTierMetadata()
+        for new in new_reqs:
+            req = self.requests.get(new.req_id)
+            if req is not None:
+                req.block_ids = list(new.block_ids[0])
+                self._step(meta, new.req_id, req, new.num_computed_tokens + num_scheduled.get(new.req_id, 0))
+        for i, req_id in enumerate(cached.req_ids):
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:  # preempted: blocks were given back
+                    req.block_ids, req.num_stored = [], self._recheck(req)
+                req.block_ids.extend(new_ids[0])
+            self._step(meta, req_id, req, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0))
+        for req_id, req in self.requests.items():   # async loads of requests not scheduled yet
+            if req.load is not None and req.is_async:
+                self._take_load(meta, req_id, req)
+        return meta
+
+    def _step(self, meta: KVTierMetadata, req_id: str, req: _Request, num_done_tokens: int) -> None:
+        if req.load is not None:
+            self._take_load(meta, req_id, req)
+        num_full = min(num_done_tokens // self.ns.block_tokens, len(req.hashes), len(req.block_ids))
+        if num_full > req.num_stored:
+            new = slice(req.num_stored, num_full)
+            meta.saves.append(BlockTransfer(req_id, tuple(req.hashes[new]), tuple(req.block_ids[new])))
+            req.num_stored = num_full
+
+    def _take_load(self, meta: KVTierMetadata, req_id: str, req: _Request) -> None:
+        first, end = req.load
+        meta.loads.append(BlockTransfer(req_id, tuple(req.hashes[first:end]),
+                                        tuple(req.block_ids[first:end]), req.is_async))
+        req.load = None
+
+    def _recheck(self, req: _Request) -> int:
+        return self.store.match_prefix(req.hashes).num_blocks
+
+    def finished(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
