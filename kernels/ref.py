@@ -29,7 +29,8 @@ def _workspace(slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.T
     numel = 1
     for n in shape:
         numel *= n
-    key = (slot, like.dtype, like.device)
+    # inference tensors can't be updated outside inference mode (and the engine runs in it)
+    key = (slot, like.dtype, like.device, torch.is_inference_mode_enabled())
     buffers = _scratch.__dict__.setdefault("buffers", {})
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:

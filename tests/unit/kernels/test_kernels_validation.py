@@ -154,3 +154,14 @@ def test_check_values_false_skips_value_checks_only():
     with pytest.raises(KernelShapeError):
         ref.paged_decode_attention(**{**args, "query": torch.randn(2, 4)}, check_values=False)
     ref.paged_decode_attention(**args, check_values=False)  # the ref clamps: no crash
+
+
+def test_scratch_from_inference_mode_is_not_reused_outside_it():
+    import torch
+    from kernels import ref
+    with torch.inference_mode():
+        buf = ref._workspace("t", (4, 4), torch.empty(1))
+        assert buf.is_inference()
+    outside = ref._workspace("t", (4, 4), torch.empty(1))
+    outside.fill_(1.0)  # raised before: "Inplace update to inference tensor outside InferenceMode"
+    assert not outside.is_inference()
