@@ -250,6 +250,15 @@ class ClusterIndex:
             out[self._bit_to_node[low.bit_length() - 1]] = length
             mask ^= low
 
+    def holders(self, hashes: Sequence[BlockKey]) -> list[tuple[str, ...]]:
+        """For each hash, the live (not stale) nodes holding it, in node-id order."""
+        out = []
+        for h in hashes:
+            mask = self._holders.get(h, 0) & self._live_mask
+            out.append(tuple(sorted(node for bit, node in self._bit_to_node.items()
+                                    if mask >> bit & 1)) if mask else ())
+        return out
+
     def tiers_of(self, node_id: str, hashes: Sequence[BlockKey]) -> tuple[TierKind, ...]:
         """Fastest tier of each of `hashes` on `node_id`; the node must hold all of them."""
         bit = 1 << self._node(node_id).bit

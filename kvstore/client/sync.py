@@ -33,6 +33,13 @@ def _tiers(raw: bytes) -> list[TierKind | None]:
 
 
 class Client:
+    def __new__(cls, url: str, *args, **kwargs):
+        """`etcd://...` addresses a pool of nodes: that gives a ClusterClient instead."""
+        if isinstance(url, str) and url.startswith("etcd://"):
+            from kvstore.client.cluster import ClusterClient
+            return ClusterClient(url, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
                  use_shm: bool = True) -> None:

@@ -23,7 +23,7 @@ from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.dataplane import DataPlane, listen
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.namespaces import Hosted, Registry
-from kvstore.daemon import views
+from kvstore.daemon import cluster, views
 
 CONFIG = web.AppKey("config", DaemonConfig)
 DATA_SOCKET = web.AppKey("data_socket", socket.socket)
@@ -130,4 +130,5 @@ def create_app(cfg: DaemonConfig) -> web.Application:
     app.router.add_get("/admin/namespaces", namespaces)
     app.router.add_get("/admin/quotas", quotas)
     app.router.add_post("/admin/namespaces/{ns_id}/clear", clear)
+    cluster.add_routes(app)
     return app

@@ -36,6 +36,10 @@ class DaemonConfig:
     node_id: str = field(default_factory=lambda: f"{os.uname().nodename}")
     log_level: str = "info"
     shutdown_grace_s: float = 10.0
+    cluster: str | None = None       # etcd://HOST:PORT[,HOST:PORT]/PREFIX to join a pool
+    advertise: str | None = None     # address other nodes and clients reach this node at
+    cluster_ttl_s: int = 5           # etcd lease: a silent node leaves after this long
+    event_interval_s: float = 0.05   # how often KV events are shipped to the leader
 
     def __post_init__(self) -> None:
         if not self.tokens and not _is_loopback(self.host):
@@ -48,6 +52,8 @@ class DaemonConfig:
         for port in (self.port, self.http_port):
             if not 0 <= port < 65536:
                 raise ConfigError(f"port {port} out of range")
+        if self.cluster is not None and not self.cluster.startswith("etcd://"):
+            raise ConfigError(f"--cluster {self.cluster!r} must be etcd://HOST:PORT[,...]/PREFIX")
         if self.reservation_timeout_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("reservation and lease timeouts must be > 0")
 
@@ -65,6 +71,11 @@ class DaemonConfig:
             if hmac.compare_digest(known.encode(), token.encode()):
                 found = tenant
         return found
+
+    @property
+    def cluster_token(self) -> str:
+        """The token this node presents to its peers: the first admin token ('' without auth)."""
+        return next((tok for tok, tenant in self.tokens if tenant == ADMIN), "")
 
     def quota_for(self, tenant: str) -> int:
         return dict(self.tenant_quotas).get(tenant, self.quota_blocks)

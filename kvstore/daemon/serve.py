@@ -44,6 +44,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "a crash, never corrupted)")
     p.add_argument("--node-id", help="this node's name in KV events (default the hostname)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--cluster", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
+                   help="join a multi-node pool coordinated by etcd (the node registers with a "
+                   "lease, ships its KV events to the elected leader, and serves its blocks)")
+    p.add_argument("--advertise", metavar="ADDR", help="address peers and clients use to reach "
+                   "this node (default: the bind address)")
+    p.add_argument("--cluster-ttl", type=int, dest="cluster_ttl_s", help="seconds of silence "
+                   "after which etcd drops a node (default 5)")
 
 
 def build_config(args: argparse.Namespace) -> DaemonConfig:
@@ -51,7 +58,7 @@ def build_config(args: argparse.Namespace) -> DaemonConfig:
     token_file = args.token_file or kw.pop("token_file", None)
     for flag in ("host", "port", "http_port", "data_dir", "high_watermark", "low_watermark",
                  "block_tokens", "quota_blocks", "max_namespaces", "reservation_timeout_s",
-                 "durable", "node_id", "log_level"):
+                 "durable", "node_id", "log_level", "cluster", "advertise", "cluster_ttl_s"):
         if getattr(args, flag) is not None:
             kw[flag] = getattr(args, flag)
     for flag, key in (("dram_size", "dram_bytes"), ("ssd_size", "ssd_bytes"),
@@ -108,8 +115,24 @@ async def serve(cfg: DaemonConfig) -> None:
               f"http://{cfg.host}:{http_port}  data dir {cfg.data_dir}  ({auth})\n"
               f"  connect: kvstore.Client('kvtier://{cfg.host}:{data_port}', namespace=...)",
               flush=True)
+        agent = await _join_cluster(app, cfg, data_port, http_port)
         await stop.wait()
         log.info("stopping: finishing in-flight ops, flushing memory tiers to SSD")
+        if agent is not None:
+            await agent.stop()  # leave the pool first: peers stop sending work here
     finally:
         await runner.cleanup()
     print("kvtier serve: stopped", flush=True)
+
+
+async def _join_cluster(app: web.Application, cfg: DaemonConfig, data_port: int, http_port: int):
+    if not cfg.cluster:
+        return None
+    from kvstore.daemon.app import REGISTRY
+    from kvstore.daemon.cluster import SLOT, ClusterAgent
+    agent = ClusterAgent(cfg, app[REGISTRY], data_port, http_port)
+    await agent.start()
+    app[SLOT].agent = agent
+    print(f"kvtier serve: joined cluster {cfg.cluster} as {cfg.node_id} "
+          f"(leader: {agent.member.leader_id})", flush=True)
+    return agent

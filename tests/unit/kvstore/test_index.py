@@ -120,3 +120,14 @@ def test_many_nodes_beyond_64_bits():
         index.apply(stored(f"n{n}", 0, range(n % 7)))
     match = index.query([h(i) for i in range(7)])
     assert all(match.length(f"n{n}") == n % 7 for n in range(100))
+
+
+def test_holders_lists_live_nodes_per_hash():
+    from kvstore.events import EventKind, KVEvent, TierKind
+    from kvstore.index import ClusterIndex
+    idx = ClusterIndex()
+    idx.apply(KVEvent(EventKind.STORED, "b", 0, TierKind.DRAM, (b"x", b"y")))
+    idx.apply(KVEvent(EventKind.STORED, "a", 0, TierKind.SSD, (b"y",)))
+    assert idx.holders([b"x", b"y", b"z"]) == [("b",), ("a", "b"), ()]
+    idx.mark_stale("b")
+    assert idx.holders([b"x", b"y"]) == [(), ("a",)]

@@ -32,3 +32,20 @@ def test_a_leaving_node_moves_only_its_own_blocks():
     assert moved and all(before[k] == "d" for k in moved)
     ring.add("d")
     assert {k: ring.owners(k)[0] for k in KEYS} == before
+
+
+def test_cluster_messages_roundtrip_and_refuse_garbage():
+    import pytest
+    from kvstore.cluster.messages import EventBatch, Locate, Located, Snapshot
+    from kvstore.cluster.records import ClusterError
+    from kvstore.events import EventKind, KVEvent, TierKind
+    ev = KVEvent(EventKind.STORED, "n1", 3, TierKind.SSD, tuple(KEYS[:3]))
+    assert EventBatch.decode(EventBatch("n1", 7, (ev,)).encode()) == EventBatch("n1", 7, (ev,))
+    snap = Snapshot("n1", 7, 3, {TierKind.DRAM: KEYS[:2], TierKind.SSD: []})
+    assert Snapshot.decode(snap.encode()) == snap
+    assert Locate.decode(Locate(7, tuple(KEYS[:4])).encode()) == Locate(7, tuple(KEYS[:4]))
+    loc = Located((("a", "b"), ()), (("a", 1),))
+    assert Located.decode(loc.encode()) == loc
+    for bad in (b"\xc1", b"\x90", EventBatch("n1", 7, (ev,)).encode()[:-5]):
+        with pytest.raises(ClusterError):
+            EventBatch.decode(bad)

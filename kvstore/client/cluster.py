@@ -1,0 +1,241 @@
+"""`ClusterClient`: the blocking SDK for a pool of `kvtier serve --cluster` nodes.
+
+`kvstore.Client("etcd://HOST:PORT/PREFIX", namespace=ns)` returns one. It follows the
+members through etcd (an observer: it never registers), puts each new block on
+`replicas` nodes (a preferred node first, when given, then consistent hashing over the
+live nodes), and finds blocks through the leader's cluster index, fetching each one
+directly from a node that holds it. A node that is down or loses a block turns that block
+into a miss (or a replica serves it): never an error for a read, never wrong bytes.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import urllib.error
+import urllib.request
+from typing import Sequence
+
+from kvstore.buffers import byte_rows
+from kvstore.client.errors import ClientError
+from kvstore.cluster.membership import ClusterMember
+from kvstore.cluster.messages import Locate, Located
+from kvstore.cluster.records import ClusterError, parse_etcd_url
+from kvstore.cluster.ring import HashRing
+from kvstore.events import TierKind
+from kvstore.keys import Namespace
+from kvstore.store import MatchResult, PutStatus
+from kvstore.wire import RemoteError
+
+_RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
+NODE_ERRORS = (ClientError, RemoteError, ConnectionError, OSError)
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread, for the etcd watch of a blocking client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvtier-etcd",
+                                        daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout_s: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+class ClusterClient:
+    def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
+                 replicas: int = 1, prefer_node: str | None = None, timeout_s: float = 30.0,
+                 use_shm: bool = True) -> None:
+        if namespace is None:
+            raise ValueError("ClusterClient needs namespace=Namespace(...)")
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        self.ns, self.token, self.replicas, self.prefer_node = namespace, token, replicas, prefer_node
+        self.timeout_s, self.use_shm = timeout_s, use_shm
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, str], object] = {}
+        self._ring, self._ring_nodes = HashRing(), frozenset()
+        self._loop = _LoopThread()
+        self._member = ClusterMember(parse_etcd_url(url), None)
+        try:
+            self._loop.run(self._member.start())
+        except BaseException:
+            self._loop.close()
+            raise
+
+    # ------------------------------------------------------------ membership
+
+    def nodes(self) -> dict[str, str]:
+        """Live node id -> data-plane address."""
+        return {n: r.data_addr for n, r in dict(self._member.members).items()}
+
+    @property
+    def leader_id(self) -> str | None:
+        return self._member.leader_id
+
+    def _node_client(self, node_id: str):
+        """A pooled client for a live node, keyed by its current address (a node that came
+        back elsewhere gets a new one)."""
+        from kvstore.client.sync import Client
+        rec = self._member.members.get(node_id)
+        if rec is None:
+            raise ClientError(f"node {node_id} is not a live member of the cluster")
+        key = (node_id, rec.data_addr)
+        with self._lock:
+            client = self._clients.get(key)
+        if client is not None:
+            return client
+        client = Client(f"kvtier://{rec.data_addr}", self.token, self.ns,
+                        timeout_s=self.timeout_s, use_shm=self.use_shm)
+        with self._lock:
+            stale = [k for k in self._clients if k[0] == node_id and k != key]
+            old = [self._clients.pop(k) for k in stale]
+            kept = self._clients.setdefault(key, client)
+        for c in old + ([client] if kept is not client else []):
+            c.close()
+        return kept
+
+    def _forget(self, node_id: str) -> None:
+        with self._lock:
+            gone = [self._clients.pop(k) for k in list(self._clients) if k[0] == node_id]
+        for client in gone:
+            client.close()
+
+    def _owners(self, h: bytes) -> list[str]:
+        live = frozenset(self._member.members)
+        if live != self._ring_nodes:
+            self._ring, self._ring_nodes = HashRing(sorted(live)), live
+        owners = [self.prefer_node] if self.prefer_node in live else []
+        for node in self._ring.owners(h, self.replicas + len(owners)):
+            if node not in owners and len(owners) < self.replicas:
+                owners.append(node)
+        return owners
+
+    # ------------------------------------------------------------ the index
+
+    def locate(self, hashes: Sequence[bytes]) -> Located | None:
+        """Ask the leader which nodes hold each block; None when no leader answers."""
+        leader = self._member.leader_id
+        rec = self._member.members.get(leader) if leader else None
+        if rec is None or not hashes:
+            return None
+        headers = {"Content-Type": "application/msgpack"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(f"{rec.control_url}/cluster/locate", method="POST",
+                                     data=Locate(self.ns.ns_id, tuple(map(bytes, hashes))).encode(),
+                                     headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=min(self.timeout_s, 5.0)) as resp:
+                return Located.decode(resp.read())
+        except (urllib.error.URLError, OSError, ClusterError):
+            return None
+
+    def _candidates(self, hashes: Sequence[bytes]) -> list[list[str]]:
+        """Per hash, the nodes to try in order: index holders, then ring owners."""
+        located = self.locate(hashes)
+        out = []
+        for i, h in enumerate(hashes):
+            nodes = list(located.holders[i]) if located else []
+            out.append(nodes + [n for n in self._owners(bytes(h)) if n not in nodes])
+        return out
+
+    # ------------------------------------------------------------ data
+
+    def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
+        """Store each block on `replicas` nodes. A block no node could take is NO_SPACE."""
+        rows = byte_rows(srcs, len(hashes), self.ns.block_bytes)
+        status = [PutStatus.NO_SPACE] * len(hashes)
+        groups: dict[str, list[int]] = {}
+        for i, h in enumerate(hashes):
+            for node in self._owners(bytes(h)):
+                groups.setdefault(node, []).append(i)
+        for node, idx in groups.items():
+            try:
+                got = self._node_client(node).put_n([hashes[i] for i in idx], [rows[i] for i in idx])
+            except NODE_ERRORS:
+                self._forget(node)
+                continue
+            for i, st in zip(idx, got):
+                status[i] = min(status[i], st, key=_RANK.__getitem__)
+        return status
+
+    def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
+        """Fetch each block from a node that holds it; None where no live node has it."""
+        rows = byte_rows(dsts, len(hashes), self.ns.block_bytes, writable=True)
+        out: list[TierKind | None] = [None] * len(hashes)
+        todo = {i: c for i, c in enumerate(self._candidates(hashes))}
+        while todo:
+            groups: dict[str, list[int]] = {}
+            for i, cands in list(todo.items()):
+                if not cands:
+                    del todo[i]
+                else:
+                    groups.setdefault(cands.pop(0), []).append(i)
+            for node, idx in groups.items():
+                for i, tier in zip(idx, self._get_from(node, hashes, rows, idx)):
+                    if tier is not None:
+                        out[i] = tier
+                        todo.pop(i, None)
+        return out
+
+    def _get_from(self, node: str, hashes, rows, idx: list[int]) -> list[TierKind | None]:
+        try:
+            return self._node_client(node).get_n([hashes[i] for i in idx], [rows[i] for i in idx])
+        except NODE_ERRORS:
+            self._forget(node)
+            return [None] * len(idx)
+
+    get_n_into = get_n
+
+    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        located = self.locate(hashes)
+        if located is not None:
+            return [bool(h) for h in located.holders]
+        found = [False] * len(hashes)
+        for i, h in enumerate(hashes):
+            for node in self._owners(bytes(h)):
+                try:
+                    found[i] = found[i] or self._node_client(node).contains_n([h])[0]
+                except NODE_ERRORS:
+                    self._forget(node)
+        return found
+
+    exists_n = contains_n
+
+    def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
+        """The longest prefix one node holds, asked of that node itself (the index may lag
+        by a few milliseconds); without a leader, every live node is asked."""
+        located = self.locate(hashes)
+        nodes = [n for n, _ in located.prefix[:2]] if located else sorted(self._member.members)
+        best = MatchResult(0, ())
+        for node in nodes:
+            try:
+                got = self._node_client(node).match_prefix(hashes)
+            except NODE_ERRORS:
+                self._forget(node)
+                continue
+            if got.num_blocks > best.num_blocks:
+                best = got
+        return best
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+        try:
+            self._loop.run(self._member.stop(), timeout_s=10)
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> "ClusterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

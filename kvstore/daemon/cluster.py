@@ -1,0 +1,222 @@
+"""A daemon's part in an etcd-coordinated pool.
+
+Every node: registers in etcd (`ClusterMember`), and ships the KV events of each of its
+namespace stores to the current leader, or a full snapshot when the leader is new to it,
+when an earlier shipment failed, or when the leader reports a gap. The leader: keeps one
+`ClusterIndex` per namespace and answers `/cluster/locate` (who holds which block, and the
+longest prefix per node). Data never flows through the leader: clients fetch from holders.
+Node-to-node calls carry the cluster token (the first admin token) when auth is on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from kvstore.cluster.membership import Change, ClusterMember
+from kvstore.cluster.messages import EventBatch, Locate, Located, Snapshot
+from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.namespaces import Registry
+from kvstore.index import ClusterIndex
+
+log = logging.getLogger("kvtier.cluster")
+MSGPACK = "application/msgpack"
+
+
+class MetadataService:
+    """The leader's state: a ClusterIndex per namespace. Runs on the event loop only."""
+
+    def __init__(self) -> None:
+        self.indexes: dict[int, ClusterIndex] = {}
+
+    def index(self, ns_id: int) -> ClusterIndex:
+        return self.indexes.setdefault(ns_id, ClusterIndex())
+
+    def apply_events(self, batch: EventBatch) -> bool:
+        """Apply a batch; True when the node must send a snapshot (unknown to us, or a gap)."""
+        idx = self.index(batch.ns_id)
+        if batch.node_id not in idx.node_ids():
+            return True
+        stale = False
+        for event in batch.events:
+            stale = idx.apply(event).stale
+        return stale
+
+    def apply_snapshot(self, snap: Snapshot) -> None:
+        idx = self.index(snap.ns_id)
+        if snap.node_id in idx.node_ids():
+            idx.remove_node(snap.node_id)  # a new incarnation may restart its seqs
+        idx.apply_snapshot(snap.node_id, snap.seq, snap.blocks)
+
+    def forget(self, node_id: str) -> None:
+        for idx in self.indexes.values():
+            if node_id in idx.node_ids():
+                idx.remove_node(node_id)
+
+    def locate(self, req: Locate) -> Located:
+        idx = self.index(req.ns_id)
+        match = idx.query(req.hashes)
+        prefix = sorted(((n, match.length(n)) for n in match.nodes()), key=lambda p: (-p[1], p[0]))
+        return Located(tuple(idx.holders(req.hashes)), tuple(prefix))
+
+
+class ClusterAgent:
+    def __init__(self, cfg: DaemonConfig, registry: Registry, data_port: int, http_port: int) -> None:
+        host = cfg.advertise or cfg.host
+        self.cfg, self.registry = cfg, registry
+        record = NodeRecord(cfg.node_id, f"{host}:{data_port}", f"http://{host}:{http_port}")
+        self.member = ClusterMember(parse_etcd_url(cfg.cluster), record, ttl_s=cfg.cluster_ttl_s)
+        self.service = MetadataService()
+        self._reported_to: str | None = None
+        self._known: set[int] = set()   # namespaces the current leader has a snapshot of
+        self._failing = False
+        self._tasks: list[asyncio.Task] = []
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        token = self.cfg.cluster_token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def start(self) -> None:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        changes = self.member.subscribe()
+        await self.member.start()
+        self._tasks = [asyncio.create_task(self._ship_forever(), name="kv-event-shipper"),
+                       asyncio.create_task(self._follow(changes), name="cluster-follow")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.member.stop(graceful=True)
+        if self._http is not None:
+            await self._http.close()
+
+    async def _follow(self, changes: asyncio.Queue) -> None:
+        while True:
+            event = await changes.get()
+            if event.change is Change.LEFT:
+                self.service.forget(event.node_id)
+            elif event.change is Change.LEADER and self.member.is_leader:
+                log.info("this node leads the cluster metadata now")
+                self.service = MetadataService()  # nodes re-report to a new leader
+
+    async def _ship_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.event_interval_s)
+            try:
+                await self.ship_once()
+                self._failing = False
+            except (aiohttp.ClientError, asyncio.TimeoutError, ClusterError) as e:
+                if not self._failing:  # once per outage, not every interval
+                    log.warning("could not report KV events to the leader (%s); will resync", e)
+                self._failing = True
+                self._known.clear()
+
+    async def ship_once(self) -> None:
+        leader = self.member.leader_id
+        rec = self.member.members.get(leader) if leader else None
+        if rec is None:
+            return
+        if leader != self._reported_to:
+            self._reported_to, self._known = leader, set()
+        loop = asyncio.get_running_loop()
+        for hosted in self.registry.hosted():
+            ns_id, store = hosted.ns.ns_id, hosted.store
+            if ns_id not in self._known:
+                seq, blocks = await loop.run_in_executor(None, store.snapshot)
+                await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, seq, blocks).encode())
+                self._known.add(ns_id)
+                continue
+            events = store.drain_events()
+            if events:
+                reply = await self._post(rec, "events", EventBatch(self.cfg.node_id, ns_id, tuple(events)).encode())
+                if reply == b"resync":
+                    self._known.discard(ns_id)
+
+    async def _post(self, rec: NodeRecord, what: str, body: bytes) -> bytes:
+        async with self._http.post(f"{rec.control_url}/cluster/{what}", data=body,
+                                   headers={**self.headers, "Content-Type": MSGPACK}) as resp:
+            if resp.status != 200:
+                raise ClusterError(f"leader {rec.node_id} answered {resp.status} to {what}: "
+                                   f"{(await resp.text())[:200]}")
+            return await resp.read()
+
+
+class ClusterSlot:
+    """Where the app finds its agent: set by `serve` once the control plane's port is known
+    (after the app has started, when app state can no longer change)."""
+
+    agent: ClusterAgent | None = None
+
+
+SLOT = web.AppKey("cluster_slot", ClusterSlot)
+
+
+def _agent(request: web.Request) -> ClusterAgent:
+    agent = request.app[SLOT].agent
+    if agent is None:
+        raise web.HTTPNotFound(text="this daemon is not part of a cluster (start it with --cluster)\n")
+    return agent
+
+
+def _leader_only(request: web.Request) -> ClusterAgent:
+    from kvstore.daemon.app import require_admin
+    require_admin(request)
+    agent = _agent(request)
+    if not agent.member.is_leader:
+        raise web.HTTPConflict(text=f"not the leader; the leader is {agent.member.leader_id}\n")
+    return agent
+
+
+async def post_events(request: web.Request) -> web.Response:
+    agent = _leader_only(request)
+    try:
+        resync = agent.service.apply_events(EventBatch.decode(await request.read()))
+    except ClusterError as e:
+        raise web.HTTPBadRequest(text=f"{e}\n") from e
+    return web.Response(body=b"resync" if resync else b"ok", content_type=MSGPACK)
+
+
+async def post_snapshot(request: web.Request) -> web.Response:
+    agent = _leader_only(request)
+    try:
+        agent.service.apply_snapshot(Snapshot.decode(await request.read()))
+    except ClusterError as e:
+        raise web.HTTPBadRequest(text=f"{e}\n") from e
+    return web.Response(body=b"ok", content_type=MSGPACK)
+
+
+async def post_locate(request: web.Request) -> web.Response:
+    agent = _leader_only(request)
+    try:
+        located = agent.service.locate(Locate.decode(await request.read()))
+    except ClusterError as e:
+        raise web.HTTPBadRequest(text=f"{e}\n") from e
+    return web.Response(body=located.encode(), content_type=MSGPACK)
+
+
+async def get_nodes(request: web.Request) -> web.Response:
+    from kvstore.daemon.app import grant_of
+    grant_of(request)
+    agent = _agent(request)
+    m = agent.member
+    return web.json_response({
+        "node_id": agent.cfg.node_id, "leader": m.leader_id, "time": time.time(),
+        "members": {n: {"data_addr": r.data_addr, "control_url": r.control_url}
+                    for n, r in sorted(m.members.items())},
+        "index": {f"{ns:016x}": {"nodes": list(idx.node_ids()), "stale": list(idx.stale_nodes())}
+                  for ns, idx in agent.service.indexes.items()} if m.is_leader else None})
+
+
+def add_routes(app: web.Application) -> None:
+    app[SLOT] = ClusterSlot()
+    app.router.add_post("/cluster/events", post_events)
+    app.router.add_post("/cluster/snapshot", post_snapshot)
+    app.router.add_post("/cluster/locate", post_locate)
+    app.router.add_get("/cluster/nodes", get_nodes)

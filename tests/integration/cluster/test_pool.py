@@ -1,0 +1,220 @@
+"""A pool of real `kvtier serve --cluster` processes coordinated by a real etcd server."""
+from __future__ import annotations
+
+import itertools
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from kvstore import Client
+from kvstore.client.cluster import ClusterClient
+from kvstore.keys import hash_blocks
+from kvstore.store import PutStatus
+
+from ..daemon.conftest import NS, Daemon, block_of
+
+TTL = 2
+_pools = itertools.count()
+
+
+class Pool:
+    def __init__(self, etcd, tmp_path, n: int, *extra: str) -> None:
+        self.url = f"{etcd.url}-pool{next(_pools)}"
+        self.extra = extra
+        self.tmp_path = tmp_path
+        self.nodes = {f"n{i}": self._daemon(f"n{i}") for i in range(n)}
+        for d in self.nodes.values():
+            d.start()
+
+    def _daemon(self, node_id: str) -> Daemon:
+        return Daemon(str(self.tmp_path / node_id), "--cluster", self.url, "--node-id", node_id,
+                      "--cluster-ttl", str(TTL), *self.extra)
+
+    def restart(self, node_id: str) -> Daemon:
+        old = self.nodes[node_id]
+        d = Daemon(old.data_dir, *old.extra)
+        self.nodes[node_id] = d.start()
+        return d
+
+    def view(self, node_id: str, token: str = "") -> dict:
+        """The node's /cluster/nodes, or {} until it has joined (404) or while it can't answer."""
+        try:
+            return self.nodes[node_id].get_json("/cluster/nodes", token)
+        except (urllib.error.HTTPError, OSError):
+            return {}
+
+    def stop(self) -> None:
+        for d in self.nodes.values():
+            try:
+                d.stop()
+            finally:
+                d.kill()
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    """Seconds it took; fails the test with `what` after timeout_s."""
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout_s, f"not reached in {timeout_s} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def chain(seed: int, n: int) -> list[bytes]:
+    return hash_blocks(NS, list(range(seed * 100_000, seed * 100_000 + n * NS.block_tokens)))
+
+
+def payload(hashes) -> np.ndarray:
+    return np.stack([block_of(h, NS.block_bytes) for h in hashes])
+
+
+def check_bytes(hashes, out, tiers) -> int:
+    """Every hit byte-exact; returns the number of hits."""
+    for h, row, t in zip(hashes, out, tiers):
+        if t is not None:
+            assert np.array_equal(row, block_of(h, NS.block_bytes)), "wrong bytes from the pool"
+    return sum(t is not None for t in tiers)
+
+
+def read(client, hashes):
+    out = np.zeros((len(hashes), NS.block_bytes), np.uint8)
+    tiers = client.get_n(hashes, out)
+    return out, tiers
+
+
+@pytest.fixture(scope="module")
+def pool(etcd, tmp_path_factory):
+    p = Pool(etcd, tmp_path_factory.mktemp("pool"), 3)
+    yield p
+    p.stop()
+
+
+def test_nodes_join_and_agree_on_a_leader(pool):
+    wait_until(lambda: all(len(pool.view(n).get("members", ())) == 3 for n in pool.nodes), 15,
+               "every node sees three members")
+    leaders = {pool.view(n)["leader"] for n in pool.nodes}
+    assert len(leaders) == 1 and leaders <= set(pool.nodes)
+
+
+def test_blocks_spread_over_the_nodes_and_all_come_back(pool):
+    with Client(pool.url, namespace=NS) as c:
+        assert isinstance(c, ClusterClient) and set(c.nodes()) == set(pool.nodes)
+        hashes = chain(1, 60)
+        assert c.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 60
+        out, tiers = read(c, hashes)
+        assert check_bytes(hashes, out, tiers) == 60
+        wait_until(lambda: all(c.contains_n(hashes)), 10, "the leader's index lists every block")
+        located = c.locate(hashes)
+        assert len({h[0] for h in located.holders}) == 3, "consistent hashing used every node"
+        assert c.put_n(hashes[:3], payload(hashes[:3])) == [PutStatus.EXISTS] * 3
+
+
+def test_a_prefix_put_on_one_node_is_matched_in_full(pool):
+    with ClusterClient(pool.url, namespace=NS, prefer_node="n1") as c:
+        hashes = chain(2, 12)
+        c.put_n(hashes, payload(hashes))
+        wait_until(lambda: c.locate(hashes).prefix[:1] == (("n1", 12),), 10,
+                   "the index gives n1 the whole prefix")
+        m = c.match_prefix(hashes + chain(3, 2))
+        assert m.num_blocks == 12 and len(m.tiers) == 12
+        assert c.match_prefix(chain(4, 3)).num_blocks == 0
+
+
+def test_a_lost_node_turns_its_blocks_into_misses_and_replicas_serve(etcd, tmp_path):
+    pool = Pool(etcd, tmp_path, 3)
+    try:
+        with ClusterClient(pool.url, namespace=NS) as single, \
+                ClusterClient(pool.url, namespace=NS, replicas=2) as double:
+            wait_until(lambda: len(single.nodes()) == 3, 15, "three members")
+            one, two = chain(5, 40), chain(6, 40)
+            single.put_n(one, payload(one))
+            double.put_n(two, payload(two))
+            wait_until(lambda: all(single.contains_n(one + two)), 10, "index converged")
+            victim = next(n for n in pool.nodes if n != single.leader_id)
+            lost = [h for h, hs in zip(one, single.locate(one).holders) if hs == (victim,)]
+            assert lost, "the victim held some single-copy blocks"
+            pool.nodes[victim].kill()                      # SIGKILL, mid-flight for nobody
+            out, tiers = read(single, one)                 # answered: hits and misses only
+            assert check_bytes(one, out, tiers) == 40 - len(lost)
+            assert all(tiers[one.index(h)] is None for h in lost)
+            out, tiers = read(double, two)
+            assert check_bytes(two, out, tiers) == 40     # every block has a live replica
+            took = wait_until(lambda: victim not in single.nodes(), 4 * TTL + 5,
+                              "the dead node leaves the membership")
+            print(f"node loss seen by clients after {took:.2f} s (lease TTL {TTL} s)")
+            wait_until(lambda: all(victim not in hs for hs in single.locate(one).holders), 5,
+                       "the dead node leaves the index")
+    finally:
+        pool.stop()
+
+
+def test_leader_failover_and_index_convergence(etcd, tmp_path):
+    pool = Pool(etcd, tmp_path, 3)
+    try:
+        with ClusterClient(pool.url, namespace=NS) as c:
+            wait_until(lambda: len(c.nodes()) == 3 and c.leader_id, 15, "three members, a leader")
+            hashes = chain(7, 30)
+            c.put_n(hashes, payload(hashes))
+            wait_until(lambda: all(c.contains_n(hashes)), 10, "index converged")
+            old = c.leader_id
+            survivors = {h for h, hs in zip(hashes, c.locate(hashes).holders) if old not in hs}
+            t0 = time.monotonic()
+            pool.nodes[old].kill()
+            wait_until(lambda: c.leader_id not in (None, old), 4 * TTL + 5, "a new leader")
+            failover = time.monotonic() - t0
+            wait_until(lambda: all(c.contains_n(list(survivors))), 10,
+                       "the new leader's index holds every surviving block")
+            converged = time.monotonic() - t0
+            print(f"leader failover {failover:.2f} s, index converged {converged:.2f} s "
+                  f"after the kill (lease TTL {TTL} s)")
+            out, tiers = read(c, hashes)
+            assert check_bytes(hashes, out, tiers) == len(survivors)
+    finally:
+        pool.stop()
+
+
+def test_a_restarted_node_rejoins_and_reports_its_blocks(etcd, tmp_path):
+    pool = Pool(etcd, tmp_path, 2)
+    try:
+        with ClusterClient(pool.url, namespace=NS, prefer_node="n1") as c:
+            wait_until(lambda: len(c.nodes()) == 2, 15, "two members")
+            hashes = chain(8, 20)
+            c.put_n(hashes, payload(hashes))
+            wait_until(lambda: c.locate(hashes).prefix[:1] == (("n1", 20),), 10, "indexed")
+            assert pool.nodes["n1"].stop() == 0             # SIGTERM: flush DRAM to SSD
+            wait_until(lambda: "n1" not in c.nodes(), 10, "n1 left")
+            assert c.match_prefix(hashes).num_blocks == 0
+            pool.restart("n1")
+            took = wait_until(lambda: c.locate(hashes) is not None
+                              and c.locate(hashes).prefix[:1] == (("n1", 20),), 15,
+                              "n1's blocks are back in the index")
+            print(f"index converged {took:.2f} s after n1 came back")
+            out, tiers = read(c, hashes)
+            assert check_bytes(hashes, out, tiers) == 20
+    finally:
+        pool.stop()
+
+
+def test_peers_and_clients_need_the_token(etcd, tmp_path):
+    token_file = tmp_path / "tokens"
+    token_file.write_text("s3cret\n")
+    pool = Pool(etcd, tmp_path, 2, "--token-file", str(token_file))
+    try:
+        wait_until(lambda: len(pool.view("n0", "s3cret").get("members", ())) == 2, 15, "two members")
+        req = urllib.request.Request(pool.nodes["n0"].http + "/cluster/events", data=b"x",
+                                     method="POST")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 401
+        with ClusterClient(pool.url, token="s3cret", namespace=NS) as c:
+            hashes = chain(9, 10)
+            assert c.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 10
+            wait_until(lambda: all(c.contains_n(hashes)), 10, "the index works with auth on")
+        with ClusterClient(pool.url, token="wrong", namespace=NS) as bad:
+            assert bad.put_n(hashes, payload(hashes)) == [PutStatus.NO_SPACE] * 10
+            assert read(bad, hashes)[1] == [None] * 10
+    finally:
+        pool.stop()
