@@ -35,7 +35,7 @@ class StoreCollector:
         misses = CounterMetricFamily("kvtier_misses", "block reads that found nothing",
                                      labels=["namespace"])
         lease_hits = CounterMetricFamily("kvtier_lease_hits", "DRAM blocks read through "
-                                         "leases (shared memory or zero-copy TCP)",
+                                         "leases (shared memory or zero-copy TCP); part of the tier hits",
                                          labels=["namespace"])
         for h in self._hosted():
             s = h.store.stats()

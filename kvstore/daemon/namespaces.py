@@ -37,8 +37,8 @@ class Hosted:
     store: TieredStore
     shm: ShmInfo | None
     quota_blocks: int
-    # Hits served from leased DRAM slots (shm and zero-copy TCP reads): the store counts
-    # only get_n hits, so the daemon counts these itself.
+    # Of the store's hits, those served from leased DRAM slots (shm and zero-copy TCP
+    # reads): how much traffic skips a copy through the daemon.
     lease_hits: int = 0
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
