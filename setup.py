@@ -46,5 +46,9 @@ setup(
     packages=find_packages(include=["kvstore*", "transfer*", "engine_adapter*", "kernels*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
-    entry_points={"console_scripts": ["kvtier=kvstore.cli:main"]},
+    entry_points={
+        "console_scripts": ["kvtier=kvstore.cli:main"],
+        # vLLM loads general plugins at start-up; ours registers the KVTierConnector
+        "vllm.general_plugins": ["kvtier = engine_adapter.plugins.vllm:register"],
+    },
 )
