@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -85,6 +86,38 @@ def read(client, hashes):
     return out, tiers
 
 
+class Reader:
+    """Reads `hashes` in a loop on a thread (its own client) until stopped, counting
+    rounds, hits, wrong bytes and exceptions: load during a fault."""
+
+    def __init__(self, url: str, hashes: list[bytes]) -> None:
+        self.url, self.hashes = url, hashes
+        self.rounds = self.hits = self.wrong = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with ClusterClient(self.url, namespace=NS, timeout_s=5.0) as c:
+            while not self._stop.is_set():
+                try:
+                    out, tiers = read(c, self.hashes)
+                except Exception as e:  # any exception is a failed request: reported below
+                    self.errors.append(repr(e))
+                    continue
+                for h, row, t in zip(self.hashes, out, tiers):
+                    if t is not None:
+                        self.hits += 1
+                        self.wrong += not np.array_equal(row, block_of(h, NS.block_bytes))
+                self.rounds += 1
+
+    def stop(self) -> "Reader":
+        self._stop.set()
+        self._thread.join(30)
+        return self
+
+
 @pytest.fixture(scope="module")
 def pool(etcd, tmp_path_factory):
     p = Pool(etcd, tmp_path_factory.mktemp("pool"), 3)
@@ -136,7 +169,12 @@ def test_a_lost_node_turns_its_blocks_into_misses_and_replicas_serve(etcd, tmp_p
             victim = next(n for n in pool.nodes if n != single.leader_id)
             lost = [h for h, hs in zip(one, single.locate(one).holders) if hs == (victim,)]
             assert lost, "the victim held some single-copy blocks"
-            pool.nodes[victim].kill()                      # SIGKILL, mid-flight for nobody
+            load = Reader(pool.url, one)
+            wait_until(lambda: load.rounds >= 2, 20, "reads under way")
+            pool.nodes[victim].kill()                      # SIGKILL while reads are in flight
+            time.sleep(0.5)
+            load.stop()
+            assert load.errors == [] and load.wrong == 0, (load.errors[:3], load.wrong)
             out, tiers = read(single, one)                 # answered: hits and misses only
             assert check_bytes(one, out, tiers) == 40 - len(lost)
             assert all(tiers[one.index(h)] is None for h in lost)
@@ -161,8 +199,10 @@ def test_leader_failover_and_index_convergence(etcd, tmp_path):
             wait_until(lambda: all(c.contains_n(hashes)), 10, "index converged")
             old = c.leader_id
             survivors = {h for h, hs in zip(hashes, c.locate(hashes).holders) if old not in hs}
+            load = Reader(pool.url, hashes)
+            wait_until(lambda: load.rounds >= 2, 20, "reads under way")
             t0 = time.monotonic()
-            pool.nodes[old].kill()
+            pool.nodes[old].kill()                         # the leader, under load
             wait_until(lambda: c.leader_id not in (None, old), 4 * TTL + 5, "a new leader")
             failover = time.monotonic() - t0
             wait_until(lambda: all(c.contains_n(list(survivors))), 10,
@@ -170,6 +210,12 @@ def test_leader_failover_and_index_convergence(etcd, tmp_path):
             converged = time.monotonic() - t0
             print(f"leader failover {failover:.2f} s, index converged {converged:.2f} s "
                   f"after the kill (lease TTL {TTL} s)")
+            load.stop()
+            assert load.errors == [] and load.wrong == 0, (load.errors[:3], load.wrong)
+            assert load.rounds > 2
+            for node_id, d in pool.nodes.items():
+                if node_id != old:
+                    assert all(n["open_reservations"] == 0 for n in d.get_json("/stats")["namespaces"])
             out, tiers = read(c, hashes)
             assert check_bytes(hashes, out, tiers) == len(survivors)
     finally:
