@@ -24,6 +24,9 @@ import xxhash
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Row, add_common_args, report  # noqa: E402
 
+# bench/transfer.py and bench/kernels.py would shadow the packages of the same names
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from kvstore.config import StoreConfig, TierConfig  # noqa: E402
 from kvstore.events import TierKind  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
