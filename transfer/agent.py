@@ -81,7 +81,8 @@ class Agent:
         infos = tuple(RegionInfo(r.region_id, r.size, r.kind, r.path, r.path_offset)
                       for r in self.regions.exported())
         return AgentMetadata(self.name, self.agent_id, host_id(), os.getpid(),
-                             fields.get("tcp_addr"), infos).encode()
+                             fields.get("tcp_addr"), infos, nixl=fields.get("nixl"),
+                             ucx=fields.get("ucx")).encode()
 
     def add_peer(self, metadata: bytes) -> str:
         """Learn (or refresh) a peer from its `metadata()`; returns the peer's name."""

@@ -43,6 +43,10 @@ class AgentMetadata:
     tcp_addr: tuple[str, int] | None
     regions: tuple[RegionInfo, ...]
     version: int = METADATA_VERSION
+    # opaque connection blobs of the optional adapters, each encoded by its own backend
+    # (msgpack there too); None when this agent does not run that backend
+    nixl: bytes | None = None
+    ucx: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.version != METADATA_VERSION:
@@ -56,17 +60,19 @@ class AgentMetadata:
                    for r in self.regions]
         tcp = list(self.tcp_addr) if self.tcp_addr else None
         return msgpack.packb([self.version, self.name, self.agent_id, self.host, self.pid,
-                              tcp, regions], use_bin_type=True)
+                              tcp, regions, self.nixl, self.ucx], use_bin_type=True)
 
     @classmethod
     def decode(cls, blob: bytes) -> "AgentMetadata":
         try:
-            version, name, agent_id, host, pid, tcp, regions = msgpack.unpackb(
+            version, name, agent_id, host, pid, tcp, regions, *extra = msgpack.unpackb(
                 blob, raw=False, strict_map_key=True)
+            nixl, ucx = (list(extra) + [None, None])[:2]  # absent in older metadata
             infos = tuple(RegionInfo(int(i), int(s), MemKind(k), p, int(po))
                           for i, s, k, p, po in regions)
             addr = (str(tcp[0]), int(tcp[1])) if tcp else None
-            return cls(str(name), str(agent_id), str(host), int(pid), addr, infos, int(version))
+            return cls(str(name), str(agent_id), str(host), int(pid), addr, infos, int(version),
+                       _blob(nixl), _blob(ucx))
         except TransferError:
             raise
         except (ValueError, TypeError, msgpack.UnpackException) as e:
@@ -82,3 +88,9 @@ class AgentMetadata:
         except PermissionError:
             return True
         return True
+
+
+def _blob(value) -> bytes | None:
+    if value is not None and not isinstance(value, bytes):
+        raise TypeError(f"adapter metadata must be bytes, got {type(value).__name__}")
+    return value
