@@ -174,31 +174,28 @@ def _leader_only(request: web.Request) -> ClusterAgent:
     return agent
 
 
-async def post_events(request: web.Request) -> web.Response:
+async def _leader_call(request: web.Request, message, act) -> web.Response:
+    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader."""
     agent = _leader_only(request)
     try:
-        resync = agent.service.apply_events(EventBatch.decode(await request.read()))
+        body = act(agent.service, message.decode(await request.read()))
     except ClusterError as e:
         raise web.HTTPBadRequest(text=f"{e}\n") from e
-    return web.Response(body=b"resync" if resync else b"ok", content_type=MSGPACK)
+    return web.Response(body=body, content_type=MSGPACK)
+
+
+async def post_events(request: web.Request) -> web.Response:
+    return await _leader_call(request, EventBatch,
+                              lambda svc, batch: b"resync" if svc.apply_events(batch) else b"ok")
 
 
 async def post_snapshot(request: web.Request) -> web.Response:
-    agent = _leader_only(request)
-    try:
-        agent.service.apply_snapshot(Snapshot.decode(await request.read()))
-    except ClusterError as e:
-        raise web.HTTPBadRequest(text=f"{e}\n") from e
-    return web.Response(body=b"ok", content_type=MSGPACK)
+    return await _leader_call(request, Snapshot,
+                              lambda svc, snap: svc.apply_snapshot(snap) or b"ok")
 
 
 async def post_locate(request: web.Request) -> web.Response:
-    agent = _leader_only(request)
-    try:
-        located = agent.service.locate(Locate.decode(await request.read()))
-    except ClusterError as e:
-        raise web.HTTPBadRequest(text=f"{e}\n") from e
-    return web.Response(body=located.encode(), content_type=MSGPACK)
+    return await _leader_call(request, Locate, lambda svc, req: svc.locate(req).encode())
 
 
 async def get_nodes(request: web.Request) -> web.Response:
