@@ -46,7 +46,11 @@ Public API
   SHM (same host: copies between pre-faulted mappings of the peer's shm/file regions; its
   notifications ride the tcp control path), TCP (any host: msgpack headers, raw payloads via
   sendmsg / recvmsg_into straight into registered memory, pipelined, `tcp_num_conns` per
-  peer). NIXL/UCX adapters are not built yet. Peers can only reach exported regions.
+  peer). Optional adapters, used only when named in `AgentConfig.backends` (never by
+  default) and importable: NIXL (`nixl-cu12`, one-sided over its UCX plugin) and UCX
+  (`ucxx-cu13`, tag messages). Both listen on every network interface: run them in a
+  loopback-only `unshare -n` namespace or on a trusted network. Peers can only reach
+  exported regions.
 - Threading: post/poll/wait may be called from several threads. Transfers over local/shm
   complete inside `post`; tcp transfers complete on background threads.
 """
