@@ -5,6 +5,8 @@
     kvtier bench NAME [ARGS...]              run a benchmark from a source checkout's bench/
     kvtier serve [--dram-size 4GiB ...]      run a store daemon (see `kvtier serve --help`)
     kvtier stats [--url http://HOST:7480]    a running daemon's figures
+    kvtier cluster [--prefill N --decode M | --colocated K]   store + workers + OpenAI API
+    kvtier demo                              pooled cluster vs colocated baseline on a workload
 """
 from __future__ import annotations
 
@@ -98,6 +100,26 @@ def _stats_run(args: argparse.Namespace) -> int:
     return print_stats(args.url, args.token or os.environ.get("KVTIER_TOKEN", ""))
 
 
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    from engine_adapter.serving.launcher import configure
+    configure(p)
+
+
+def _cluster_run(args: argparse.Namespace) -> int:
+    from engine_adapter.serving.launcher import run
+    return run(args)
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    from engine_adapter.serving.demo import configure
+    configure(p)
+
+
+def _demo_run(args: argparse.Namespace) -> int:
+    from engine_adapter.serving.demo import run
+    return run(args)
+
+
 COMMANDS: list[Command] = [
     ("hash", "print the block hashes of a token sequence", _hash_args, _hash_run),
     ("fsck", "verify (and repair) the blocks of an SSD tier directory", _fsck_args, _fsck_run),
@@ -107,6 +129,10 @@ COMMANDS: list[Command] = [
      _serve_run),
     ("stats", "print a running daemon's per-namespace, per-tier figures", _stats_args,
      _stats_run),
+    ("cluster", "run a store node, prefill/decode workers and an OpenAI-compatible API on "
+     "this host", _cluster_args, _cluster_run),
+    ("demo", "replay a prefix-sharing workload on the pooled cluster and on the colocated "
+     "baseline; print the figures and write a TTFT chart", _demo_args, _demo_run),
 ]
 
 

@@ -1,0 +1,107 @@
+"""The engine's synchronous step loop on its own thread, fed by the worker's async handlers.
+
+Handlers submit requests with a callback; the loop thread adds them between steps (so
+concurrent requests batch together), steps while anything is unfinished, and calls each
+request's callback with its progress. Callbacks run on the loop thread: they must only hand
+the value over (e.g. `asyncio.AbstractEventLoop.call_soon_threadsafe`).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from engine_adapter.engine import LLMEngine
+from engine_adapter.request import Request
+from engine_adapter.sampling import SamplingParams
+
+# Called with (request, error): error is None for progress, else the request failed.
+Callback = Callable[[Request | None, BaseException | None], None]
+
+
+class _Add(NamedTuple):
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+    callback: Callback
+
+
+class _Abort(NamedTuple):
+    request_id: str
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, flush_on_finish: bool = False) -> None:
+        """`flush_on_finish`: wait for a finished request's store saves before reporting it
+        (a prefill worker's blocks must be in the pool before the decode side fetches them)."""
+        self.engine, self.flush_on_finish = engine, flush_on_finish
+        self._inbox: queue.Queue = queue.Queue()
+        self._callbacks: dict[str, Callback] = {}
+        self._reqs: dict[str, Request] = {}
+        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+               callback: Callback, output_token_ids: Sequence[int] = (),
+               generator: torch.Generator | None = None) -> None:
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, output_token_ids, generator,
+                             callback))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def close(self) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join()
+        self.engine.close()
+
+    def _run(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished
+            try:
+                while True:
+                    item = self._inbox.get(block=block)
+                    if item is _STOP:
+                        return
+                    self._handle(item)
+                    block = False
+            except queue.Empty:
+                pass
+            if self.engine.has_unfinished:
+                self._step()
+
+    def _handle(self, item: _Add | _Abort) -> None:
+        if isinstance(item, _Abort):
+            self._callbacks.pop(item.request_id, None)
+            self._reqs.pop(item.request_id, None)
+            self.engine.abort(item.request_id)
+            return
+        try:
+            req = self.engine.add_request(list(item.prompt_token_ids), item.params, item.request_id,
+                                          item.output_token_ids, item.generator)
+        except Exception as e:  # bad input: only this request fails
+            item.callback(None, e)
+            return
+        self._callbacks[item.request_id] = item.callback
+        self._reqs[item.request_id] = req
+
+    def _step(self) -> None:
+        outs = self.engine.step()
+        done = [o.request_id for o in outs if o.finished]
+        if done and self.flush_on_finish and self.engine.connector is not None:
+            self.engine.connector.flush()
+        for o in outs:
+            cb = self._callbacks.get(o.request_id)
+            req = self._reqs.get(o.request_id)
+            if o.finished:
+                self._callbacks.pop(o.request_id, None)
+                self._reqs.pop(o.request_id, None)
+            if cb is not None and req is not None:
+                cb(req, None)

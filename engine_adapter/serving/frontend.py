@@ -1,0 +1,297 @@
+"""The OpenAI-compatible front end (aiohttp): /v1/models, /v1/completions,
+/v1/chat/completions (SSE streaming or not), /metrics, /healthz and /cluster.
+
+    app = create_app(FrontendConfig(model="..."), router)   # router: serving.router.Router
+
+A request is tokenized here (the router needs its block hashes to place it), then either
+prefilled on a prefill worker (which returns the first token and publishes the prompt's
+blocks to the pool) and decoded on a decode worker, or, colocated, run on one worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, NamedTuple
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine_adapter.serving import openai_api as api
+from engine_adapter.serving.protocol import GenerateRequest, Role
+from engine_adapter.serving.router import (NoWorkerError, Router, WorkerDiedError,
+                                           WorkerRejectedError)
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    startup_timeout_s: float = 600.0
+
+
+class Progress(NamedTuple):
+    text: str               # cumulative output text
+    num_tokens: int         # output tokens so far
+    finish_reason: str | None
+    cached_tokens: int
+    num_prompt_tokens: int
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvtier_requests", "requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("kvtier_ttft_seconds", "time to first token", registry=r,
+                              buckets=(.05, .1, .25, .5, 1, 2, 4, 8, 16, 32, 64))
+        self.tpot = Histogram("kvtier_tpot_seconds", "time per output token after the first",
+                              registry=r, buckets=(.01, .025, .05, .1, .2, .4, .8, 1.6))
+        self.prompt_tokens = Counter("kvtier_prompt_tokens", "prompt tokens", registry=r)
+        self.cached_tokens = Counter("kvtier_cached_prompt_tokens", "prompt tokens whose KV came "
+                                     "from a cache", ["source"], registry=r)
+        self.computed_tokens = Counter("kvtier_computed_prompt_tokens", "prompt tokens the "
+                                       "prefill computed", registry=r)
+        self.output_tokens = Counter("kvtier_generation_tokens", "output tokens", registry=r)
+        self.worker_up = Gauge("kvtier_worker_up", "1 while a worker is alive", ["worker", "role"],
+                               registry=r)
+
+
+ROUTER_KEY = web.AppKey("router", Router)
+CFG_KEY = web.AppKey("cfg", FrontendConfig)
+METRICS_KEY = web.AppKey("metrics", Metrics)
+TOKENIZER_KEY = web.AppKey("tokenizer", object)
+NS_KEY = web.AppKey("ns", object)
+
+
+def create_app(cfg: FrontendConfig, router: Router, tokenizer: Any = None) -> web.Application:
+    app = web.Application()
+    app[CFG_KEY], app[ROUTER_KEY], app[METRICS_KEY] = cfg, router, Metrics()
+
+    async def cluster_ctx(app: web.Application):
+        loop = asyncio.get_running_loop()
+        tok = loop.run_in_executor(None, _load_tokenizer) if tokenizer is None else None
+        await router.start(cfg.startup_timeout_s)
+        app[TOKENIZER_KEY] = tokenizer if tok is None else await tok
+        from kvstore.keys import Namespace
+        app[NS_KEY] = Namespace(*router.workers[0].info.ns_fields)
+        watch = asyncio.create_task(router.watch())
+        yield
+        watch.cancel()
+        await router.close()
+
+    app.cleanup_ctx.append(cluster_ctx)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/cluster", _cluster)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", lambda r: _serve(r, chat=False))
+    app.router.add_post("/v1/chat/completions", lambda r: _serve(r, chat=True))
+    return app
+
+
+def _load_tokenizer():
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+    from engine_adapter.loader import smollm2_path
+    path, gguf = smollm2_path()
+    return AutoTokenizer.from_pretrained(path, gguf_file=gguf)
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    live = [w.name for w in router.workers if w.alive]
+    return web.json_response({"ok": bool(live), "live_workers": live})
+
+
+async def _cluster(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    return web.json_response({"pooled": router.pooled, "policy": router.policy_kind.value,
+                              "workers": [{"name": w.name, "role": w.role.value, "pid": w.pid,
+                                           "url": w.url, "alive": w.alive, "inflight": w.inflight}
+                                          for w in router.workers]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    m = request.app[METRICS_KEY]
+    for w in request.app[ROUTER_KEY].workers:
+        m.worker_up.labels(w.name, w.role.value).set(1 if w.alive else 0)
+    return web.Response(body=generate_latest(m.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _models(request: web.Request) -> web.Response:
+    model = request.app[CFG_KEY].model
+    return web.json_response({"object": "list", "data": [
+        {"id": model, "object": "model", "created": 0, "owned_by": "kvtier"}]})
+
+
+def _tokenize(app: web.Application, req: api.ApiRequest) -> list[int]:
+    tok = app[TOKENIZER_KEY]
+    if req.chat:
+        text = tok.apply_chat_template(req.prompt, tokenize=False, add_generation_prompt=True)
+        return list(tok(text)["input_ids"])
+    if isinstance(req.prompt, str):
+        return list(tok(req.prompt)["input_ids"])
+    return list(req.prompt)
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    app, m = request.app, request.app[METRICS_KEY]
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as e:
+        return _error(400, f"the body is not JSON: {e}", "invalid_request_error")
+    try:
+        req = api.parse(body, chat, app[CFG_KEY].model)
+        ids = _tokenize(app, req)
+        if not ids:
+            raise api.BadRequest("the prompt is empty")
+    except (api.BadRequest, ValueError, TypeError) as e:
+        m.requests.labels("invalid").inc()
+        return _error(400, str(e), "invalid_request_error")
+    rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+    try:
+        pw, dw, placement = app[ROUTER_KEY].place(_hashes(app, ids), len(ids), req.params["max_tokens"])
+    except NoWorkerError as e:
+        m.requests.labels("unavailable").inc()
+        return _error(503, str(e), "service_unavailable")
+    headers = {"X-Kvtier-Prefill-Worker": pw.name, "X-Kvtier-Decode-Worker": dw.name}
+    bt = app[NS_KEY].block_tokens
+    uncached = len(ids) - (placement.cached_blocks + placement.fetch_blocks) * bt
+    gen = _generate(app, rid, ids, req.params, pw, dw, max(1, uncached))
+    if req.stream:
+        return await _stream(request, req, rid, gen, headers)
+    return await _unary(req, rid, gen, headers, m)
+
+
+def _hashes(app: web.Application, ids: list[int]) -> tuple[bytes, ...]:
+    from kvstore.keys import hash_blocks
+    ns = app[NS_KEY]
+    full = len(ids) // ns.block_tokens * ns.block_tokens
+    return tuple(bytes(h) for h in hash_blocks(ns, ids[:full]))
+
+
+async def _generate(app: web.Application, rid: str, ids: list[int], params: dict, pw, dw,
+                    estimate: int) -> AsyncIterator[Progress]:
+    """Progress of one request, recording its metrics; raises the router's errors."""
+    router, m = app[ROUTER_KEY], app[METRICS_KEY]
+    g = GenerateRequest(rid, tuple(ids), params)
+    start, first_at, n_prompt = time.perf_counter(), None, len(ids)
+    workers = {pw, dw}
+    for w in workers:
+        w.inflight += 1
+    pw.queued_tokens += estimate
+    queued = True
+    last = Progress("", 0, None, 0, n_prompt)
+    try:
+        if pw.role is Role.COLOCATED:
+            events = router.stream(pw, "/generate", _pack(g))
+            first = await events.__anext__()
+            pw.queued_tokens -= estimate
+            queued = False
+            cached = first.num_local_hit_tokens + first.num_loaded_tokens
+            router.report_blocks(pw, first.block_hashes)
+            _count_prompt(m, n_prompt, first.num_local_hit_tokens, first.num_loaded_tokens)
+        else:
+            res = await router.prefill(pw, g)
+            pw.queued_tokens -= estimate
+            queued = False
+            cached = res.num_local_hit_tokens + res.num_loaded_tokens
+            router.report_blocks(pw, res.block_hashes)
+            _count_prompt(m, n_prompt, res.num_local_hit_tokens, res.num_loaded_tokens)
+            first = _FirstEvent(res.first_text, res.finished, res.finish_reason)
+            events = None if res.finished else router.stream(dw, "/decode", res.handoff)
+        first_at = time.perf_counter()
+        m.ttft.observe(first_at - start)
+        n_out = len(getattr(first, "token_ids", (0,)))
+        last = Progress(first.text, n_out, first.finish_reason, cached, n_prompt)
+        yield last
+        if events is not None and not first.finished:
+            dw.streams += 1
+            dw.kv_tokens += n_prompt + params["max_tokens"]
+            try:
+                async for ev in events:
+                    last = Progress(ev.text, len(ev.token_ids), ev.finish_reason, cached, n_prompt)
+                    yield last
+            finally:
+                dw.streams -= 1
+                dw.kv_tokens -= n_prompt + params["max_tokens"]
+        if last.num_tokens > 1:
+            m.tpot.observe((time.perf_counter() - first_at) / (last.num_tokens - 1))
+        m.output_tokens.inc(last.num_tokens)
+        m.requests.labels("ok").inc()
+    except WorkerDiedError:
+        m.requests.labels("worker_failed").inc()
+        raise
+    except WorkerRejectedError:
+        m.requests.labels("invalid").inc()
+        raise
+    finally:
+        if queued:
+            pw.queued_tokens -= estimate
+        for w in workers:
+            w.inflight -= 1
+
+
+class _FirstEvent(NamedTuple):
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+def _pack(g: GenerateRequest) -> bytes:
+    from engine_adapter.serving.protocol import pack
+    return pack(g)
+
+
+def _count_prompt(m: Metrics, n_prompt: int, local: int, loaded: int) -> None:
+    m.prompt_tokens.inc(n_prompt)
+    m.cached_tokens.labels("local").inc(local)
+    m.cached_tokens.labels("pool").inc(loaded)
+    m.computed_tokens.inc(n_prompt - local - loaded)
+
+
+async def _unary(req: api.ApiRequest, rid: str, gen: AsyncIterator[Progress], headers: dict,
+                 m: Metrics) -> web.Response:
+    last = None
+    try:
+        async for last in gen:
+            pass
+    except WorkerRejectedError as e:
+        return _error(400, str(e), "invalid_request_error")
+    except WorkerDiedError as e:
+        return _error(503, str(e), "worker_failed")
+    usage = api.Usage(last.num_prompt_tokens, last.num_tokens, last.cached_tokens)
+    return web.json_response(api.response(req, rid, last.text, last.finish_reason, usage),
+                             headers=headers)
+
+
+async def _stream(request: web.Request, req: api.ApiRequest, rid: str,
+                  gen: AsyncIterator[Progress], headers: dict) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", **headers})
+    await resp.prepare(request)
+    sent, last, first = "", None, True
+    try:
+        async for last in gen:
+            delta = last.text[len(sent):] if last.text.startswith(sent) else ""
+            sent = last.text if last.text.startswith(sent) else sent
+            await resp.write(api.sse(api.chunk(req, rid, delta, last.finish_reason, first)))
+            first = False
+    except WorkerRejectedError as e:
+        await resp.write(api.sse(api.error_body(str(e), "invalid_request_error", 400)))
+        return resp
+    except WorkerDiedError as e:
+        await resp.write(api.sse(api.error_body(str(e), "worker_failed", 503)))
+        return resp
+    if req.include_usage and last is not None:
+        usage = api.Usage(last.num_prompt_tokens, last.num_tokens, last.cached_tokens)
+        await resp.write(api.sse(api.usage_chunk(req, rid, usage)))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response(api.error_body(message, kind, status), status=status)

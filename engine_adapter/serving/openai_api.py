@@ -1,0 +1,119 @@
+"""The OpenAI-compatible edge: parse request JSON into typed requests, format responses.
+
+Supported: `/v1/completions` (prompt: a string, a list of token ids, or a list of one of
+those) and `/v1/chat/completions` (messages), n = 1, `max_tokens` (chat also
+`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`, `stream`,
+`stream_options.include_usage`; extensions `top_k` and `ignore_eos`. Usage reports
+`prompt_tokens_details.cached_tokens`: prompt tokens whose KV came from a cache (the
+worker's own paged cache or the pool) instead of being computed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class BadRequest(ValueError):
+    """The request JSON is not something this server can serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    chat: bool
+    model: str
+    prompt: Any                 # str, list[int] or list of chat messages
+    params: dict                # SamplingParams fields
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def to_json(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n = 1 is supported")
+    if chat:
+        prompt = body.get("messages")
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
+            raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                            and all(isinstance(t, int) for t in prompt))):
+            raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)")
+    return ApiRequest(chat, str(body.get("model") or default_model), prompt, _params(body, chat),
+                      bool(body.get("stream", False)),
+                      bool((body.get("stream_options") or {}).get("include_usage", False)))
+
+
+def _params(body: dict, chat: bool) -> dict:
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    max_tokens = max_tokens or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+    p: dict = {"max_tokens": int(max_tokens), "temperature": float(body.get("temperature", 1.0)),
+               "top_p": float(body.get("top_p", 1.0))}
+    stop = body.get("stop")
+    if stop:
+        p["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    for key in ("seed", "top_k", "ignore_eos"):
+        if body.get(key) is not None:
+            p[key] = body[key]
+    return p
+
+
+def chunk(req: ApiRequest, rid: str, text: str, finish_reason: str | None, first: bool) -> dict:
+    if req.chat:
+        delta: dict = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        kind = "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": req.model,
+            "choices": [choice]}
+
+
+def usage_chunk(req: ApiRequest, rid: str, usage: Usage) -> dict:
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": req.model,
+            "choices": [], "usage": usage.to_json()}
+
+
+def response(req: ApiRequest, rid: str, text: str, finish_reason: str | None, usage: Usage) -> dict:
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": finish_reason}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        kind = "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": req.model,
+            "choices": [choice], "usage": usage.to_json()}
+
+
+def error_body(message: str, kind: str, code: int) -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"

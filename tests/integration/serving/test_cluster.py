@@ -1,0 +1,143 @@
+"""End to end through `kvtier cluster`: real store, worker and front-end processes on loopback.
+Tests share one cluster (model loads are slow) and run in file order: the worker-kill test
+and the Ctrl-C test come last."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+SYSTEM = ("You are kvtier's test assistant. " + "Answer briefly and precisely, and never "
+          "invent facts you are not sure about. " * 12)
+
+
+def sse_events(url: str, path: str, body: dict):
+    """(response headers, iterator of decoded `data:` payloads) of a streamed request."""
+    req = urllib.request.Request(url + path, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=300)
+
+    def events():
+        with resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    yield line[6:]
+    return resp.headers, events()
+
+
+def metric(cluster, name: str) -> float:
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_models_and_cluster_view(cluster):
+    models = cluster.get_json("/v1/models")
+    assert models["data"][0]["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    roles = sorted(w["role"] for w in cluster.get_json("/cluster")["workers"])
+    assert roles == ["decode", "decode", "prefill"]
+
+
+def test_streamed_chat_equals_engine_greedy(cluster, reference):
+    from engine_adapter import SamplingParams
+    want = reference.generate([reference.chat_prompt(CHAT)],
+                              SamplingParams(temperature=0, max_tokens=24))[0]
+    _, events = sse_events(cluster.url, "/v1/chat/completions",
+                           {"messages": CHAT, "max_tokens": 24, "temperature": 0,
+                            "stream_options": {"include_usage": True}})
+    text, usage, done = "", None, False
+    for data in events:
+        if data == "[DONE]":
+            done = True
+            continue
+        msg = json.loads(data)
+        assert "error" not in msg, msg
+        if msg.get("usage"):
+            usage = msg["usage"]
+        for choice in msg["choices"]:
+            text += choice["delta"].get("content", "")
+    assert done and text == want.text
+    assert usage["completion_tokens"] == len(want.token_ids)
+
+
+def test_shared_prefix_reports_cached_tokens(cluster):
+    ttft_before = metric(cluster, "kvtier_ttft_seconds_count")
+    computed_before = metric(cluster, "kvtier_computed_prompt_tokens_total")
+    usages = []
+    for question in ("What is a KV cache?", "Why share a prefix between requests?"):
+        status, msg = cluster.post_json("/v1/chat/completions", {
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            "max_tokens": 4, "temperature": 0})
+        assert status == 200, msg
+        usages.append(msg["usage"])
+    first, second = usages
+    assert second["prompt_tokens"] > 200
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 192  # the shared system prompt
+    assert second["prompt_tokens_details"]["cached_tokens"] > first["prompt_tokens_details"]["cached_tokens"]
+    computed = metric(cluster, "kvtier_computed_prompt_tokens_total") - computed_before
+    # the second prefill computed only its uncached suffix
+    assert computed == (first["prompt_tokens"] - first["prompt_tokens_details"]["cached_tokens"]
+                        + second["prompt_tokens"] - second["prompt_tokens_details"]["cached_tokens"])
+    assert metric(cluster, "kvtier_ttft_seconds_count") - ttft_before == 2
+    assert metric(cluster, "kvtier_cached_prompt_tokens_total") > 0
+
+
+def test_bad_request_is_a_clear_400(cluster):
+    status, msg = cluster.post_json("/v1/completions", {"prompt": "hi", "n": 3})
+    assert status == 400 and "n = 1" in msg["error"]["message"]
+
+
+def test_killed_decode_worker_ends_its_stream_with_an_error(cluster):
+    long = {"prompt": "Count slowly:", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    headers, doomed = sse_events(cluster.url, "/v1/completions", long)
+    victim = headers["X-Kvtier-Decode-Worker"]
+    next(doomed), next(doomed)  # decoding is under way on the victim
+    result = {}
+
+    def other():
+        h, events = sse_events(cluster.url, "/v1/completions",
+                               {"prompt": "Say hello.", "max_tokens": 24, "temperature": 0,
+                                "ignore_eos": True})
+        result["worker"] = h["X-Kvtier-Decode-Worker"]
+        result["events"] = list(events)
+
+    t = threading.Thread(target=other)
+    t.start()
+    while "worker" not in result and t.is_alive():
+        time.sleep(0.05)
+    assert result.get("worker") not in (None, victim)  # the router spread the load
+    pid = next(w["pid"] for w in cluster.get_json("/cluster")["workers"] if w["name"] == victim)
+    os.kill(pid, signal.SIGKILL)
+    rest = list(doomed)
+    errors = [json.loads(d)["error"] for d in rest if d.startswith("{") and "error" in json.loads(d)]
+    assert errors and errors[0]["type"] == "worker_failed" and victim in errors[0]["message"]
+    assert "[DONE]" not in rest
+    t.join(300)
+    assert result["events"][-1] == "[DONE]"
+    assert not any("error" in json.loads(d) for d in result["events"][:-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # reported dead, and the cluster keeps serving
+        workers = {w["name"]: w for w in cluster.get_json("/cluster")["workers"]}
+        if not workers[victim]["alive"]:
+            break
+        time.sleep(0.1)
+    assert not workers[victim]["alive"]
+    assert victim in cluster.output()
+    status, msg = cluster.post_json("/v1/completions", {"prompt": "Again:", "max_tokens": 4})
+    assert status == 200 and msg["usage"]["completion_tokens"] == 4
+
+
+def test_ctrl_c_stops_every_process(cluster):
+    pids = [w["pid"] for w in cluster.get_json("/cluster")["workers"]]
+    assert cluster.stop() == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
