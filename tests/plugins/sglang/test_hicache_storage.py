@@ -1,0 +1,216 @@
+"""kvtier's SGLang HiCache backend against SGLang 0.5.23's own pieces on CPU: its real MHA device
+pool and host KV pool, its `StorageBackendFactory` ("dynamic") and the cache controller's own
+page-transfer methods (generic and direct). Runs in build/venv-sglang: `make test-sglang`."""
+from __future__ import annotations
+
+import pytest
+
+sglang = pytest.importorskip("sglang", reason="runs in build/venv-sglang (make test-sglang)")
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from engine_adapter.plugins.sglang import dynamic_backend_config  # noqa: E402
+
+PAGE, LAYERS, HEADS, DIM = 4, 3, 2, 8
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def make_host_pool(layout: str, seed: int = 0) -> MHATokenToKVPoolHost:
+    """A host pool as SGLang builds it from a device pool, filled with random KV."""
+    device = MHATokenToKVPool(256, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False,
+                              start_layer=0, end_layer=LAYERS)
+    host = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=device.size,
+        start_layer=device.start_layer, end_layer=device.end_layer,
+        write_back_staging=device.hicache_write_back_staging)
+    gen = torch.Generator().manual_seed(seed)
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(torch.float16))
+    return host
+
+
+def storage_config(tmp_path, model="test/model", tp_rank=0, **options) -> HiCacheStorageConfig:
+    extra = dynamic_backend_config(kvtier_path=str(tmp_path / "kvtier"), **options)
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+        model_name=model, extra_config=extra)
+
+
+def create_backend(config: HiCacheStorageConfig, host_pool):
+    """What HiCacheController.attach_storage_backend does: factory, then register the pool."""
+    backend = StorageBackendFactory.create_backend("dynamic", config, host_pool)
+    backend.register_mem_pool_host(host_pool)
+    return backend
+
+
+@pytest.fixture
+def backends():
+    made = []
+
+    def make(config, host_pool):
+        made.append(create_backend(config, host_pool))
+        return made[-1]
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+# ---------------------------------------------------------------- helpers
+
+from types import SimpleNamespace  # noqa: E402
+
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+
+from engine_adapter.plugins.sglang import KVTierHiCacheStorage  # noqa: E402
+from engine_adapter.plugins.sglang.storage import key_seed, page_hashes, shard_of  # noqa: E402
+
+
+def sglang_keys(num_pages: int, first_token: int = 0) -> list[str]:
+    """Page keys exactly as SGLang computes them for a token sequence."""
+    tokens = list(range(first_token, first_token + num_pages * PAGE))
+    return get_hash_str(tokens, None, page_size=PAGE)
+
+
+def kv_of_token(pool, token: int) -> torch.Tensor:
+    """[2, L, H, D] of one host-pool token, per SGLang's `init_kv_buffer` dims."""
+    buf = pool.kv_buffer
+    if pool.layout == "layer_first":        # [2, L, size, H, D]
+        return buf[:, :, token]
+    if pool.layout == "page_first":         # [2, size, L, H, D]
+        return buf[:, token]
+    page, t = divmod(token, PAGE)
+    if pool.layout == "page_first_direct":  # [2, pages, L, T, H, D]
+        return buf[:, page, :, t]
+    return buf[:, page, :, t].permute(0, 2, 1, 3)  # page_head [2, pages, H, T, L, D]
+
+
+def pages_kv(pool, host_indices: torch.Tensor) -> torch.Tensor:
+    """[tokens, 2, L, H, D] of the given host-pool tokens."""
+    return torch.stack([kv_of_token(pool, int(i)) for i in host_indices])
+
+
+def controller(backend, pool) -> SimpleNamespace:
+    """The state HiCacheController's page-transfer methods read."""
+    return SimpleNamespace(storage_backend=backend, storage_host_pool=pool, page_size=PAGE)
+
+
+class _Op:
+    request_id = "test"
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def ctl_set(backend, pool, keys, idx, direct: bool) -> bool:
+    fn = HiCacheController._page_set_zero_copy if direct else HiCacheController._generic_page_set
+    return fn(controller(backend, pool), keys, idx)
+
+
+def ctl_get(backend, pool, keys, idx, direct: bool) -> int:
+    fn = HiCacheController._page_get_zero_copy if direct else HiCacheController._generic_page_get
+    return fn(controller(backend, pool), _Op(), keys, idx)
+
+
+# ---------------------------------------------------------------- tests
+
+def test_factory_loads_the_dynamic_backend(tmp_path, backends):
+    pool = make_host_pool("layer_first")
+    backend = backends(storage_config(tmp_path), pool)
+    assert isinstance(backend, KVTierHiCacheStorage)
+    assert backend.ns.block_bytes == 2 * LAYERS * PAGE * HEADS * DIM * 2   # one fp16 page
+    assert backend.ns.block_tokens == PAGE and backend.ns.model == "test/model"
+
+
+def test_factory_rejects_a_config_without_a_store(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVTIER_URL", raising=False)
+    monkeypatch.delenv("KVTIER_PATH", raising=False)
+    config = storage_config(tmp_path)
+    del config.extra_config["kvtier_path"]
+    with pytest.raises(ValueError, match="kvtier needs a store"):
+        create_backend(config, make_host_pool("layer_first"))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "generic"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pages_round_trip_through_sglangs_transfer_methods(tmp_path, backends, layout, direct):
+    pool = make_host_pool(layout)
+    backend = backends(storage_config(tmp_path), pool)
+    keys, src = sglang_keys(5), pool.alloc(5 * PAGE)
+    assert backend.batch_exists(keys) == 0
+    assert ctl_set(backend, pool, keys, src, direct)
+    assert backend.batch_exists(keys) == 5 and all(backend.exists(k) for k in keys)
+    dst = pool.alloc(5 * PAGE)
+    expected = pages_kv(pool, src).clone()
+    assert not torch.equal(pages_kv(pool, dst), expected)
+    assert ctl_get(backend, pool, keys, dst, direct) == 5
+    assert torch.equal(pages_kv(pool, dst), expected)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stored_block_is_kvtiers_layout(tmp_path, backends, layout):
+    """[L, 2, T, H, D] per page, whatever the host layout."""
+    pool = make_host_pool(layout)
+    backend = backends(storage_config(tmp_path), pool)
+    keys, idx = sglang_keys(3), pool.alloc(3 * PAGE)
+    assert backend.batch_set_v1(keys, idx) == [True] * 3
+    blocks = torch.empty((3, *backend.ns.block_shape), dtype=torch.float16)
+    assert all(backend.store.get_n(page_hashes(backend.seed, keys), blocks))
+    want = pages_kv(pool, idx).view(3, PAGE, 2, LAYERS, HEADS, DIM).permute(0, 3, 2, 1, 4, 5)
+    assert torch.equal(blocks, want)
+
+
+def test_pages_move_across_host_layouts_and_paths(tmp_path, backends):
+    writer_pool, reader_pool = make_host_pool("page_first", seed=1), make_host_pool("page_head", seed=2)
+    writer = backends(storage_config(tmp_path), writer_pool)
+    keys, src = sglang_keys(4), writer_pool.alloc(4 * PAGE)
+    assert ctl_set(writer, writer_pool, keys, src, direct=False)
+    writer.close()
+    reader = backends(storage_config(tmp_path), reader_pool)
+    dst = reader_pool.alloc(4 * PAGE)
+    assert ctl_get(reader, reader_pool, keys, dst, direct=True) == 4
+    assert torch.equal(pages_kv(reader_pool, dst), pages_kv(writer_pool, src))
+
+
+def test_a_missing_page_ends_the_hit_and_is_left_untouched(tmp_path, backends):
+    pool = make_host_pool("layer_first")
+    backend = backends(storage_config(tmp_path), pool)
+    keys, idx = sglang_keys(4), pool.alloc(4 * PAGE)
+    assert backend.batch_set_v1([keys[0], keys[1], keys[3]], torch.cat([idx[:8], idx[12:]])) == [True] * 3
+    assert backend.batch_exists(keys) == 2 and not backend.exists(keys[2])
+    dst = pool.alloc(4 * PAGE)
+    before = pages_kv(pool, dst[8:12]).clone()
+    assert backend.batch_get_v1(keys, dst) == [True, True, False, True]
+    assert torch.equal(pages_kv(pool, dst[8:12]), before)
+    assert torch.equal(pages_kv(pool, dst[12:]), pages_kv(pool, idx[12:]))
+    assert ctl_get(backend, pool, keys, pool.alloc(4 * PAGE), direct=False) == 2
+    assert backend.get(keys[2]) is None and backend.batch_get(keys)[2] is None
+
+
+def test_pages_survive_a_restart_and_stay_in_their_namespace(tmp_path, backends):
+    pool = make_host_pool("page_first")
+    first = backends(storage_config(tmp_path, kvtier_dram_blocks=0), pool)
+    keys = sglang_keys(3)
+    assert first.batch_set_v1(keys, pool.alloc(3 * PAGE)) == [True] * 3
+    first.close()
+    again = backends(storage_config(tmp_path, kvtier_dram_blocks=0), pool)
+    assert again.batch_exists(keys) == 3
+    other_rank = backends(storage_config(tmp_path, tp_rank=1, kvtier_dram_blocks=0), pool)
+    other_model = backends(storage_config(tmp_path, model="other/model", kvtier_dram_blocks=0), pool)
+    assert other_rank.batch_exists(keys) == 0 and other_model.batch_exists(keys) == 0
+
+
+KEY_VECTOR = "4f8d42b9104a1f5809891a2158baaed2"  # xxh3_128(recipe || root || shard || key)
+
+
+def test_page_key_recipe_is_fixed(tmp_path, backends):
+    """Keys must agree across processes and releases: a test vector of the recipe."""
+    backend = backends(storage_config(tmp_path), make_host_pool("layer_first"))
+    assert shard_of(backend.config) == "tp0/2:pp0/1:cp0/1"
+    seed = key_seed(backend.ns, shard_of(backend.config))
+    assert page_hashes(seed, ["00ff"])[0].hex() == KEY_VECTOR
