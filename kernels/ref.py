@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from kernels import validate
 
@@ -57,24 +58,22 @@ def write_kv_to_cache(
 def gather_dense(
     layer_cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first `num_tokens` positions of every sequence, `[batch, kv_heads, T, D]`.
+    """K and V of the first `num_tokens` positions of every sequence, `[kv_heads, batch, T, D]`.
 
-    T is num_tokens rounded up to whole blocks; positions past a sequence's length hold
-    whatever its (clamped) table entries point at, so callers mask them.
+    Heads lead (not the batch) because that is what one copy out of the cache can produce:
+    an index_select over the blocks of a head-major view of the cache. T is num_tokens
+    rounded up to whole blocks; positions past a sequence's length hold whatever its
+    (clamped) table entries point at, so callers mask them.
     """
     num_blocks, _, block_tokens, num_kv_heads, head_dim = layer_cache.shape
     batch = block_tables.shape[0]
     used = max(1, -(-num_tokens // block_tokens))
-    ids = block_tables[:, :used].clamp(0, num_blocks - 1).reshape(-1)  # [batch * used]
-    # one row per block: a 2-D index_select is a plain row copy (much faster than 5-D)
-    flat = layer_cache.reshape(num_blocks, -1)  # [num_blocks, 2*bt*Hkv*D], a view
-    rows = _workspace("rows", (ids.shape[0], flat.shape[1]), flat)
-    torch.index_select(flat, 0, ids, out=rows)  # [batch * used, 2*bt*Hkv*D]
-    kv = rows.view(batch, used, 2, block_tokens, num_kv_heads, head_dim)
-    dense = _workspace("dense", (2, batch, num_kv_heads, used, block_tokens, head_dim), flat)
-    dense.copy_(kv.permute(2, 0, 4, 1, 3, 5))  # [2, B, Hkv, used, bt, D]
-    dense = dense.view(2, batch, num_kv_heads, used * block_tokens, head_dim)
-    return dense[0], dense[1]  # each [batch, Hkv, T, D], contiguous; scratch, read before the next call
+    ids = block_tables[:, :used].clamp(0, num_blocks - 1).reshape(-1).to(torch.int64)  # [batch * used]
+    by_head = layer_cache.permute(1, 3, 0, 2, 4)  # [2, Hkv, num_blocks, bt, D], a view
+    dense = _workspace("dense", (2, num_kv_heads, ids.shape[0], block_tokens, head_dim), layer_cache)
+    torch.index_select(by_head, 2, ids, out=dense)  # [2, Hkv, B*used, bt, D]: one copy
+    dense = dense.view(2, num_kv_heads, batch, used * block_tokens, head_dim)
+    return dense[0], dense[1]  # each [Hkv, B, T, D]; scratch, read before the next call
 
 
 def paged_decode_attention(
@@ -90,17 +89,19 @@ def paged_decode_attention(
     """
     dims = validate.check_decode(query, layer_cache, block_tables, seq_lens, scale, num_splits, out, check_values)
     batch, num_heads, head_dim = query.shape
-    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()) if batch else 1)  # [B, Hkv, T, D]
-    q = query.view(batch, dims.layer.num_kv_heads, dims.group, head_dim).float() * dims.scale  # [B, Hkv, G, D]
-    scores = q @ k.float().transpose(-1, -2)  # [B, Hkv, G, T]
-    past_end = torch.arange(k.shape[2], device=query.device)[None, :] >= seq_lens[:, None]  # [B, T]
-    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-    splits = num_splits or 1
-    if splits == 1:
-        result = scores.softmax(-1) @ v.float()  # [B, Hkv, G, D]
+    hkv, g = dims.layer.num_kv_heads, dims.group
+    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()) if batch else 1)  # [Hkv, B, T, D]
+    # a sequence's G query heads play the role of G query rows over its own K/V
+    q = query.view(batch, hkv, g, head_dim).transpose(0, 1).float()  # [Hkv, B, G, D]
+    visible = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[:, None]  # [B, T]
+    if (num_splits or 1) == 1:
+        result = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=visible[None, :, None, :],
+                                                scale=dims.scale)  # [Hkv, B, G, D]
     else:
-        result = _split_k_softmax_v(scores, v.float(), splits)
-    result = result.reshape(batch, num_heads, head_dim).to(query.dtype)
+        scores = (q * dims.scale) @ k.float().transpose(-1, -2)  # [Hkv, B, G, T]
+        scores.masked_fill_(~visible[None, :, None, :], float("-inf"))
+        result = _split_k_softmax_v(scores, v.float(), num_splits)
+    result = result.transpose(0, 1).reshape(batch, num_heads, head_dim).to(query.dtype)
     return result if out is None else out.copy_(result)
 
 
@@ -133,34 +134,35 @@ def paged_prefill_attention(
     cu_seqlens_q[b]:cu_seqlens_q[b+1]; they sit at the last q_len positions of its context
     of seq_lens[b] tokens, whose K/V (new tokens included) must already be in the cache.
     Returns `[total_q, heads, D]`.
+
+    One fused attention call per sequence (torch's SDPA, flash-style on CPU): no padded
+    batch, and no `[q_len, context]` score matrix in memory. `max_query_len` is accepted
+    for the kernels' common signature; the reference does not need it.
     """
     dims = validate.check_prefill(query, layer_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, check_values)
-    total_q, num_heads, head_dim = query.shape
-    batch = seq_lens.shape[0]
-    if total_q == 0 or batch == 0:
-        return query.new_empty(query.shape) if out is None else out
-    cu = cu_seqlens_q.to(torch.int64)
-    q_lens = cu[1:] - cu[:-1]  # [B]
-    seq_of = torch.repeat_interleave(torch.arange(batch, device=query.device), q_lens)  # [total_q]
-    row = torch.arange(total_q, device=query.device) - cu[seq_of]  # [total_q] index within chunk
-    max_q = max_query_len if max_query_len is not None else int(q_lens.max())
-    padded = query.new_zeros(batch, max_q, num_heads, head_dim)  # [B, Mq, H, D]
-    padded[seq_of, row] = query
-    k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()))  # [B, Hkv, T, D]
-    g, hkv = dims.group, dims.layer.num_kv_heads
-    q = padded.view(batch, max_q, hkv, g, head_dim).permute(0, 2, 3, 1, 4).float()  # [B, Hkv, G, Mq, D]
-    q = q.reshape(batch, hkv, g * max_q, head_dim) * dims.scale  # [B, Hkv, G*Mq, D]
-    scores = (q @ k.float().transpose(-1, -2)).view(batch, hkv, g, max_q, -1)  # [B, Hkv, G, Mq, T]
-    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=query.device)[None, :]  # [B, Mq]
-    q_pos = torch.where(q_pos < seq_lens[:, None], q_pos, 0)  # padding rows see key 0: no NaN
-    k_pos = torch.arange(k.shape[2], device=query.device)  # [T]
-    hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [B, Mq, T]
-    scores.masked_fill_(hidden[:, None, None], float("-inf"))
-    probs = scores.softmax(-1).view(batch, hkv, g * max_q, -1)  # [B, Hkv, G*Mq, T]
-    res = (probs @ v.float()).view(batch, hkv, g, max_q, head_dim)  # [B, Hkv, G, Mq, D]
-    res = res.permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)  # [B, Mq, H, D]
-    res = res[seq_of, row].to(query.dtype)  # [total_q, H, D]
-    return res if out is None else out.copy_(res)
+    res = query.new_empty(query.shape) if out is None else out
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        if end > start:
+            res[start:end] = _prefill_one(query[start:end], layer_cache, block_tables[b:b + 1], seq_len, dims.scale)
+    return res
+
+
+def _prefill_one(query: torch.Tensor, layer_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
+                 scale: float) -> torch.Tensor:
+    """One sequence: query `[q_len, H, D]` at the last q_len of its seq_len positions."""
+    q_len = query.shape[0]
+    k, v = gather_dense(layer_cache, table, seq_len)  # [Hkv, 1, T, D]
+    k, v = k[:, 0, :seq_len].float(), v[:, 0, :seq_len].float()  # [Hkv, S, D]
+    q = query.transpose(0, 1).float()  # [H, q_len, D]
+    if q_len == seq_len:  # no cached prefix: plain causal
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query i sits at position seq_len - q_len + i and sees keys up to there
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+        visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, S]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1).to(query.dtype)  # [q_len, H, D]
 
 
 def gather_blocks(
