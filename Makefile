@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test test-main test-plugins test-vllm test-vllmcpu demo bench clean
+.PHONY: test test-main test-plugins test-vllm test-vllmcpu test-sglang demo bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,7 @@ REQS := tests/plugins/reqs
 ENGINE_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 VLLM033 := build/venv-vllm033
 VLLMCPU := build/venv-vllmcpu
+SGLANG := build/venv-sglang
 
 define engine_venv
 	rm -rf $(1)
@@ -57,8 +58,19 @@ $(VLLMCPU)/.installed-stamp: $(REQS)/vllmcpu032-reqs.txt $(REQS)/kvtier-runtime.
 	$(call kvtier_into,$(VLLMCPU))
 	touch $@
 
-# SGLang (issue 10) is not wired yet: no test-sglang target until its backend lands.
-test-plugins: test-vllm test-vllmcpu
+# SGLang 0.5.23 pins torch==2.14.1: its PyPI build (CUDA libraries inside, ~5.5 GB) runs on
+# CPU, and torchvision 0.29.1 loads beside it. SGLang's host KV pool imports torchvision (via
+# sglang.srt.configs) and no torchvision build loads beside torch 2.13.0+cpu, hence not torch-cpu.txt.
+$(SGLANG)/.installed-stamp: $(REQS)/sglang0523-cpu-reqs.txt $(REQS)/kvtier-runtime.txt
+	rm -rf $(SGLANG)
+	$(PYTHON) -m venv $(SGLANG)
+	$(SGLANG)/bin/python -m pip install --quiet pip==26.3
+	$(SGLANG)/bin/python -m pip install --quiet -r $(REQS)/sglang0523-cpu-reqs.txt -r $(REQS)/kvtier-runtime.txt
+	$(SGLANG)/bin/python -m pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+test-plugins: test-vllm test-vllmcpu test-sglang
 
 test-vllm: $(VLLM033)/.installed-stamp
 	$(ENGINE_ENV) $(VLLM033)/bin/python -m pytest -p no:cacheprovider tests/plugins/vllm/test_connector_v033.py
@@ -66,5 +78,8 @@ test-vllm: $(VLLM033)/.installed-stamp
 test-vllmcpu: $(VLLMCPU)/.installed-stamp
 	$(ENGINE_ENV) $(VLLMCPU)/bin/python -m pytest -p no:cacheprovider tests/plugins/vllm/test_e2e_vllmcpu.py
 
+test-sglang: $(SGLANG)/.installed-stamp
+	$(SGLANG)/bin/python -m pytest -p no:cacheprovider tests/plugins/sglang
+
 clean:
-	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) *.egg-info .pytest_cache .hypothesis
