@@ -20,7 +20,8 @@ test-main: $(STAMP)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
-	$(VENV)/bin/kvtier bench store --quick
+	mkdir -p build
+	$(VENV)/bin/kvtier demo --chart build/kvtier-demo-ttft.png
 
 # Engine plugins: each outside engine lives in its own virtualenv (their pins conflict with
 # each other and with .venv). kvtier goes in with --no-deps plus the few runtime deps it needs,

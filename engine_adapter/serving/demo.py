@@ -62,20 +62,24 @@ class RunResult:
 async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest) -> Sample:
     body = {"prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start, first, last, n, usage = time.perf_counter(), None, None, 0, None
-    async with session.post(url + "/v1/completions", json=body) as r:
-        async for line in r.content:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            if "error" in msg:
-                return Sample(0.0, None, 0, 0, False)
-            if msg.get("usage"):
-                usage = msg["usage"]
-            elif msg["choices"]:
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last, n = now, n + 1
+    start, first, last, usage = time.perf_counter(), None, None, None
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if "error" in msg:
+                    print(f"request {req.index} failed: {msg['error']['message']}", file=sys.stderr)
+                    return Sample(0.0, None, 0, 0, False)
+                if msg.get("usage"):
+                    usage = msg["usage"]
+                elif msg["choices"]:
+                    last = time.perf_counter()
+                    first = first if first is not None else last
+    except aiohttp.ClientError as e:
+        print(f"request {req.index} failed: {e}", file=sys.stderr)
+        return Sample(0.0, None, 0, 0, False)
     if first is None or usage is None:
         return Sample(0.0, None, 0, 0, False)
     tokens = usage["completion_tokens"]

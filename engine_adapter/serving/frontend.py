@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine_adapter.serving import openai_api as api
-from engine_adapter.serving.protocol import GenerateRequest, Role
+from engine_adapter.serving.protocol import GenerateRequest, Role, pack
 from engine_adapter.serving.router import (NoWorkerError, Router, WorkerDiedError,
                                            WorkerRejectedError)
+
+log = logging.getLogger("kvtier.frontend")
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ async def _generate(app: web.Application, rid: str, ids: list[int], params: dict
     last = Progress("", 0, None, 0, n_prompt)
     try:
         if pw.role is Role.COLOCATED:
-            events = router.stream(pw, "/generate", _pack(g))
+            events = router.stream(pw, "/generate", pack(g))
             first = await events.__anext__()
             pw.queued_tokens -= estimate
             queued = False
@@ -201,12 +204,12 @@ async def _generate(app: web.Application, rid: str, ids: list[int], params: dict
             cached = res.num_local_hit_tokens + res.num_loaded_tokens
             router.report_blocks(pw, res.block_hashes)
             _count_prompt(m, n_prompt, res.num_local_hit_tokens, res.num_loaded_tokens)
-            first = _FirstEvent(res.first_text, res.finished, res.finish_reason)
+            first = _FirstEvent((res.first_token_id,), res.first_text, res.finished,
+                                res.finish_reason)
             events = None if res.finished else router.stream(dw, "/decode", res.handoff)
         first_at = time.perf_counter()
         m.ttft.observe(first_at - start)
-        n_out = len(getattr(first, "token_ids", (0,)))
-        last = Progress(first.text, n_out, first.finish_reason, cached, n_prompt)
+        last = Progress(first.text, len(first.token_ids), first.finish_reason, cached, n_prompt)
         yield last
         if events is not None and not first.finished:
             dw.streams += 1
@@ -228,6 +231,9 @@ async def _generate(app: web.Application, rid: str, ids: list[int], params: dict
     except WorkerRejectedError:
         m.requests.labels("invalid").inc()
         raise
+    except Exception:
+        m.requests.labels("error").inc()
+        raise
     finally:
         if queued:
             pw.queued_tokens -= estimate
@@ -236,14 +242,12 @@ async def _generate(app: web.Application, rid: str, ids: list[int], params: dict
 
 
 class _FirstEvent(NamedTuple):
+    """The prefill worker's first token, shaped like the TokenEvent a colocated worker sends."""
+
+    token_ids: tuple[int, ...]
     text: str
     finished: bool
     finish_reason: str | None
-
-
-def _pack(g: GenerateRequest) -> bytes:
-    from engine_adapter.serving.protocol import pack
-    return pack(g)
 
 
 def _count_prompt(m: Metrics, n_prompt: int, local: int, loaded: int) -> None:
@@ -263,6 +267,9 @@ async def _unary(req: api.ApiRequest, rid: str, gen: AsyncIterator[Progress], he
         return _error(400, str(e), "invalid_request_error")
     except WorkerDiedError as e:
         return _error(503, str(e), "worker_failed")
+    except Exception as e:
+        log.exception("request %s failed", rid)
+        return _error(500, f"internal error: {e}", "internal_error")
     usage = api.Usage(last.num_prompt_tokens, last.num_tokens, last.cached_tokens)
     return web.json_response(api.response(req, rid, last.text, last.finish_reason, usage),
                              headers=headers)
@@ -285,6 +292,10 @@ async def _stream(request: web.Request, req: api.ApiRequest, rid: str,
         return resp
     except WorkerDiedError as e:
         await resp.write(api.sse(api.error_body(str(e), "worker_failed", 503)))
+        return resp
+    except Exception as e:  # the stream is open: end it with an error event, not a cut
+        log.exception("request %s failed", rid)
+        await resp.write(api.sse(api.error_body(f"internal error: {e}", "internal_error", 500)))
         return resp
     if req.include_usage and last is not None:
         usage = api.Usage(last.num_prompt_tokens, last.num_tokens, last.cached_tokens)

@@ -55,6 +55,7 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class PrefillResult:
     handoff: bytes            # engine_adapter.Handoff.to_bytes()
+    first_token_id: int
     first_text: str
     finished: bool
     finish_reason: str | None

@@ -153,7 +153,7 @@ def _prefill_result(req: Request, params: SamplingParams, block_tokens: int) -> 
     hashes = _prompt_hashes(req, block_tokens)
     handoff = Handoff(req.request_id, tuple(req.token_ids[:req.num_prompt_tokens]),
                       req.output_token_ids[0], params, gen, hashes, reason)
-    return PrefillResult(handoff.to_bytes(), req.text, reason is not None,
+    return PrefillResult(handoff.to_bytes(), handoff.first_token_id, req.text, reason is not None,
                          None if reason is None else reason.value, req.num_local_hit_tokens,
                          req.num_loaded_tokens, req.num_model_tokens, hashes)
 
