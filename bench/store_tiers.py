@@ -32,6 +32,7 @@ from kvstore.events import TierKind  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
 from kvstore.store import TieredStore  # noqa: E402
 from kvstore.tiers.gpu import default_device  # noqa: E402
+from kvstore.tuning import tune_malloc_for_large_blocks  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"16KiB": 16 * KiB, "256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
@@ -145,8 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="256KiB and 1MiB only, fewer reps")
     parser.add_argument("--dir", help="where the SSD tier and the plain file live (default: a "
                         "temporary directory under ./kvtier-data, on the same disk as a real store)")
+    parser.add_argument("--no-tune", action="store_true", help="leave glibc malloc as it is "
+                        "(by default the bench tunes it like `kvtier serve`: kvstore/tuning.py)")
     parser.add_argument("--mib", type=int, default=32, help="MiB moved per measurement (default 32)")
     args = parser.parse_args(argv)
+    if not args.no_tune:
+        tune_malloc_for_large_blocks()  # as `kvtier serve` does
     torch.manual_seed(args.seed)
     sizes = {k: v for k, v in SIZES.items() if not args.quick or k in ("256KiB", "1MiB")}
     reps = 3 if args.quick else 5

@@ -85,6 +85,8 @@ def _default_gpu_bytes() -> int:
 
 def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
+    from kvstore.tuning import tune_malloc_for_large_blocks
+    tune_malloc_for_large_blocks()  # block-sized buffers reuse the heap instead of fresh mmaps
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

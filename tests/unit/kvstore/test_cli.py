@@ -45,3 +45,12 @@ def test_fsck_finds_and_repairs_a_corrupted_block(tmp_path, capsys):
 def test_fsck_of_a_wrong_directory_is_a_clear_error(tmp_path, capsys):
     assert main(["fsck", str(tmp_path)]) == 2
     assert "not an SSD tier directory" in capsys.readouterr().err
+
+
+def test_malloc_tuning_applies_on_glibc():
+    import platform
+    from kvstore.tuning import tune_malloc_for_large_blocks
+    if platform.libc_ver()[0] != "glibc":
+        import pytest
+        pytest.skip("mallopt tuning is glibc-only")
+    assert tune_malloc_for_large_blocks() is True
