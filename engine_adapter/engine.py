@@ -153,14 +153,37 @@ class LLMEngine:
         if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             return FinishReason.STOP
         if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            hits = [i for i in (req.text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                req.text = req.text[:min(hits)]
-                return FinishReason.STOP
+            delta = self._detokenize_step(req)
+            if p.stop and delta:
+                # a stop string found now ends in the new text: search only that tail
+                start = max(0, len(req.text) - len(delta) - max(map(len, p.stop)) + 1)
+                hits = [i for i in (req.text.find(s, start) for s in p.stop) if i >= 0]
+                if hits:
+                    req.text = req.text[:min(hits)]
+                    return FinishReason.STOP
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _detokenize_step(self, req: Request) -> str:
+        """Append the text of the newest output token(s) to req.text and return it.
+
+        Decodes a short window (the tokens since the last emitted text, plus the previous
+        emitted run as context) instead of the whole output: O(1) per token, not O(n). The
+        window starts at a token boundary where text was emitted, so leading-space rules and
+        multi-byte characters decode as in the full text; a trailing U+FFFD means a character
+        is still incomplete, and it waits for the next token.
+        """
+        ids = req.token_ids
+        window = self.tokenizer.decode(ids[req.detok_prefix_offset:], skip_special_tokens=True)
+        before = self.tokenizer.decode(ids[req.detok_prefix_offset:req.detok_read_offset],
+                                       skip_special_tokens=True)
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return ""
+        delta = window[len(before):]
+        req.detok_prefix_offset, req.detok_read_offset = req.detok_read_offset, len(ids)
+        req.text += delta
+        return delta
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

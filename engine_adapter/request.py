@@ -47,6 +47,9 @@ class Request:
         self.num_loaded_tokens = 0       # prefix loaded from the store
         self.num_model_tokens = 0        # tokens the model actually ran a forward pass over
         self.text = ""
+        # incremental detokenization: text is emitted for tokens before read_offset; decoding
+        # restarts at prefix_offset (the previous emitted run) for context
+        self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -61,27 +61,35 @@ class SamplingParams:
         return gen
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to one row of logits `[V]` (a new tensor)."""
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # mass before this token already enough
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    return logits
+def _filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to rows `[n, V]` at once (a new tensor); one
+    sort serves both filters."""
+    n, vocab = logits.shape
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)  # [n]
+    logits = logits / temps[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])  # [n]
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)  # [n]
+    if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)  # [n, V]
+    kth = sorted_logits.gather(1, (top_k - 1)[:, None])  # [n, 1]: ties with the k-th stay in
+    sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= top_p[:, None]  # mass before this token already enough
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits [B, V]` (float32)."""
+    """One token per row of `logits [B, V]` (float32). The filters run over all sampled rows
+    at once; only the draw is per row, from each request's own generator, so a seeded
+    request draws the same tokens whatever shares its batch."""
     out = logits.argmax(-1).tolist()  # greedy rows, and a placeholder for the rest
-    for i, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            probs = _filter(logits[i], p).softmax(-1)
-            out[i] = int(torch.multinomial(probs, 1, generator=gen))
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    probs = _filter_rows(logits[rows], [params[i] for i in rows]).softmax(-1)  # [n, V]
+    for probs_row, i in zip(probs, rows):
+        out[i] = int(torch.multinomial(probs_row, 1, generator=generators[i]))
     return out

@@ -154,15 +154,17 @@ def _prefill_one(query: torch.Tensor, layer_cache: torch.Tensor, table: torch.Te
     """One sequence: query `[q_len, H, D]` at the last q_len of its seq_len positions."""
     q_len = query.shape[0]
     k, v = gather_dense(layer_cache, table, seq_len)  # [Hkv, 1, T, D]
-    k, v = k[:, 0, :seq_len].float(), v[:, 0, :seq_len].float()  # [Hkv, S, D]
-    q = query.transpose(0, 1).float()  # [H, q_len, D]
+    # 4-D on purpose: torch's fused CPU kernel only takes [batch, heads, L, D]; 3-D inputs
+    # fall back to the math path, which builds the whole score matrix (~6x slower at 2k)
+    k, v = k.transpose(0, 1)[:, :, :seq_len].float(), v.transpose(0, 1)[:, :, :seq_len].float()  # [1, Hkv, S, D]
+    q = query.transpose(0, 1)[None].float()  # [1, H, q_len, D]
     if q_len == seq_len:  # no cached prefix: plain causal
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sits at position seq_len - q_len + i and sees keys up to there
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
         visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, S]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1).to(query.dtype)  # [q_len, H, D]
+    return o[0].transpose(0, 1).to(query.dtype)  # [q_len, H, D]
 
 
 def gather_blocks(

@@ -43,6 +43,18 @@ def test_greedy_generation_matches_transformers_generate(smollm2):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
         assert out.token_ids == ref.tolist()
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)  # incremental == whole
+
+
+def test_incremental_text_matches_the_tokenizer_on_multibyte_text(smollm2):
+    hf, model, tok = smollm2
+    engine = LLMEngine(model, CFG, tokenizer=tok)
+    ids = tok("Grüße, 東京 🙂 — naïve café <|im_end|> done")["input_ids"]
+    req = engine.add_request([1, 2, 3], SamplingParams(max_tokens=len(ids)))
+    for tok_id in ids:
+        req.token_ids.append(tok_id)
+        engine._detokenize_step(req)
+    assert req.text == tok.decode(ids, skip_special_tokens=True)
 
 
 def test_a_fresh_engine_loads_the_prefix_from_a_reopened_ssd_store(smollm2, tmp_path):

@@ -4,7 +4,7 @@ import pytest
 from engine_adapter.config import EngineConfig
 from engine_adapter.engine import LLMEngine
 from engine_adapter.errors import InvalidRequestError
-from engine_adapter.request import FinishReason
+from engine_adapter.request import FinishReason, Request
 from engine_adapter.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -95,3 +95,38 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(tiny_model, engine_conf
     while engine.has_unfinished:
         engine.step()
     assert good.output_token_ids == alone(tiny_model, engine_config, prompts[:1])[0]
+
+
+class ByteTokenizer:
+    """Token t is the byte t (UTF-8): characters span tokens, like byte-level BPE."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_text_equals_the_full_decode_and_waits_for_whole_characters(tiny_model, engine_config):
+    engine = LLMEngine(tiny_model, engine_config, tokenizer=ByteTokenizer())
+    text = "héllo → 日本語 ok 🙂!"
+    out = list(text.encode())
+    req = Request("r", [1, 2, 3], SamplingParams())
+    for i, tok in enumerate(out):
+        req.token_ids.append(tok)
+        engine._detokenize_step(req)
+        whole = ByteTokenizer().decode(out[:i + 1])
+        assert "\ufffd" not in req.text and whole.startswith(req.text)
+        assert len(whole.rstrip("\ufffd")) == len(req.text)
+    assert req.text == text
+
+
+def test_a_stop_string_spanning_tokens_and_characters_is_found(tiny_model, engine_config):
+    engine = LLMEngine(tiny_model, engine_config, tokenizer=ByteTokenizer())
+    req = Request("r", [1], SamplingParams(stop=("日本", "zz")))
+    reasons = []
+    for tok in "ab 日本 cd".encode():
+        req.token_ids.append(tok)
+        reasons.append(engine._finish_reason(req, tok))
+        if reasons[-1] is not None:
+            break
+    assert reasons[-1] is FinishReason.STOP and req.text == "ab "
+    assert len(reasons) == len("ab 日本".encode())

@@ -49,3 +49,22 @@ def test_unknown_parameter_is_an_error():
     with pytest.raises(InvalidRequestError, match="frequency_penalty"):
         SamplingParams.from_dict({"temperature": 0.5, "frequency_penalty": 1.0})
     assert SamplingParams.from_dict({"stop": "x"}).stop == ("x",)
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_a_mixed_batch():
+    vocab = 64
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, seed=1),
+              SamplingParams(temperature=1.3, top_p=0.6, seed=2), SamplingParams(top_k=3, top_p=0.5, seed=3),
+              SamplingParams(temperature=0.9, seed=4)]
+
+    def run(rows):
+        gens = {i: params[i].make_generator() if not params[i].greedy else None for i in rows}
+        return [sample(logits[rows], [params[i] for i in rows], [gens[i] for i in rows]) for _ in range(30)]
+
+    together = run([0, 1, 2, 3, 4])
+    for i in range(5):
+        assert [draw[0] for draw in run([i])] == [draw[i] for draw in together]
+    assert {d[0] for d in together} == {int(logits[0].argmax())}
+    assert {d[1] for d in together} <= set(logits[1].topk(5).indices.tolist())
+    assert {d[3] for d in together} <= set(logits[3].topk(3).indices.tolist())
