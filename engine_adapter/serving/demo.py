@@ -164,6 +164,8 @@ def run(a: argparse.Namespace) -> int:
     colo = asyncio.run(_run_cluster(replace(base, colocated=2), workload, a.concurrency,
                                     "colocated"))
     _report(pool, colo, a.json)
+    print(f"(every prompt block this workload could ever share: hit ratio bound "
+          f"{hit_ratio_bound(workload):.3f}, an infinite cache)")
     print(f"\none real completion (pool cluster, greedy):\n  Q: {SAMPLE_CHAT[-1]['content']}\n"
           f"  A: {pool.completion.strip()}")
     _chart(pool, colo, a.chart)
@@ -172,6 +174,18 @@ def run(a: argparse.Namespace) -> int:
     if failed:
         print(f"{failed} request(s) failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def hit_ratio_bound(workload: list[WorkloadRequest], block_tokens: int = 16) -> float:
+    """Hit ratio of an infinite cache: each prompt's leading blocks seen in an earlier prompt."""
+    seen: set[tuple[int, ...]] = set()
+    hit = 0
+    for r in workload:
+        prefixes = [r.prompt_token_ids[:block_tokens * (i + 1)]
+                    for i in range(len(r.prompt_token_ids) // block_tokens)]
+        hit += block_tokens * next((i for i, p in enumerate(prefixes) if p not in seen), len(prefixes))
+        seen.update(prefixes)
+    return hit / max(1, sum(len(r.prompt_token_ids) for r in workload))
 
 
 def _report(pool: RunResult, colo: RunResult, json_path: str | None) -> None:

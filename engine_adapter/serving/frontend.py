@@ -94,12 +94,8 @@ def create_app(cfg: FrontendConfig, router: Router, tokenizer: Any = None) -> we
 
 
 def _load_tokenizer():
-    import os
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-    from engine_adapter.loader import smollm2_path
-    path, gguf = smollm2_path()
-    return AutoTokenizer.from_pretrained(path, gguf_file=gguf)
+    from engine_adapter.serving.model_cache import load_tokenizer
+    return load_tokenizer()
 
 
 async def _healthz(request: web.Request) -> web.Response:

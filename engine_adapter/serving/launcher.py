@@ -133,6 +133,9 @@ def cluster_processes(cfg: ClusterConfig) -> Iterator[Router]:
                 store = Store(cfg, os.path.join(tmp, "store"), log)
                 procs.append(store.proc)
                 store.wait_healthy()
+            # convert the model once here, not in every worker at once
+            from engine_adapter.serving.model_cache import ensure_cached
+            ensure_cached()
             roles = cfg.roles
             threads = cfg.threads or max(1, (os.cpu_count() or 1) // len(roles))
             workers = []

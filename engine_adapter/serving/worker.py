@@ -51,11 +51,11 @@ INFO_KEY = web.AppKey("info", WorkerInfo)
 
 def build_engine(cfg: WorkerConfig):
     from engine_adapter.engine import LLMEngine
-    from engine_adapter.loader import load_smollm2
+    from engine_adapter.serving.model_cache import load_cached
     from kvstore.keys import Namespace
 
     torch.set_num_threads(cfg.threads)
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_cached()
     ecfg = EngineConfig(num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs)
     store = None
     if cfg.store_url:
