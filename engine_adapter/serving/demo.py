@@ -46,7 +46,7 @@ class RunResult:
     completion: str
 
     def pct(self, field: str, q: float) -> float:
-        xs = sorted(getattr(s, field) for s in self.samples if s.ok and getattr(s, field) is not None)
+        xs = sorted(x for x in (getattr(s, field) for s in self.samples if s.ok) if x is not None)
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
     @property
@@ -183,7 +183,8 @@ def hit_ratio_bound(workload: list[WorkloadRequest], block_tokens: int = 16) -> 
     for r in workload:
         prefixes = [r.prompt_token_ids[:block_tokens * (i + 1)]
                     for i in range(len(r.prompt_token_ids) // block_tokens)]
-        hit += block_tokens * next((i for i, p in enumerate(prefixes) if p not in seen), len(prefixes))
+        first_miss = next((i for i, p in enumerate(prefixes) if p not in seen), len(prefixes))
+        hit += block_tokens * first_miss
         seen.update(prefixes)
     return hit / max(1, sum(len(r.prompt_token_ids) for r in workload))
 

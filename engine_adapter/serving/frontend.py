@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, NamedTuple
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
 
 from engine_adapter.serving import openai_api as api
 from engine_adapter.serving.protocol import GenerateRequest, Role, pack
@@ -152,7 +153,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(400, str(e), "invalid_request_error")
     rid = f"cmpl-{uuid.uuid4().hex[:16]}"
     try:
-        pw, dw, placement = app[ROUTER_KEY].place(_hashes(app, ids), len(ids), req.params["max_tokens"])
+        pw, dw, placement = app[ROUTER_KEY].place(_hashes(app, ids), len(ids),
+                                                  req.params["max_tokens"])
     except NoWorkerError as e:
         m.requests.labels("unavailable").inc()
         return _error(503, str(e), "service_unavailable")

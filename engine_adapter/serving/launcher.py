@@ -124,7 +124,8 @@ def cluster_processes(cfg: ClusterConfig) -> Iterator[Router]:
 
     procs: list[subprocess.Popen] = []
     with contextlib.ExitStack() as stack:
-        tmp = cfg.data_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-cluster-"))
+        tmp = cfg.data_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvtier-cluster-"))
         log = (stack.enter_context(open(os.path.join(tmp, "workers.log"), "ab"))
                if cfg.quiet_workers else None)
         try:

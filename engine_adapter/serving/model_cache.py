@@ -22,7 +22,8 @@ from engine_adapter.loader import load_smollm2, smollm2_path
 def cache_dir() -> str:
     path, gguf = smollm2_path()
     st = os.stat(os.path.join(path, gguf))
-    root = os.environ.get("KVTIER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+    root = (os.environ.get("KVTIER_CACHE")
+            or os.path.join(os.path.expanduser("~"), ".cache", "kvtier"))
     return os.path.join(root, f"smollm2-{st.st_size}-{int(st.st_mtime)}")
 
 

@@ -81,7 +81,8 @@ class TokenEvent:
 
 
 def pack(msg: Any) -> bytes:
-    return msgpack.packb({"version": PROTOCOL_VERSION, **dataclasses.asdict(msg)}, use_bin_type=True)
+    return msgpack.packb({"version": PROTOCOL_VERSION, **dataclasses.asdict(msg)},
+                         use_bin_type=True)
 
 
 def unpack(cls: type[T], raw: bytes) -> T:

@@ -90,13 +90,13 @@ class _CacheMirror:
 
     def touch(self, hashes: tuple[bytes, ...]) -> list[KVEvent]:
         new = [h for h in hashes if h not in self.blocks]
-        for h in hashes:
+        for h in reversed(hashes):  # the root ends most recent: a chain's tail is evicted first
             self.blocks[h] = None
             self.blocks.move_to_end(h)
         events = [self._event(EventKind.STORED, tuple(new))] if new else []
         if self.capacity is not None and len(self.blocks) > self.capacity:
-            # the tail of a chain goes first: evict from the LRU end in reverse chain order
-            gone = [self.blocks.popitem(last=False)[0] for _ in range(len(self.blocks) - self.capacity)]
+            excess = len(self.blocks) - self.capacity
+            gone = [self.blocks.popitem(last=False)[0] for _ in range(excess)]
             events.append(self._event(EventKind.REMOVED, tuple(gone)))
         return events
 

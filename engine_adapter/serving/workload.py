@@ -44,7 +44,8 @@ def load(path: str, block_tokens: int = 16, tail_tokens: int = 5,
             row = json.loads(line)
             ids = [t for h in row["hash_ids"] for t in _block_tokens(h, block_tokens)]
             ids += _block_tokens(10**9 + i, tail_tokens)  # the request's own last words
-            out.append(WorkloadRequest(i, tuple(ids), int(np.clip(row["output_length"] // 64, 4, 12))))
+            max_tokens = int(np.clip(row["output_length"] // 64, 4, 12))
+            out.append(WorkloadRequest(i, tuple(ids), max_tokens))
     return out
 
 
@@ -75,7 +76,8 @@ def derive(trace_path: str, num_conversations: int = 10, turns: int = 3, max_blo
               if len(c) >= turns and len(rows[c[turns - 1]]["hash_ids"]) <= max_blocks
               and len({len(rows[i]["hash_ids"]) for i in c[:turns]}) == turns]  # no retries
     in_chain = {i for c in chains.values() for i in c}
-    single = [i for i, r in enumerate(rows) if i not in in_chain and 2 < len(r["hash_ids"]) <= max_blocks]
+    single = [i for i, r in enumerate(rows)
+              if i not in in_chain and 2 < len(r["hash_ids"]) <= max_blocks]
     keep = sorted([i for c in picked[:num_conversations] for i in c] + single[:num_single])
     return [rows[i] for i in keep]
 

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -26,7 +27,7 @@ class Cluster:
     def __init__(self, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvtier-cluster-{self.port}.log"), "w+")
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvtier-cluster-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore.cli", "cluster", "--port", str(self.port), *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -75,6 +76,7 @@ class Cluster:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        self.log.close()
         return rc if rc is not None else self.proc.returncode
 
 
