@@ -12,24 +12,9 @@ import urllib.request
 
 import pytest
 
+from .cluster_proc import SYSTEM, sse_events
+
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
-SYSTEM = ("You are kvtier's test assistant. " + "Answer briefly and precisely, and never "
-          "invent facts you are not sure about. " * 12)
-
-
-def sse_events(url: str, path: str, body: dict):
-    """(response headers, iterator of decoded `data:` payloads) of a streamed request."""
-    req = urllib.request.Request(url + path, json.dumps({**body, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
-    resp = urllib.request.urlopen(req, timeout=300)
-
-    def events():
-        with resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if line.startswith("data: "):
-                    yield line[6:]
-    return resp.headers, events()
 
 
 def metric(cluster, name: str) -> float:
