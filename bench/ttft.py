@@ -2,31 +2,41 @@
 throughput, on SmolLM2-135M (CPU). Baselines measured in the same run: our own recompute
 (for store hits) and transformers `generate` on the same model and prompts.
 
-    python bench/ttft.py [--quick] [--lengths 512,1024,2048] [--json out.json] [--seed 0]
+Store hits come from a DRAM tier in-process, a DRAM tier in a real `kvtier serve` daemon
+(started here; through the SDK over its shared-memory path and over TCP) and an SSD tier.
+
+    python bench/ttft.py [--quick] [--lengths 512,1024,2048,4096] [--json out.json] [--seed 0]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
-# the repo root first: bench/kernels.py must not shadow the kernels package
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repo root first: bench/kernels.py and bench/transfer.py must not shadow the packages
+sys.path.insert(0, ROOT)
 from common import Row, add_common_args, report  # noqa: E402
 
 from engine_adapter.config import EngineConfig  # noqa: E402
 from engine_adapter.engine import LLMEngine  # noqa: E402
 from engine_adapter.loader import from_transformers, load_hf_gguf  # noqa: E402
 from engine_adapter.sampling import SamplingParams  # noqa: E402
+from kvstore.client import Client  # noqa: E402
 from kvstore.config import StoreConfig, TierConfig  # noqa: E402
+from kvstore.keys import hash_blocks  # noqa: E402
 from kvstore.store import TieredStore  # noqa: E402
 
 FIRST = SamplingParams(temperature=0, max_tokens=1)
+BT = 16
 
 
 def best_of(fn, repeats: int) -> float:
@@ -40,70 +50,152 @@ def best_of(fn, repeats: int) -> float:
 
 def engine_config(num_tokens: int, batch: int = 1) -> EngineConfig:
     # prefix caching off: every run starts cold locally, so a hit can only come from the store
-    return EngineConfig(num_blocks=batch * (num_tokens // 16 + 8), max_num_batched_tokens=max(num_tokens, 512),
+    return EngineConfig(num_blocks=batch * (num_tokens // BT + 8), max_num_batched_tokens=max(num_tokens, 512),
                         max_num_seqs=max(batch, 1), enable_prefix_caching=False)
 
 
-def ttft_rows(hf, model, prompt: list[int], repeats: int, ssd_dir: str) -> list[Row]:
-    n, cfg = len(prompt), engine_config(len(prompt))
-    ours = LLMEngine(model, cfg)
-    recompute = best_of(lambda: ours.generate([prompt], FIRST), repeats)
+class Daemon:
+    """A real `kvtier serve` on free loopback ports (DRAM only), stopped on exit."""
+
+    def __init__(self, workdir: str, dram: str) -> None:
+        self.port, http_port = free_port(), free_port()
+        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port), "--http-port",
+               str(http_port), "--data-dir", workdir, "--dram-size", dram, "--ssd-size", "0",
+               "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1).read()
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.close()
+        raise RuntimeError("kvtier serve did not start")
+
+    @property
+    def url(self) -> str:
+        return f"kvtier://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int):
+    ids = torch.tensor(prompts)
     with torch.no_grad():
-        hf.generate(torch.tensor([prompt[:16]]), max_new_tokens=1, do_sample=False)  # warm up
-        hf_ttft = best_of(lambda: hf.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False), repeats)
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False)
+
+
+def publish(model, prompt: list[int], stores: list) -> None:
+    """Compute the prompt once with the first store attached, then copy its blocks to the rest."""
+    cfg = engine_config(len(prompt))
+    engine = LLMEngine(model, cfg, store=stores[0])
+    engine.generate([prompt], FIRST)
+    engine.close()  # flushed: the blocks are in the store
+    hashes = hash_blocks(engine.ns, prompt[:len(prompt) // BT * BT])
+    staging = engine.runner.kv_cache.new_empty((len(hashes), *engine.runner.kv_cache.shape[1:]))
+    assert all(t is not None for t in stores[0].get_n(hashes, staging))
+    for store in stores[1:]:
+        store.put_n(hashes, staging)
+        assert all(store.contains_n(hashes))
+
+
+def hit_ttft(model, prompt: list[int], store, repeats: int) -> float:
+    engine = LLMEngine(model, engine_config(len(prompt)), store=store)
+    engine.generate([prompt[:BT + 1]], FIRST)  # warm up (first-block hit)
+    out = []
+    t = best_of(lambda: out.append(engine.generate([prompt], FIRST)[0]), repeats)
+    engine.close()
+    assert all(o.num_loaded_tokens == (len(prompt) - 1) // BT * BT for o in out), "not a full-prefix hit"
+    return t
+
+
+def ttft_rows(hf, model, prompt: list[int], repeats: int, tmp: str, daemon: Daemon) -> list[Row]:
+    n = len(prompt)
+    ours = LLMEngine(model, engine_config(n))
+    ours.generate([prompt[:64]], FIRST)  # warm up
+    recompute = best_of(lambda: ours.generate([prompt], FIRST), repeats)
+    hf_generate(hf, [prompt[:16]], 1)  # warm up
+    hf_ttft = best_of(lambda: hf_generate(hf, [prompt], 1), repeats)
     rows = [Row(f"ttft {n} tok recompute", "s", recompute, "transformers generate", hf_ttft)]
-    blocks = n // 16 + 2
-    for tier, tiers in (("dram", (TierConfig("dram", blocks),)),
-                        ("ssd", (TierConfig("ssd", blocks, path=os.path.join(ssd_dir, str(n))),))):
-        with TieredStore(ours.ns, StoreConfig(tiers=tiers, promote_on_hit=False)) as store:
-            engine = LLMEngine(model, cfg, store=store)
-            engine.generate([prompt], FIRST)
-            engine.connector.flush()  # the prefix is in the store before timing
-            hit = best_of(lambda: engine.generate([prompt], FIRST), repeats)
-            engine.close()
-        rows.append(Row(f"ttft {n} tok prefix hit ({tier}, in-process)", "s", hit, "our recompute", recompute))
+    blocks = n // BT + 2
+    dram = TieredStore(ours.ns, StoreConfig(tiers=(TierConfig("dram", blocks),), promote_on_hit=False))
+    ssd = TieredStore(ours.ns, StoreConfig(tiers=(TierConfig("ssd", blocks, path=os.path.join(tmp, f"ssd{n}")),),
+                                           promote_on_hit=False))
+    shm = Client(daemon.url, namespace=ours.ns)
+    tcp = Client(daemon.url, namespace=ours.ns, use_shm=False)
+    assert shm.uses_shm and not tcp.uses_shm
+    try:
+        publish(model, prompt, [dram, ssd, shm])
+        for name, store in (("dram, in-process", dram), ("dram, kvtier serve via shm", shm),
+                            ("dram, kvtier serve via tcp", tcp), ("ssd, in-process", ssd)):
+            hit = hit_ttft(model, prompt, store, repeats)
+            rows.append(Row(f"ttft {n} tok full-prefix hit ({name})", "s", hit, "our recompute", recompute))
+    finally:
+        for store in (dram, ssd, shm, tcp):
+            store.close()
     return rows
 
 
-def decode_rows(hf, model, prompt: list[int], batch: int, new_tokens: int) -> list[Row]:
+def decode_rows(hf, model, prompt: list[int], batch: int, new_tokens: int, repeats: int) -> list[Row]:
+    """Decode tok/s = batch * (new_tokens - 1) / (time to generate new_tokens - time to the
+    first token): the prompt's prefill is taken out for both engines."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine = LLMEngine(model, engine_config(len(prompt) + new_tokens, batch))
     prompts = [prompt] * batch
     engine.generate(prompts, FIRST)  # warm up
-    t = time.perf_counter()
-    engine.generate(prompts, params)
-    ours = batch * new_tokens / (time.perf_counter() - t)
-    with torch.no_grad():
-        hf.generate(torch.tensor(prompts), max_new_tokens=1, do_sample=False)  # warm up
-        t = time.perf_counter()
-        hf.generate(torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        theirs = batch * new_tokens / (time.perf_counter() - t)
-    return [Row(f"decode batch {batch}, {len(prompt)}-tok prompt, {new_tokens} new (incl. prefill)",
-                "tok/s", ours, "transformers generate", theirs)]
+    first = best_of(lambda: engine.generate(prompts, FIRST), repeats)
+    total = best_of(lambda: engine.generate(prompts, params), repeats)
+    ours = batch * (new_tokens - 1) / max(total - first, 1e-9)
+    hf_generate(hf, prompts, 1)  # warm up
+    hf_first = best_of(lambda: hf_generate(hf, prompts, 1), repeats)
+    hf_total = best_of(lambda: hf_generate(hf, prompts, new_tokens), repeats)
+    theirs = batch * (new_tokens - 1) / max(hf_total - hf_first, 1e-9)
+    return [Row(f"decode tok/s, batch {batch}, {len(prompt)}-tok prompt, {new_tokens} new", "tok/s",
+                ours, "transformers generate", theirs)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
-    parser.add_argument("--quick", action="store_true", help="short prompts, one repeat (< 1 min)")
-    parser.add_argument("--lengths", help="prompt lengths in tokens, comma separated")
+    parser.add_argument("--quick", action="store_true", help="short prompts, one repeat (~1 min)")
+    parser.add_argument("--lengths", help="prompt lengths in tokens, comma separated (default 512,1024,2048,4096)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (best is kept)")
+    parser.add_argument("--decode-prompt", type=int, default=128, help="prompt tokens of the decode rows")
     args = parser.parse_args()
-    lengths = [int(x) for x in (args.lengths or ("256,512" if args.quick else "512,1024,2048")).split(",")]
+    lengths = [int(x) for x in (args.lengths or ("256,512" if args.quick else "512,1024,2048,4096")).split(",")]
     repeats = args.repeats or (1 if args.quick else 2)
     torch.manual_seed(args.seed)
+    print(f"load average at start: {os.getloadavg()} on {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}")
     hf, _ = load_hf_gguf()
     model = from_transformers(hf, name="HuggingFaceTB/SmolLM2-135M-Instruct")
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory() as ssd_dir:
-        for n in lengths:
-            prompt = torch.randint(100, hf.config.vocab_size, (n,), generator=gen).tolist()
-            rows += ttft_rows(hf, model, prompt, repeats, ssd_dir)
-    prompt = torch.randint(100, hf.config.vocab_size, (64,), generator=gen).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        daemon = Daemon(os.path.join(tmp, "daemon"), "1GiB")
+        try:
+            for n in lengths:
+                prompt = torch.randint(100, hf.config.vocab_size, (n,), generator=gen).tolist()
+                rows += ttft_rows(hf, model, prompt, repeats, tmp, daemon)
+        finally:
+            daemon.close()
+    prompt = torch.randint(100, hf.config.vocab_size, (args.decode_prompt,), generator=gen).tolist()
     new_tokens = 16 if args.quick else 32
     for batch in (1, 8):
-        rows += decode_rows(hf, model, prompt, batch, new_tokens)
+        rows += decode_rows(hf, model, prompt, batch, new_tokens, repeats)
+    print(f"load average at end: {os.getloadavg()}")
     report("ttft", rows, args.json)
 
 

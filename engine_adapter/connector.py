@@ -1,8 +1,9 @@
 """The bridge between the paged KV cache and a KV store (in-process `TieredStore` or a
 remote `kvstore.Client`): look up a prompt's prefix, load hit blocks, save new blocks.
 
-Loads are synchronous (the request waits for its prefix anyway) and batched: one
-`get_n` into one staging tensor, one `scatter_blocks`. A miss or a corrupt block ends the
+Loads are synchronous (the request waits for its prefix anyway) and batched: one `get_n`
+straight into the request's fresh cache blocks on CPU (elsewhere into one staging tensor,
+then one `scatter_blocks`). A miss or a corrupt block ends the
 usable prefix there; the blocks after it are recomputed, so wrong KV never reaches the
 model. Saves copy the blocks out of the cache on the step thread (`gather_blocks`, so a
 block may be reused right after) and `put_n` them on a background thread through a
@@ -71,16 +72,21 @@ class StoreConnector:
         n = len(hashes)
         if n == 0:
             return 0
-        if self._staging.shape[0] < n:
-            self._staging = self.kv_cache.new_empty((n, *self.kv_cache.shape[1:]))
-        staging = self._staging[:n]  # [n, L, 2, bt, Hkv, D], contiguous
+        if self.kv_cache.device.type == "cpu":
+            # straight into the cache blocks (each one contiguous): no staging copy. The
+            # blocks are this request's fresh ones; any past the first miss get recomputed.
+            dsts, staging = [self.kv_cache[i] for i in block_ids], None
+        else:
+            if self._staging.shape[0] < n:
+                self._staging = self.kv_cache.new_empty((n, *self.kv_cache.shape[1:]))
+            dsts = staging = self._staging[:n]  # [n, L, 2, bt, Hkv, D], contiguous
         try:
-            found = self.store.get_n(hashes, staging)
+            found = self.store.get_n(hashes, dsts)
         except Exception:
             self.stats.lookup_errors += 1
             return 0
         good = next((i for i, tier in enumerate(found) if tier is None), n)
-        if good:
+        if good and staging is not None:
             ids = torch.tensor(block_ids[:good], dtype=torch.int64, device=self.kv_cache.device)
             kernels.scatter_blocks(staging[:good], self.kv_cache, ids, check_values=False)
         self.stats.loaded_blocks += good
