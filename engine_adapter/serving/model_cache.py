@@ -52,8 +52,12 @@ def ensure_cached() -> str:
 
 
 def load_tokenizer():
+    import warnings
+
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(ensure_cached())
+    with warnings.catch_warnings():  # transformers' own rope_scaling deprecation, not ours
+        warnings.simplefilter("ignore", FutureWarning)
+        return AutoTokenizer.from_pretrained(ensure_cached())
 
 
 def load_cached():
