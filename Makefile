@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test test-main test-plugins test-vllm test-vllmcpu test-sglang demo bench clean
+.PHONY: transfer-adapters test test-main test-plugins test-vllm test-vllmcpu test-sglang demo bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,17 @@ $(STAMP): setup.py
 
 test: test-main test-plugins
 
-test-main: $(STAMP)
+# The optional NIXL / UCX transfer adapters (installed with --no-deps: their declared deps
+# are the CUDA/RAPIDS stack). Their conformance cases run only inside `unshare -n`.
+ADAPTERS := $(VENV)/.adapters-stamp
+$(ADAPTERS): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1
+	$(PY) -m pip install --quiet --no-deps ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0
+	touch $@
+
+transfer-adapters: $(ADAPTERS)
+
+test-main: $(STAMP) $(ADAPTERS)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
