@@ -82,6 +82,8 @@ class _ClientOp(_Op):
         self.b, self.xfer, self.kind, self.ep = backend, xfer, kind, ep
         self.data_tag, self.views, self.finish = data_tag, views, finish
         self.reply = np.zeros(REPLY_BYTES, np.uint8)
+        self.ack = np.zeros(REPLY_BYTES, np.uint8)
+        self.reply_tag = reply_tag
         self.reply_req = ep.tag_recv(Array(self.reply), ucx.UCXXTag(reply_tag),
                                      ucx.UCXXTagMaskFull)
         self.sends, self.recvs = sends, None
@@ -99,6 +101,9 @@ class _ClientOp(_Op):
             self.recvs = [self.ep.tag_recv(Array(v), ucx.UCXXTag(self.data_tag),
                                            ucx.UCXXTagMaskFull)
                           for v in (self.views if self.kind == Op.READ else ())]
+            if self.kind == Op.READ:  # the target's "sent and notified" reply (same tag)
+                self.recvs.append(self.ep.tag_recv(Array(self.ack), ucx.UCXXTag(self.reply_tag),
+                                                   ucx.UCXXTagMaskFull))
         if not (_done(self.sends) and _done(self.recvs)):
             return False
         finish_staged(self.finish)
@@ -277,9 +282,12 @@ class UcxBackend:
                                 finish, views))
         elif kind == Op.READ and status[0] == "ok":
             views, _ = host_views(regions, ids, offs, lens, incoming=False)
-            send_reply()
+            send_reply()  # the status first: the initiator posts its receives on it
             reqs = [ep.tag_send(Array(v), tag) for v in views]
-            self._add(_ServerOp(self, reqs, note, [], (views, reply)))
+            # then, once the data is out and the notification delivered, a second reply on
+            # the same tag: the initiator's DONE waits for it, so a later bare notification
+            # can't overtake this one
+            self._add(_ServerOp(self, reqs, note + [send_reply], [], (views, reply)))
         else:
             for action in (note if status[0] == "ok" else []):
                 action()
