@@ -149,3 +149,20 @@ def no_instance(view: ClusterView) -> Placement | None:
     if view.prefill and view.decode:
         return None
     return Placement(None, None, reject=RejectReason.NO_INSTANCE)
+
+
+class PolicyBase:
+    """Shared shape of the built-in policies: a config, and a placement that first rejects
+    a view without instances, then asks the policy's own `choose`."""
+
+    kind: PolicyKind
+
+    def __init__(self, config: SchedulerConfig, seed: int = 0) -> None:
+        self.config = config
+
+    def place(self, request: Request, view: ClusterView) -> Placement:
+        return no_instance(view) or self.choose(request, view)
+
+    def choose(self, request: Request, view: ClusterView) -> Placement:
+        """Placement on a view that has prefill and decode instances."""
+        raise NotImplementedError

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvstore.index import PrefixMatch
-from kvstore.scheduler.base import (ClusterView, Placement, PolicyKind, PrefillLoad,
-                                    RejectReason, Request, SchedulerConfig, choose_decode,
-                                    no_instance, prefill_estimate_s)
+from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, PrefillLoad,
+                                    RejectReason, Request, choose_decode,
+                                    prefill_estimate_s)
 
 
 class _Option(NamedTuple):
@@ -29,16 +29,10 @@ class _Option(NamedTuple):
     fetch_blocks: int
 
 
-class ConductorPolicy:
+class ConductorPolicy(PolicyBase):
     kind = PolicyKind.CONDUCTOR
 
-    def __init__(self, config: SchedulerConfig, seed: int = 0) -> None:
-        self.config = config
-
-    def place(self, request: Request, view: ClusterView) -> Placement:
-        missing = no_instance(view)
-        if missing:
-            return missing
+    def choose(self, request: Request, view: ClusterView) -> Placement:
         match = view.index.query(request.block_hashes)
         source, best_len = match.best()
         source_tiers = match.tiers(source) if source is not None else ()

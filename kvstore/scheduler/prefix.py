@@ -3,21 +3,15 @@ estimated TTFT counting only the prefix cached on that instance itself; no fetch
 other nodes. With equal queues this is the instance with the longest local hit."""
 from __future__ import annotations
 
-from kvstore.scheduler.base import (ClusterView, Placement, PolicyKind, Request,
-                                    SchedulerConfig, choose_decode, no_instance,
+from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, Request,
+                                    choose_decode,
                                     prefill_estimate_s)
 
 
-class PrefixPolicy:
+class PrefixPolicy(PolicyBase):
     kind = PolicyKind.PREFIX
 
-    def __init__(self, config: SchedulerConfig, seed: int = 0) -> None:
-        self.config = config
-
-    def place(self, request: Request, view: ClusterView) -> Placement:
-        missing = no_instance(view)
-        if missing:
-            return missing
+    def choose(self, request: Request, view: ClusterView) -> Placement:
         match = view.index.query(request.block_hashes)
         cost = self.config.cost
         best = min(

@@ -3,21 +3,18 @@ from __future__ import annotations
 
 import random as _random
 
-from kvstore.scheduler.base import (ClusterView, Placement, PolicyKind, Request,
-                                    SchedulerConfig, no_instance)
+from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, Request,
+                                    SchedulerConfig)
 
 
-class RandomPolicy:
+class RandomPolicy(PolicyBase):
     kind = PolicyKind.RANDOM
 
     def __init__(self, config: SchedulerConfig, seed: int = 0) -> None:
-        self.config = config
+        super().__init__(config, seed)
         self._rng = _random.Random(seed)
 
-    def place(self, request: Request, view: ClusterView) -> Placement:
-        missing = no_instance(view)
-        if missing:
-            return missing
+    def choose(self, request: Request, view: ClusterView) -> Placement:
         prefill = self._rng.choice(view.prefill)
         decode = self._rng.choice(view.decode)
         return Placement(prefill.node_id, decode.node_id)

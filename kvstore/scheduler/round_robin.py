@@ -1,21 +1,18 @@
 """Round-robin placement: even request counts, blind to load and cache."""
 from __future__ import annotations
 
-from kvstore.scheduler.base import (ClusterView, Placement, PolicyKind, Request,
-                                    SchedulerConfig, no_instance)
+from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, Request,
+                                    SchedulerConfig)
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(PolicyBase):
     kind = PolicyKind.ROUND_ROBIN
 
     def __init__(self, config: SchedulerConfig, seed: int = 0) -> None:
-        self.config = config
+        super().__init__(config, seed)
         self._next = seed
 
-    def place(self, request: Request, view: ClusterView) -> Placement:
-        missing = no_instance(view)
-        if missing:
-            return missing
+    def choose(self, request: Request, view: ClusterView) -> Placement:
         n = self._next
         self._next += 1
         prefill = view.prefill[n % len(view.prefill)]
