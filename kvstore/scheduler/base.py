@@ -7,6 +7,8 @@ the same policy object drives the live scheduler and the simulator.
 """
 from __future__ import annotations
 
+import abc
+
 import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -151,7 +153,7 @@ def no_instance(view: ClusterView) -> Placement | None:
     return Placement(None, None, reject=RejectReason.NO_INSTANCE)
 
 
-class PolicyBase:
+class PolicyBase(abc.ABC):
     """Shared shape of the built-in policies: a config, and a placement that first rejects
     a view without instances, then asks the policy's own `choose`."""
 
@@ -163,6 +165,6 @@ class PolicyBase:
     def place(self, request: Request, view: ClusterView) -> Placement:
         return no_instance(view) or self.choose(request, view)
 
+    @abc.abstractmethod
     def choose(self, request: Request, view: ClusterView) -> Placement:
         """Placement on a view that has prefill and decode instances."""
-        raise NotImplementedError
