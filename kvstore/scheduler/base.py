@@ -8,7 +8,6 @@ the same policy object drives the live scheduler and the simulator.
 from __future__ import annotations
 
 import abc
-
 import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass

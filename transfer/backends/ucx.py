@@ -10,6 +10,7 @@ run it only where that is acceptable (tests and bench run it inside `unshare -n`
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import os
 import struct
@@ -64,13 +65,14 @@ def _done(reqs) -> bool:
     return True
 
 
-class _Op:
+class _Op(abc.ABC):
     """One in-flight exchange, advanced by the poller; `step()` → True when finished."""
 
     deadline = 0.0
 
+    @abc.abstractmethod
     def step(self) -> bool:
-        raise NotImplementedError
+        """Advance; True once the exchange is finished."""
 
     def fail(self, err: TransferError) -> None:
         pass
