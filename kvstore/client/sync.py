@@ -215,8 +215,22 @@ class Client:
         return MatchResult(reply.num_blocks, tuple(_tiers(reply.tiers)))
 
     def remove_n(self, hashes: Sequence[bytes]) -> int:
-        """Drop blocks from every tier (pinned or leased ones stay); how many went."""
+        """Drop blocks from every tier, pinned ones included; how many went. Blocks a reader
+        holds at that moment stay, so this client's own lingering shm leases (released with
+        each connection's next request) are released first, on every idle connection."""
+        self._release_idle_leases()
         return self._call(w.Remove(hashes=w.pack_hashes(hashes))).value
+
+    def _release_idle_leases(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            try:
+                conn.flush_releases()
+            except (ConnectionError, OSError, w.ProtocolError):
+                conn.close()  # a dead connection's leases expire on the daemon
+                continue
+            self._give_back(conn)
 
     def remove(self, key: bytes) -> bool:
         return self.remove_n([key]) == 1

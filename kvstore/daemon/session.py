@@ -201,11 +201,7 @@ class Session:
         self.reply(w.Op.MATCH, w.MatchOk(num_blocks=m.num_blocks, tiers=tier_bytes(m.tiers)))
 
     def remove(self, msg: w.Remove, payload_bytes: int) -> None:
-        store, hashes = self.store, msg.hash_list
-        before = sum(store.contains_n(hashes))
-        for _ in store.tier_kinds:  # evict_n moves one tier down; the last tier drops
-            store.evict_n(hashes)
-        self.reply(w.Op.REMOVE, w.Ack(value=before - sum(store.contains_n(hashes))))
+        self.reply(w.Op.REMOVE, w.Ack(value=self.store.remove_n(msg.hash_list)))
 
     def pin(self, msg: w.Pin, payload_bytes: int) -> None:
         self.reply(w.Op.PIN, w.Ack(flags=bytes(self.store.pin_n(msg.hash_list, msg.ttl_s))))

@@ -109,6 +109,11 @@ def test_disconnect_mid_put_leaves_nothing(daemon):
         hello(s)
         s.sendall(w.encode(w.Put(hashes=w.pack_hashes(hs)), w.Op.PUT, False, 4 * BB))
         s.sendall(b"\x01" * (BB + 100))
+    with Client(daemon.url, namespace=NS) as c:  # the daemon notices the cut connection
+        deadline = time.monotonic() + 10
+        while c.stats().open_reservations and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats().open_reservations == 0 and c.exists_n(hs) == [False] * 4
     with raw_conn(daemon) as s:  # shm-style put: reserve, then the client dies before commit
         hello(s)
         w.send_frame(s, w.Reserve(hashes=w.pack_hashes(hs)), w.Op.RESERVE, False)
