@@ -49,10 +49,7 @@ class Pool:
 
     def stop(self) -> None:
         for d in self.nodes.values():
-            try:
-                d.stop()
-            finally:
-                d.kill()
+            d.close()
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> float:

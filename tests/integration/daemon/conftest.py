@@ -80,6 +80,13 @@ class Daemon:
             self.kill()
             raise
 
+    def close(self) -> None:
+        """Stop gracefully, and kill if that fails: every fixture's teardown."""
+        try:
+            self.stop()
+        finally:
+            self.kill()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -97,10 +104,7 @@ def make_daemon(tmp_path):
 
     yield make
     for d in started:
-        try:
-            d.stop()
-        finally:
-            d.kill()
+        d.close()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +112,4 @@ def daemon(tmp_path_factory):
     d = Daemon(str(tmp_path_factory.mktemp("daemon") / "data"), "--reservation-timeout", "1")
     d.start()
     yield d
-    try:
-        d.stop()
-    finally:
-        d.kill()
+    d.close()

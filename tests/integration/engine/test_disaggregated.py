@@ -92,10 +92,7 @@ def kvtier_daemon(tmp_path):
     d = daemon_conftest.Daemon(str(tmp_path / "daemon-data"))
     d.start()
     yield d
-    try:
-        d.stop()
-    finally:
-        d.kill()
+    d.close()
 
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "tcp"])
