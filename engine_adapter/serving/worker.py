@@ -126,12 +126,17 @@ async def _body(request: web.Request, cls):
         raise web.HTTPBadRequest(text=str(e)) from e
 
 
-async def _prefill(request: web.Request) -> web.Response:
+async def _generate_body(request: web.Request) -> tuple[GenerateRequest, SamplingParams]:
+    """The request and its sampling parameters; a 400 for bad parameters."""
     g: GenerateRequest = await _body(request, GenerateRequest)
     try:
-        params = SamplingParams.from_dict(g.params)
+        return g, SamplingParams.from_dict(g.params)
     except InvalidRequestError as e:
         raise web.HTTPBadRequest(text=str(e)) from e
+
+
+async def _prefill(request: web.Request) -> web.Response:
+    g, params = await _generate_body(request)
     q = await _submit(request, g.request_id, g.prompt_token_ids,
                       replace(params, max_tokens=1),
                       lambda r: _prefill_result(r, params, request.app[INFO_KEY].block_tokens))
@@ -192,11 +197,7 @@ async def _decode(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    g: GenerateRequest = await _body(request, GenerateRequest)
-    try:
-        params = SamplingParams.from_dict(g.params)
-    except InvalidRequestError as e:
-        raise web.HTTPBadRequest(text=str(e)) from e
+    g, params = await _generate_body(request)
     first, bt = [True], request.app[INFO_KEY].block_tokens
 
     def snapshot(r: Request) -> TokenEvent:
