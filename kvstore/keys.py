@@ -12,6 +12,7 @@ Tensor-parallel sharding is not in the chain: it goes next to the hash in the ob
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Iterable, NewType, Sequence
@@ -65,7 +66,7 @@ class Namespace:
 
     @property
     def block_bytes(self) -> int:
-        return int(np.prod(self.block_shape)) * DTYPE_BYTES[self.dtype]
+        return math.prod(self.block_shape) * DTYPE_BYTES[self.dtype]
 
     @property
     def root_hash(self) -> BlockHash:

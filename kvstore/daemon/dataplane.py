@@ -83,8 +83,10 @@ class Connection:
             n = len(getattr(frame.msg, "hashes", b"")) // 16
             m.observe(frame.op.name.lower(), outcome, time.perf_counter() - t0, n)
             s = self.session
-            m.net_bytes.labels("in").inc(s.bytes_in)
-            m.net_bytes.labels("out").inc(s.bytes_out)
+            if s.bytes_in:
+                m.bytes_in.inc(s.bytes_in)
+            if s.bytes_out:
+                m.bytes_out.inc(s.bytes_out)
             s.bytes_in = s.bytes_out = 0
 
     def _send_error(self, code: w.ErrorCode, message: str) -> None:

@@ -70,9 +70,15 @@ class Metrics:
         self.protocol_errors = Counter("kvtier_protocol_errors",
                                        "connections closed for a protocol error", registry=r)
         r.register(StoreCollector(hosted))
+        self.bytes_in, self.bytes_out = self.net_bytes.labels("in"), self.net_bytes.labels("out")
+        self._children: dict[tuple[str, str], tuple] = {}  # labels() costs ~2 us per call
 
     def observe(self, op: str, outcome: str, seconds: float, num_blocks: int) -> None:
-        self.ops.labels(op, outcome).inc()
-        self.latency.labels(op).observe(seconds)
+        c = self._children.get((op, outcome))
+        if c is None:
+            c = self._children[op, outcome] = (self.ops.labels(op, outcome),
+                                               self.latency.labels(op), self.blocks.labels(op))
+        c[0].inc()
+        c[1].observe(seconds)
         if num_blocks:
-            self.blocks.labels(op).inc(num_blocks)
+            c[2].inc(num_blocks)
