@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: transfer-adapters test test-main test-plugins test-vllm test-vllmcpu test-sglang demo bench clean
+.PHONY: bench-deps-mooncake transfer-adapters test test-main test-plugins test-vllm test-vllmcpu test-sglang demo bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -92,5 +92,21 @@ test-vllmcpu: $(VLLMCPU)/.installed-stamp
 test-sglang: $(SGLANG)/.installed-stamp
 	$(SGLANG)/bin/python -m pytest -p no:cacheprovider tests/plugins/sglang
 
+# Mooncake Store, the baseline bench/mooncake_peer.py measures for bench/store_service.py, in
+# its own venv (python3.11: the wheel's ABI). Not part of `make test`. Its master and transfer
+# engine listen on every interface, so the bench only ever runs them inside `unshare -n`.
+MOONCAKE := build/venv-mooncake
+$(MOONCAKE)/.installed-stamp:
+	apt-get install -y --no-install-recommends libibverbs1 libnl-3-200 libnl-route-3-200
+	rm -rf $(MOONCAKE)
+	python3.11 -m venv $(MOONCAKE)
+	$(MOONCAKE)/bin/python -m pip install --quiet pip==26.3
+	# --no-deps: the store needs only numpy; the declared deps serve its HTTP tools
+	$(MOONCAKE)/bin/python -m pip install --quiet --no-deps \
+		mooncake-transfer-engine-non-cuda==0.3.13.post1 numpy==2.4.6
+	touch $@
+
+bench-deps-mooncake: $(MOONCAKE)/.installed-stamp
+
 clean:
-	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) $(MOONCAKE) *.egg-info .pytest_cache .hypothesis
