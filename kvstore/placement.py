@@ -70,6 +70,7 @@ class Placement:
                 e = Entry(h, i, slot, State.COMMITTED)
                 self.entries[h] = e
                 self.lru[i][h] = None
+            tier.publish_n([slot for _, slot in found], [h for h, _ in found])
             self.emit(EventKind.STORED, i, [h for h, _ in found])
 
     # -------------------------------------------------------------- evictability
@@ -149,6 +150,7 @@ class Placement:
         src_tier.free_n([e.slot for e in group], hashes)
         for e, slot in zip(group, slots):
             e.tier, e.slot = dst, slot
+        self.tiers[dst].publish_n(slots, hashes)
         self.counters[src].demotions_out += len(group)
         self.counters[dst].demotions_in += len(group)
         self.counters[dst].bytes_in += len(group) * self.block_bytes
@@ -186,6 +188,7 @@ class Placement:
             self.emit(EventKind.REMOVED, src, hashes)
         for e, slot in zip(group, slots):
             e.tier, e.slot = 0, slot
+        self.tiers[0].publish_n(slots, [e.hash for e in group])
         self.counters[0].promotions_in += k
         self.counters[0].bytes_in += k * self.block_bytes
         self.emit(EventKind.STORED, 0, [e.hash for e in group])

@@ -163,6 +163,7 @@ class TieredStore:
                 e.state = State.COMMITTED
                 p.make_evictable(e)
             for tier_idx, group in group_by_tier(entries):
+                p.tiers[tier_idx].publish_n([e.slot for e in group], [e.hash for e in group])
                 p.counters[tier_idx].bytes_in += len(group) * self.ns.block_bytes
                 p.emit(EventKind.STORED, tier_idx, [e.hash for e in group])
 
@@ -280,6 +281,23 @@ class TieredStore:
             self._leases[lid] = (time.monotonic() + ttl_s, [e for e in held if e is not None])
             kinds = [None if e is None else (self._p.tiers[e.tier].kind, e.slot) for e in held]
             return Lease(lid, tuple(kinds))
+
+    def touch_n(self, hashes: Sequence[bytes]) -> int:
+        """Count reads made outside the store (a same-host reader copying published DRAM
+        slots itself) as hits, and mark those blocks recently used. Returns how many of
+        them are still stored (the others were evicted or removed since; not counted)."""
+        _check_hashes(hashes)
+        with self._lock:
+            self._check_open()
+            p, found = self._p, []
+            for h in hashes:
+                e = p.entries.get(bytes(h))
+                if visible(e):
+                    found.append(e)
+                    p.counters[e.tier].hits += 1
+                    p.counters[e.tier].bytes_out += self.ns.block_bytes
+            p.touch(found)
+            return len(found)
 
     def _count_reads(self, held: list[Entry | None]) -> None:
         """Count a lease's hits and misses like a get's (its reader copies the bytes)."""

@@ -25,7 +25,7 @@ import msgpack
 from kvstore.errors import KVStoreError
 from kvstore.keys import HASH_BYTES
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KVTW"
 PREFIX = struct.Struct("<4sHHIQ")
 MAX_HEADER_BYTES = 1 << 20
@@ -49,6 +49,7 @@ class Op(enum.IntEnum):
     UNPIN = 11
     RELEASE = 12
     STATS = 13
+    TOUCH = 14
     ERROR = 0x7FFF
 
 
@@ -188,6 +189,7 @@ class HelloOk(Message):
     shm_ino: int = 0
     shm_slots: int = 0
     max_payload_bytes: int = 0
+    shm_dir: str = ""         # the arena's slot directory: same-host reads with no round trip
 
 
 @_msg(Op.PUT)
@@ -273,6 +275,14 @@ class Release(Message):
     lease_ids: tuple[int, ...] = ()
 
 
+@_msg(Op.TOUCH)
+class Touch(HashesMessage):
+    """Blocks the client copied straight from published DRAM slots (no GET was sent): the
+    daemon counts them as hits and marks them recently used. Ack.value: how many it holds."""
+
+    hashes: bytes = b""
+
+
 @_msg(Op.STATS)
 class Stats(Message):
     pass
@@ -301,7 +311,7 @@ class Ack(Message):
 
 
 REQUESTS = {cls.OP: cls for cls in (Hello, Put, Get, Reserve, Commit, Abort, Exists, Match,
-                                    Remove, Pin, Unpin, Release, Stats)}
+                                    Remove, Pin, Unpin, Release, Stats, Touch)}
 REPLIES = {cls.OP: cls for cls in (HelloOk, PutOk, GetOk, ReserveOk, MatchOk, StatsOk, Error)}
 
 

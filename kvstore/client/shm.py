@@ -2,7 +2,9 @@
 
 The daemon reports its arena's path and (st_dev, st_ino); the client is on the same host
 exactly when it can open that path and finds the same file there. The mapping is made once
-(pre-faulted, via the transfer layer's `map_path`) and reused for every request.
+(pre-faulted, via the transfer layer's `map_path`) and reused for every request. Where the
+daemon also reports the arena's slot directory (and the CPU orders memory as x86-64 does),
+reads of DRAM blocks need no request at all: see `kvstore.tiers.slotdir`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import os
 import torch
 
 from kvstore import wire as w
+from kvstore.errors import ConfigError
 from kvstore.tiers.dram import META_BYTES
+from kvstore.tiers.slotdir import DIRECT_READS, SlotDirectoryReader
 from transfer.shm import map_path
 
 
@@ -20,10 +24,20 @@ class ArenaMap:
         self.key = (info.shm_path, info.shm_dev, info.shm_ino)
         nbytes = info.shm_slots * info.block_bytes
         self._mm, view = map_path(info.shm_path, nbytes, META_BYTES)
-        self.rows = torch.from_numpy(view[:nbytes]).view(info.shm_slots, info.block_bytes)
+        self.array = view[:nbytes].reshape(info.shm_slots, info.block_bytes)  # numpy rows
+        self.rows = torch.from_numpy(self.array)
+        self.directory: SlotDirectoryReader | None = None
+        if DIRECT_READS and info.shm_dir:
+            try:
+                self.directory = SlotDirectoryReader(info.shm_dir, info.shm_slots)
+            except (OSError, ConfigError):
+                pass  # leased reads (one round trip each) still work
 
     def close(self) -> None:
-        self.rows = None
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
+        self.rows = self.array = None
         try:
             self._mm.close()
         except BufferError:

@@ -26,6 +26,7 @@ from kvstore.stats import StoreStats, TierCounters, TierStats
 from kvstore.store import MatchResult, PutStatus
 
 PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)
+TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
 
 
 def _tiers(raw: bytes) -> list[TierKind | None]:
@@ -52,6 +53,7 @@ class Client:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._arena: ArenaMap | None = None
+        self._touched: list[bytes] = []
         self._closed = False
         self.block_bytes = namespace.block_bytes
         with self._conn():  # fail fast: wrong address, token or namespace
@@ -166,11 +168,72 @@ class Client:
     def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
         """Copy each stored block into its destination (one writable buffer of all blocks
         or one per block: tensors, numpy arrays, bytearrays). Returns the tier each block
-        was found in, or None for a miss (its destination is left as it was)."""
+        was found in, or None for a miss (whose destination holds nothing usable: usually
+        what it held before, but a same-host copy that lost a race may have written it).
+
+        On the daemon's host, DRAM blocks published in its slot directory are copied with
+        no request at all; the rest go to the daemon in one request."""
         rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
         if not len(hashes):
             return []
-        return self._run(self._get_n, w.pack_hashes(hashes), rows)
+        arena = self._arena
+        if arena is None or arena.directory is None or not arena.directory.writer_alive():
+            return self._run(self._get_n, w.pack_hashes(hashes), rows)
+        tiers, missed = self._direct_reads(arena, hashes, rows)
+        batch = self._due_touches()
+        if batch:
+            self._send_touches(batch)
+        if missed:
+            found = self._run(self._get_n, w.pack_hashes([hashes[i] for i in missed]),
+                              [rows[i] for i in missed])
+            for i, t in zip(missed, found):
+                tiers[i] = t
+        return tiers
+
+    def _direct_reads(self, arena: ArenaMap, hashes: Sequence[bytes],
+                      rows) -> tuple[list[TierKind | None], list[int]]:
+        """Copy every block the slot directory shows in a DRAM slot; (tiers, indices left
+        for the daemon). Each copy is kept only if its slot's generation did not move."""
+        d, src = arena.directory, arena.array
+        dst = rows.numpy() if isinstance(rows, torch.Tensor) and rows.device.type == "cpu" \
+            else None
+        tiers: list[TierKind | None] = [None] * len(hashes)
+        missed, touched = [], []
+        for i, h in enumerate(hashes):
+            h = bytes(h)
+            found = d.find(h)
+            if found is None:
+                missed.append(i)
+                continue
+            slot, gen = found
+            if dst is not None:
+                np.copyto(dst[i], src[slot])
+            else:
+                _copy(rows[i], arena.rows[slot])
+            if d.still_valid(slot, gen):
+                tiers[i] = TierKind.DRAM
+                touched.append(h)
+            else:
+                missed.append(i)  # the slot was reused while we copied: ask the daemon
+        if touched:
+            with self._lock:
+                self._touched += touched
+        return tiers, missed
+
+    def _due_touches(self) -> list[bytes] | None:
+        """Direct reads send nothing; the daemon learns of them (hit counts, LRU recency) in
+        TOUCH batches of TOUCH_BATCH blocks, best effort: the batch due now, if any."""
+        with self._lock:
+            if len(self._touched) < TOUCH_BATCH:
+                return None
+            batch, self._touched = self._touched, []
+            return batch
+
+    def _send_touches(self, batch: list[bytes]) -> None:
+        try:
+            self._call(w.Touch(hashes=w.pack_hashes(batch)))
+        except (ConnectError, RequestTimeout, w.RemoteError):
+            pass  # only statistics and recency are lost
 
     get_n_into = get_n
 
@@ -243,6 +306,10 @@ class Client:
         self._call(w.Unpin(hashes=w.pack_hashes(hashes)))
 
     def stats(self) -> StoreStats:
+        with self._lock:
+            touched, self._touched = self._touched, []
+        if touched:  # so the hit counts include this client's direct reads
+            self._send_touches(touched)
         r = self._call(w.Stats())
         tiers = tuple(TierStats(TierKind(row[0]), row[1], row[2], row[3], TierCounters(*row[4:]))
                       for row in r.tiers)
@@ -261,6 +328,12 @@ class Client:
         return self._run(op)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            touched, self._touched = self._touched, []
+        if touched:
+            self._send_touches(touched)
         self._closed = True
         self._drop_idle()
         if self._arena is not None:

@@ -37,10 +37,15 @@ class StoreCollector:
         lease_hits = CounterMetricFamily("kvtier_lease_hits", "DRAM blocks read through "
                                          "leases (shared memory or zero-copy TCP); part of the tier hits",
                                          labels=["namespace"])
+        direct_hits = CounterMetricFamily("kvtier_direct_hits", "DRAM blocks a same-host "
+                                          "client copied from published slots with no request "
+                                          "(reported in batches); part of the tier hits",
+                                          labels=["namespace"])
         for h in self._hosted():
             s = h.store.stats()
             misses.add_metric([h.label], s.misses)
             lease_hits.add_metric([h.label], h.lease_hits)
+            direct_hits.add_metric([h.label], h.direct_hits)
             for t in s.tiers:
                 labels = [h.label, t.kind.name.lower()]
                 used.add_metric(labels, t.used_blocks)
@@ -48,7 +53,7 @@ class StoreCollector:
                 for name in _COUNTERS:
                     counters[name].add_metric(labels, getattr(t.counters, name))
         yield from counters.values()
-        yield from (used, capacity, misses, lease_hits)
+        yield from (used, capacity, misses, lease_hits, direct_hits)
 
 
 class Metrics:

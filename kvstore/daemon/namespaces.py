@@ -29,6 +29,7 @@ class ShmInfo(NamedTuple):
     dev: int
     ino: int
     num_slots: int
+    directory: str  # the arena's slot directory (kvstore.tiers.slotdir)
 
 
 @dataclass
@@ -40,11 +41,18 @@ class Hosted:
     # Of the store's hits, those served from leased DRAM slots (shm and zero-copy TCP
     # reads): how much traffic skips a copy through the daemon.
     lease_hits: int = 0
+    # Of the store's hits, those a same-host client copied from published DRAM slots with
+    # no request at all (reported afterwards in TOUCH batches).
+    direct_hits: int = 0
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count_lease_hits(self, n: int) -> None:
         with self._count_lock:
             self.lease_hits += n
+
+    def count_direct_hits(self, n: int) -> None:
+        with self._count_lock:
+            self.direct_hits += n
 
     @property
     def label(self) -> str:
@@ -100,7 +108,8 @@ class Registry:
         if TierKind.DRAM in store.tier_kinds:
             path = os.path.join("/dev/shm", shm_name)
             st = os.stat(path)
-            shm = ShmInfo(path, st.st_dev, st.st_ino, store.tier(TierKind.DRAM).num_slots)
+            dram = store.tier(TierKind.DRAM)
+            shm = ShmInfo(path, st.st_dev, st.st_ino, dram.num_slots, dram.directory.path)
         return Hosted(ns, store, shm, quota)
 
     def reopen_existing(self) -> int:

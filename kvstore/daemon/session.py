@@ -83,7 +83,7 @@ class Session:
             node_id=self.cfg.node_id, block_bytes=self.hosted.ns.block_bytes,
             shm_path=shm.path if shm else "", shm_dev=shm.dev if shm else 0,
             shm_ino=shm.ino if shm else 0, shm_slots=shm.num_slots if shm else 0,
-            max_payload_bytes=self.cfg.max_payload_bytes))
+            max_payload_bytes=self.cfg.max_payload_bytes, shm_dir=shm.directory if shm else ""))
 
     def check_payload(self, n: int, payload_bytes: int) -> None:
         bb = self.hosted.ns.block_bytes
@@ -220,6 +220,11 @@ class Session:
                 self.leases.discard(lid)
                 self.store.release(lid)
 
+    def touch(self, msg: w.Touch, payload_bytes: int) -> None:
+        n = self.store.touch_n(msg.hash_list)
+        self.hosted.count_direct_hits(n)
+        self.reply(w.Op.TOUCH, w.Ack(value=n))
+
     def stats(self, msg: w.Stats, payload_bytes: int) -> None:
         s = self.store.stats()
         rows = tuple((int(t.kind), t.capacity_blocks, t.used_blocks, t.free_blocks,
@@ -241,4 +246,4 @@ HANDLERS = {w.Op.HELLO: Session.hello, w.Op.PUT: Session.put, w.Op.GET: Session.
             w.Op.RESERVE: Session.reserve, w.Op.COMMIT: Session.commit,
             w.Op.ABORT: Session.abort, w.Op.EXISTS: Session.exists, w.Op.MATCH: Session.match,
             w.Op.REMOVE: Session.remove, w.Op.PIN: Session.pin, w.Op.UNPIN: Session.unpin,
-            w.Op.RELEASE: Session.release, w.Op.STATS: Session.stats}
+            w.Op.RELEASE: Session.release, w.Op.STATS: Session.stats, w.Op.TOUCH: Session.touch}

@@ -19,6 +19,7 @@ def stats_rows(hosted: list[Hosted]) -> list[dict]:
             "ns_id": f"{h.ns.ns_id:016x}", "model": h.ns.model, "tenant": h.ns.tenant,
             "block_bytes": s.block_bytes, "misses": s.misses, "hits": s.hits,
             "lease_hits": h.lease_hits,
+            "direct_hits": h.direct_hits,
             "open_reservations": s.open_reservations, "open_leases": s.open_leases,
             "tiers": [{"tier": t.kind.name.lower(), "capacity_blocks": t.capacity_blocks,
                        "used_blocks": t.used_blocks, **vars(t.counters)} for t in s.tiers]})

@@ -37,6 +37,9 @@ class ArenaTier:
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         self._free.give_back(slots)
 
+    def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
+        pass  # only the DRAM tier tells other processes which block each slot holds
+
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         self._check_open()
         for slot, i, n in _runs(slots):

@@ -38,6 +38,10 @@ class Tier(Protocol):
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         """Return slots to the free list; a persistent tier also deletes their stored values."""
 
+    def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """The blocks in these slots became readable (committed, demoted or promoted there);
+        they stay unchanged until `free_n`. Called under the store's lock."""
+
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         """Copy one block into each slot. Persistent tiers make it durable before returning."""
 

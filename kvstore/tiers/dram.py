@@ -18,6 +18,7 @@ import torch
 from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.events import TierKind
 from kvstore.tiers.arena import ArenaTier
+from kvstore.tiers.slotdir import SlotDirectory, dir_path
 
 SHM_DIR = "/dev/shm"
 _META = struct.Struct("<8sQQ")
@@ -78,11 +79,25 @@ class DramTier(ArenaTier):
         arena.zero_()  # pre-fault every page now, not on the first put
         super().__init__(TierKind.DRAM, arena)
         self._pinned = _cuda_pin(arena)
+        # We own the arena's name now: a directory file left by a crashed store goes.
+        try:
+            os.unlink(dir_path(self._path))
+        except FileNotFoundError:
+            pass
+        self.directory = SlotDirectory(dir_path(self._path), num_slots)
+
+    def publish_n(self, slots, hashes) -> None:
+        self.directory.publish(slots, hashes)
+
+    def free_n(self, slots, hashes) -> None:
+        self.directory.unpublish(slots, hashes)  # before any slot can be handed out again
+        super().free_n(slots, hashes)
 
     def close(self) -> None:
         if self._closed:
             return
         super().close()
+        self.directory.close()
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
         self.arena = torch.empty((0, self.slot_bytes), dtype=torch.uint8)

@@ -70,6 +70,9 @@ class SsdTier:
         db.write(batch)
         self._free.give_back(slots)
 
+    def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
+        pass  # readers on this host reach SSD blocks through the daemon only
+
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         db = self._open_db()
         batch = WriteBatch(raw_mode=True)

@@ -42,7 +42,7 @@ def test_clear_errors():
         decode(w.PREFIX.pack(w.MAGIC, 9, w.Op.STATS, 0, 0))
     assert e.value.code is w.ErrorCode.VERSION
     with pytest.raises(w.ProtocolError, match="limit") as e:
-        decode(w.PREFIX.pack(w.MAGIC, 1, w.Op.PUT, 1, 1 << 31))
+        decode(w.PREFIX.pack(w.MAGIC, w.PROTOCOL_VERSION, w.Op.PUT, 1, 1 << 31))
     assert e.value.code is w.ErrorCode.TOO_LARGE
     with pytest.raises(w.ProtocolError, match="multiple of 16"):
         w.Put(hashes=b"short")

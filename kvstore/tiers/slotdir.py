@@ -1,0 +1,223 @@
+"""The DRAM arena's slot directory: lets a same-host reader copy a block with no round trip.
+
+A second small /dev/shm file next to the arena (`<arena>.dir`), written only by the store's
+process (under the store lock) and read by clients:
+
+    header (64 B)   magic "KVTDIR01" | num_slots u64 | table_size u64 | closed u64
+    gen[num_slots]  int64 per slot, a sequence lock: even = holds a readable block,
+                    odd = free, reserved or being written
+    owner[num_slots] 16 B per slot: the block hash the slot holds while gen is even
+    table[table_size] int64: slot + 1 of a published block, bucketed by its hash (0 empty)
+
+The store publishes a block when it becomes readable in a slot (`owner` first, then gen
+odd -> even) and unpublishes it before the slot can be reused (gen even -> odd, then the
+table entry is cleared). A reader finds a candidate slot in the table, checks gen is even
+and owner is its hash, copies the slot, and re-reads gen: unchanged means no byte it copied
+belonged to another block. The table is only a hint: a stale, torn or overwritten entry
+fails those checks and the reader asks the daemon instead, so correctness rests on gen and
+owner alone.
+
+Liveness: the store's process holds an exclusive flock on the file for its whole life, and
+the kernel drops it when that process dies, even by SIGKILL. A reader checks it (one
+non-blocking flock call) before each batch, so a dead daemon's arena, still mapped and
+still holding valid-looking blocks, serves nothing.
+
+Ordering: the writer's stores and the reader's loads stay in program order on x86-64 (TSO),
+which the protocol relies on; `DIRECT_READS` is False on other CPUs and the clients there
+keep the leased round-trip path.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import platform
+import struct
+from typing import Sequence
+
+import numpy as np
+
+from kvstore.errors import ConfigError
+
+MAGIC = b"KVTDIR01"
+HEADER = struct.Struct("<8sQQQ")
+HEADER_BYTES = 64
+PROBES = 8  # a block's table entry lives in one of the 8 buckets after its hash's bucket
+DIRECT_READS = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _layout(num_slots: int) -> tuple[int, int, int, int]:
+    """(table_size, gen offset, owner offset, table offset); total bytes = table end."""
+    table_size = 1 << max(4, (2 * num_slots - 1).bit_length())  # load factor <= 0.5
+    gen_off = HEADER_BYTES
+    owner_off = gen_off + 8 * num_slots
+    table_off = owner_off + 16 * num_slots
+    return table_size, gen_off, owner_off, table_off
+
+
+def _bucket(block_hash: bytes, mask: int) -> int:
+    return int.from_bytes(block_hash[:8], "little") & mask
+
+
+class _Views:
+    """Typed views over one mapping of a directory file."""
+
+    def __init__(self, mm: mmap.mmap, num_slots: int) -> None:
+        self.mm, self.num_slots = mm, num_slots
+        self.table_size, gen_off, owner_off, table_off = _layout(num_slots)
+        self.mask = self.table_size - 1
+        raw = memoryview(mm)
+        self.raw = raw
+        self.gen = raw[gen_off:owner_off].cast("q")
+        self.owner = raw[owner_off:table_off]
+        self.table = raw[table_off:table_off + 8 * self.table_size].cast("q")
+
+    def release(self) -> None:
+        for v in (self.gen, self.owner, self.table, self.raw):
+            v.release()
+
+
+class SlotDirectory:
+    """The writer side, owned by a DRAM tier. Every method runs under the store's lock."""
+
+    def __init__(self, path: str, num_slots: int) -> None:
+        self.path = path
+        table_size, *_, table_off = _layout(num_slots)
+        nbytes = table_off + 8 * table_size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until we close or die
+            os.ftruncate(fd, nbytes)
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._v = _Views(self._mm, num_slots)
+        gen = np.frombuffer(self._mm, np.int64, num_slots, HEADER_BYTES)
+        gen[:] = 1  # every slot starts free (odd)
+        HEADER.pack_into(self._mm, 0, MAGIC, num_slots, table_size, 0)
+        st = os.stat(path)
+        self.dev, self.ino = st.st_dev, st.st_ino
+
+    def publish(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """The blocks are now readable in these slots (and will not change until unpublished)."""
+        v = self._v
+        gen, owner, table, mask = v.gen, v.owner, v.table, v.mask
+        for slot, h in zip(slots, hashes):
+            if not gen[slot] & 1:
+                continue  # already published
+            owner[16 * slot:16 * slot + 16] = h
+            gen[slot] += 1  # odd -> even: after the owner, so a reader never sees it stale
+            b = _bucket(h, mask)
+            for k in range(PROBES):
+                i = (b + k) & mask
+                cur = table[i] - 1
+                if cur < 0 or gen[cur] & 1:
+                    table[i] = slot + 1
+                    break
+            else:
+                table[b] = slot + 1  # a crowded bucket: that other block loses its hint
+
+    def unpublish(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """The blocks leave these slots: no reader may use them from now on."""
+        v = self._v
+        gen, table, mask = v.gen, v.table, v.mask
+        for slot, h in zip(slots, hashes):
+            if gen[slot] & 1:
+                continue  # never published (a reservation given back)
+            gen[slot] += 1  # even -> odd first: a copy in flight now fails its re-check
+            b = _bucket(h, mask)
+            for k in range(PROBES):
+                i = (b + k) & mask
+                if table[i] == slot + 1:
+                    table[i] = 0
+                    break
+
+    def close(self) -> None:
+        """Tell readers the store is gone (they fall back to asking the daemon), unlink."""
+        if self._mm.closed:
+            return
+        HEADER.pack_into(self._mm, 0, MAGIC, self._v.num_slots, self._v.table_size, 1)
+        self._v.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+
+
+class SlotDirectoryReader:
+    """The reader side: maps a directory read-only and validates direct copies."""
+
+    def __init__(self, path: str, num_slots: int) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._dead = fd, False
+        magic, n, table_size, _ = HEADER.unpack_from(self._mm, 0)
+        if magic != MAGIC or n != num_slots or size < _layout(n)[3] + 8 * table_size:
+            self._mm.close()
+            os.close(fd)
+            raise ConfigError(f"{path} is not the slot directory of a {num_slots}-slot arena")
+        self._v = _Views(self._mm, num_slots)
+
+    def writer_alive(self) -> bool:
+        """False once the store's process has closed the directory or died (its flock is
+        gone); then nothing here may be read any more."""
+        if self._dead:
+            return False
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # the writer holds its exclusive lock: alive
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._dead = True
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._v.raw[24])
+
+    def find(self, block_hash: bytes) -> tuple[int, int] | None:
+        """(slot, gen) of a published block holding `block_hash`, or None (ask the daemon).
+        Copy the slot, then `still_valid(slot, gen)` says whether the copy is that block."""
+        v = self._v
+        if v.raw[24]:
+            return None
+        gen, owner, table, mask = v.gen, v.owner, v.table, v.mask
+        b = _bucket(block_hash, mask)
+        for k in range(PROBES):
+            slot = table[(b + k) & mask] - 1
+            if slot < 0 or slot >= v.num_slots:
+                continue
+            g = gen[slot]
+            if not g & 1 and owner[16 * slot:16 * slot + 16] == block_hash:
+                return slot, g
+        return None
+
+    def still_valid(self, slot: int, gen: int) -> bool:
+        v = self._v
+        return v.gen[slot] == gen and not v.raw[24]
+
+    def close(self) -> None:
+        if self._mm.closed:
+            return
+        self._v.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        os.close(self._fd)
+
+
+def dir_path(arena_path: str) -> str:
+    return arena_path + ".dir"

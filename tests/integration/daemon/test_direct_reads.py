@@ -1,0 +1,151 @@
+"""Same-host reads with no request: a client copies published DRAM slots of a real daemon.
+
+In the churn test the daemon has 16 DRAM slots of 256 KiB; writers in other processes churn
+through far more blocks than that, so slots are reused while readers copy them. Every block's bytes are
+derived from its hash (`block_of`), so any wrong byte a reader accepted would show.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import re
+import threading
+import urllib.request
+
+import numpy as np
+
+from kvstore.client import Client
+from kvstore.events import TierKind
+from kvstore.keys import Namespace, hash_blocks
+
+from .conftest import NS, block_of
+
+
+def op_count(daemon, op: str) -> float:
+    text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
+    found = re.findall(rf'^kvtier_ops_total{{op="{op}",outcome="ok"}} (\S+)$', text, re.M)
+    return float(found[0]) if found else 0.0
+
+
+BIG = Namespace("test-model-big", num_layers=64, num_kv_heads=1, head_dim=64)  # 256 KiB
+
+
+def chain(start: int, n: int, ns: Namespace = NS) -> list[bytes]:
+    return hash_blocks(ns, np.arange(start * ns.block_tokens, (start + n) * ns.block_tokens))
+
+
+def test_dram_hits_need_no_request_and_are_counted(make_daemon):
+    daemon = make_daemon()
+    hashes = chain(0, 8)
+    with Client(daemon.url, namespace=NS) as c:
+        assert c.uses_shm
+        c.put_n(hashes, [block_of(h, NS.block_bytes) for h in hashes])
+        gets_before = op_count(daemon, "get")
+        out = np.empty((8, NS.block_bytes), np.uint8)
+        for _ in range(5):
+            assert c.get_n(hashes, out) == [TierKind.DRAM] * 8
+            for h, row in zip(hashes, out):
+                assert np.array_equal(row, block_of(h, NS.block_bytes))
+        assert op_count(daemon, "get") == gets_before, "a DRAM hit on the same host sent a GET"
+        hits = c.stats().tiers[0].counters.hits  # stats() reports the pending direct reads
+        assert hits == 40
+    assert daemon.get_json("/stats")["namespaces"][0]["direct_hits"] == 40
+
+
+def test_removed_and_evicted_blocks_miss_at_once(make_daemon):
+    daemon = make_daemon("--ssd-size", "0")  # DRAM only: eviction drops
+    hashes = chain(100, 4)
+    with Client(daemon.url, namespace=NS) as reader, Client(daemon.url, namespace=NS) as other:
+        reader.put_n(hashes, [block_of(h, NS.block_bytes) for h in hashes])
+        buf = np.empty(NS.block_bytes, np.uint8)
+        assert reader.get_into(hashes[0], buf) is TierKind.DRAM
+        assert other.remove(hashes[0])
+        assert reader.get_into(hashes[0], buf) is None
+        flood = chain(1000, 128)  # twice the DRAM slots: everything older is evicted
+        for i in range(0, 128, 16):
+            other.put_n(flood[i:i + 16], [block_of(h, NS.block_bytes) for h in flood[i:i + 16]])
+        assert reader.get_n(hashes[1:], np.empty((3, NS.block_bytes), np.uint8)) == [None] * 3
+
+
+def _churn(url: str, start: int, rounds: int, latest, stop) -> None:
+    """Put fresh blocks (and remove some) as fast as possible, cycling every DRAM slot;
+    `latest` holds the first block number of the batch just stored."""
+    with Client(url, namespace=BIG) as c:
+        for r in range(rounds):
+            if stop.is_set():
+                return
+            hs = chain(start + 4 * r, 4, BIG)
+            c.put_n(hs, [block_of(h, BIG.block_bytes) for h in hs])
+            latest.value = start + 4 * r
+            if r % 3 == 0:
+                c.remove_n(hs[::2])
+
+
+def test_readers_never_accept_bytes_of_a_reused_slot(make_daemon):
+    daemon = make_daemon("--ssd-size", "0", "--dram-size", "4MiB")
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    latest = [ctx.Value("q", -1) for _ in range(2)]
+    writers = [ctx.Process(target=_churn, args=(daemon.url, 10_000 * (k + 1), 1500, latest[k],
+                                                 stop)) for k in range(2)]
+    for p in writers:
+        p.start()
+    bad, hits, misses = [], [0], [0]
+
+    def read(k: int) -> None:
+        with Client(daemon.url, namespace=BIG) as c:
+            out = np.empty((4, BIG.block_bytes), np.uint8)
+            while any(p.is_alive() for p in writers):
+                # the blocks a writer put most recently: in DRAM now, soon evicted or removed
+                for start in (latest[k].value, latest[k].value - 4):
+                    if start < 10_000:
+                        continue
+                    hs = chain(start, 4, BIG)
+                    for h, t, row in zip(hs, c.get_n(hs, out), out):
+                        if t is None:
+                            misses[0] += 1
+                        elif not np.array_equal(row, block_of(h, BIG.block_bytes)):
+                            bad.append(h.hex())
+                        else:
+                            hits[0] += 1
+
+    try:
+        readers = [threading.Thread(target=read, args=(k,)) for k in range(2)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(300)
+    finally:
+        stop.set()
+        for p in writers:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert not bad, f"{len(bad)} blocks read with another block's bytes"
+    assert hits[0] > 1000 and misses[0] > 0, (hits, misses)
+    assert all(p.exitcode == 0 for p in writers)
+    assert daemon.get_json("/stats")["namespaces"][0]["direct_hits"] > 0
+
+
+def test_async_client_reads_dram_blocks_on_the_loop_and_the_rest_from_the_daemon(make_daemon):
+    import asyncio
+
+    from kvstore.client import AsyncClient
+
+    daemon = make_daemon()
+    hashes = chain(200, 6)
+
+    async def run() -> None:
+        async with AsyncClient(daemon.url, namespace=NS) as c:
+            assert c.uses_shm
+            await c.put_n(hashes[:4], [block_of(h, NS.block_bytes) for h in hashes[:4]])
+            gets = op_count(daemon, "get")
+            out = np.zeros((6, NS.block_bytes), np.uint8)
+            assert await c.get_n(hashes, out) == [TierKind.DRAM] * 4 + [None, None]
+            assert op_count(daemon, "get") == gets + 1, "only the two misses asked the daemon"
+            for h, row in zip(hashes[:4], out):
+                assert np.array_equal(row, block_of(h, NS.block_bytes))
+            assert await c.get(hashes[0]) == block_of(hashes[0], NS.block_bytes).tobytes()
+            assert await c.get(hashes[5]) is None
+            assert (await c.stats()).tiers[0].counters.hits == 5
+
+    asyncio.run(run())

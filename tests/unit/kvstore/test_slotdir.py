@@ -1,0 +1,193 @@
+"""The DRAM arena's slot directory: what a same-host reader may copy with no request."""
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.errors import ConfigError
+from kvstore.events import TierKind
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.store import TieredStore
+from kvstore.tiers.slotdir import PROBES, SlotDirectory, SlotDirectoryReader
+
+NS = Namespace("slotdir-test", num_layers=1, num_kv_heads=1, head_dim=16)  # 1 KiB blocks
+
+
+@pytest.fixture
+def pair():
+    path = f"/dev/shm/kvtier-test-{secrets.token_hex(4)}.dir"
+    writer = SlotDirectory(path, 32)
+    reader = SlotDirectoryReader(path, 32)
+    yield writer, reader
+    reader.close()
+    writer.close()
+
+
+def h(i: int, bucket: int | None = None) -> bytes:
+    """A 16-byte hash; with `bucket`, one whose table bucket is forced (same low bits)."""
+    low = (bucket if bucket is not None else i * 2654435761) & 0xFFFFFFFF
+    return low.to_bytes(8, "little") + i.to_bytes(8, "little")
+
+
+def test_publish_find_unpublish(pair):
+    writer, reader = pair
+    assert reader.find(h(1)) is None
+    writer.publish([5], [h(1)])
+    slot, gen = reader.find(h(1))
+    assert slot == 5 and gen % 2 == 0 and reader.still_valid(5, gen)
+    assert reader.find(h(2)) is None
+    writer.unpublish([5], [h(1)])
+    assert reader.find(h(1)) is None
+    assert not reader.still_valid(5, gen), "a copy made before the unpublish must be refused"
+    writer.publish([5], [h(2)])  # the slot is reused for another block
+    assert reader.find(h(1)) is None
+    slot, gen2 = reader.find(h(2))
+    assert slot == 5 and gen2 != gen and not reader.still_valid(5, gen)
+
+
+def test_unpublishing_a_never_published_slot_changes_nothing(pair):
+    writer, reader = pair
+    writer.publish([3], [h(3)])
+    _, gen = reader.find(h(3))
+    writer.unpublish([4], [h(4)])  # a reservation given back
+    assert reader.find(h(3)) == (3, gen)
+
+
+def test_a_crowded_bucket_only_loses_hints(pair):
+    writer, reader = pair
+    keys = [h(i, bucket=7) for i in range(PROBES + 3)]
+    writer.publish(list(range(len(keys))), keys)
+    found = {i: reader.find(k) for i, k in enumerate(keys)}
+    assert sum(f is not None for f in found.values()) == PROBES
+    for i, f in found.items():  # whatever is found is right
+        assert f is None or f[0] == i
+    lost = [i for i, f in found.items() if f is None]
+    kept = [i for i, f in found.items() if f is not None]
+    writer.unpublish([kept[0]], [keys[kept[0]]])
+    writer.unpublish([lost[0]], [keys[lost[0]]])
+    writer.publish([lost[0]], [keys[lost[0]]])
+    assert reader.find(keys[lost[0]])[0] == lost[0]
+    assert reader.find(keys[kept[0]]) is None
+
+
+def test_a_garbage_table_entry_is_never_trusted(pair):
+    writer, reader = pair
+    writer.publish([9], [h(9)])
+    # point every bucket at slot 9 (what a torn or stale table could show)
+    table = writer._v.table
+    for i in range(len(table)):
+        table[i] = 10
+    assert reader.find(h(9))[0] == 9
+    assert reader.find(h(10)) is None, "slot 9 holds another hash"
+    table[0] = 10 ** 6  # out of range
+    assert reader.find(h(0, bucket=0)) is None
+
+
+def test_closed_directory_finds_nothing(pair):
+    writer, reader = pair
+    writer.publish([1], [h(1)])
+    _, gen = reader.find(h(1))
+    path = writer.path
+    writer.close()
+    assert reader.closed and reader.find(h(1)) is None and not reader.still_valid(1, gen)
+    assert not os.path.exists(path)
+
+
+def test_reader_checks_what_it_maps(tmp_path):
+    path = f"/dev/shm/kvtier-test-{secrets.token_hex(4)}.dir"
+    writer = SlotDirectory(path, 8)
+    try:
+        with pytest.raises(ConfigError, match="slot directory"):
+            SlotDirectoryReader(path, 16)
+    finally:
+        writer.close()
+    bogus = tmp_path / "x.dir"
+    bogus.write_bytes(b"\0" * 4096)
+    with pytest.raises(ConfigError):
+        SlotDirectoryReader(str(bogus), 8)
+
+
+def _dram_store(tmp_path, dram: int, ssd: int = 0) -> TieredStore:
+    tiers = [TierConfig(TierKind.DRAM, dram)]
+    if ssd:
+        tiers.append(TierConfig(TierKind.SSD, ssd, path=str(tmp_path / "ssd")))
+    return TieredStore(NS, StoreConfig(tuple(tiers)))
+
+
+def _visible_in_directory(store: TieredStore, reader: SlotDirectoryReader) -> dict[bytes, int]:
+    arena = store.tier(TierKind.DRAM).arena
+    out = {}
+    for key in store.list_hashes():
+        f = reader.find(key)
+        if f is not None:
+            out[key] = f[0]
+            assert np.array_equal(arena[f[0]].numpy(), BLOCKS[key]), "the directory points at "\
+                "a slot holding other bytes"
+    return out
+
+
+BLOCKS: dict[bytes, np.ndarray] = {}
+
+
+def test_the_store_publishes_exactly_its_readable_dram_blocks(tmp_path):
+    """Puts publish, evictions to SSD / drops / removes unpublish, a hit promoted back from
+    SSD is published at its new slot; never a reserved, uncommitted block."""
+    store = _dram_store(tmp_path, dram=4, ssd=16)
+    d = store.tier(TierKind.DRAM).directory
+    reader = SlotDirectoryReader(d.path, 4)
+    try:
+        hashes = hash_blocks(NS, np.arange(10 * NS.block_tokens))
+        rng = np.random.default_rng(0)
+        for key in hashes:
+            BLOCKS[key] = rng.integers(0, 256, NS.block_bytes, np.uint8)
+        res = store.reserve_n(hashes[:2])
+        assert reader.find(hashes[0]) is None, "reserved, not committed: not readable"
+        store.write_reserved(res, [BLOCKS[k] for k in hashes[:2]])
+        assert reader.find(hashes[0]) is None
+        store.commit(res.reservation_id)
+        assert set(_visible_in_directory(store, reader)) == set(hashes[:2])
+        store.put_n(hashes[2:10], [BLOCKS[k] for k in hashes[2:10]])  # 6 demoted to SSD
+        in_dram = {k for k in hashes if store.match_prefix([k]).tiers == (TierKind.DRAM,)}
+        assert len(in_dram) == 4 and set(_visible_in_directory(store, reader)) == in_dram
+        ssd_key = next(k for k in hashes if k not in in_dram)
+        out = np.empty(NS.block_bytes, np.uint8)
+        assert store.get_n([ssd_key], [out]) == [TierKind.SSD]  # promoted on the hit
+        assert ssd_key in _visible_in_directory(store, reader)
+        some = next(iter(_visible_in_directory(store, reader)))
+        store.remove_n([some])
+        assert reader.find(some) is None
+        store.clear()
+        assert _visible_in_directory(store, reader) == {}
+    finally:
+        reader.close()
+        store.close()
+
+
+def test_a_dead_writer_is_seen_at_once(tmp_path):
+    """SIGKILL leaves the file and its published blocks behind; the flock tells readers."""
+    import signal
+    import subprocess
+    import sys
+
+    path = f"/dev/shm/kvtier-test-{secrets.token_hex(4)}.dir"
+    code = ("import sys, time; from kvstore.tiers.slotdir import SlotDirectory; "
+            f"d = SlotDirectory({path!r}, 8); d.publish([2], [bytes(range(16))]); "
+            "print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        reader = SlotDirectoryReader(path, 8)
+        assert reader.writer_alive() and reader.find(bytes(range(16)))[0] == 2
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert not reader.writer_alive()
+        reader.close()
+    finally:
+        child.kill()
+        child.wait()
+        if os.path.exists(path):
+            os.unlink(path)
