@@ -4,9 +4,11 @@ A real daemon runs in another process (DRAM tier only, so fresh puts evict inste
 writing SSD). For 256 KiB, 1 MiB and 4 MiB blocks, single and batched (16): put and get
 GB/s over the same-host shared-memory path and over TCP. Baselines: a memcpy of the same
 bytes (shm path), a raw loopback socket stream of the same bytes with one round trip per
-op (TCP path), and a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken
-directly over a socket) when `redis-server` is on PATH. Mooncake Store is skipped with a
-reason. Metadata: match_prefix over a 1,000-block chain and exists_n of 1,000 keys vs the
+op (TCP path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken
+directly over a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
+protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
+see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
+each prints why it was skipped. Metadata: match_prefix over a 1,000-block chain and exists_n of 1,000 keys vs the
 same calls on an in-process TieredStore.
 
     python bench/store_service.py [--quick] [--json PATH]
@@ -40,6 +42,7 @@ from kvstore.store import TieredStore  # noqa: E402
 
 sys.path.insert(0, _HERE)
 from common import Row, add_common_args, report  # noqa: E402
+from mooncake_peer import mooncake_rates  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
@@ -246,7 +249,8 @@ class Case:
             raise RuntimeError("a benchmark get missed: the figures would be meaningless")
 
 
-def data_rows(url: str, redis: RedisPeer | None, raw: RawSocket, seconds: float) -> list[Row]:
+def data_rows(url: str, redis: RedisPeer | None, mooncake: dict | None, raw: RawSocket,
+              seconds: float) -> list[Row]:
     rows = []
     for label, nbytes in SIZES.items():
         ns = namespace_for(nbytes)
@@ -273,6 +277,10 @@ def data_rows(url: str, redis: RedisPeer | None, raw: RawSocket, seconds: float)
                 if peer and path == "tcp":
                     rows += [Row(name.format("put"), "GB/s", put, "redis", peer[0]),
                              Row(name.format("get"), "GB/s", get, "redis", peer[1])]
+                if mooncake and path == "tcp" and (label, batch) in mooncake:
+                    mc_put, mc_get = mooncake[label, batch]
+                    rows += [Row(name.format("put"), "GB/s", put, "mooncake", mc_put),
+                             Row(name.format("get"), "GB/s", get, "mooncake", mc_get)]
         for c in clients.values():
             c.close()
     return rows
@@ -310,10 +318,10 @@ def main() -> None:
     redis = RedisPeer.start()
     if redis is None:
         print(f"redis: skipped ({RedisPeer.skip_reason()})")
-    print("mooncake: skipped (mooncake-transfer-engine-non-cuda is not installed here; its "
-          "store listens on every interface and needs libibverbs1/libnl — see the report)")
+    mooncake, why = mooncake_rates(SIZES, (1, 16), seconds)
+    print(f"mooncake: {why}" if mooncake else f"mooncake: skipped ({why})")
     try:
-        rows = data_rows(url, redis, raw, seconds) + metadata_rows(url, seconds)
+        rows = data_rows(url, redis, mooncake, raw, seconds) + metadata_rows(url, seconds)
     finally:
         raw.close()
         if redis:
