@@ -401,8 +401,56 @@ def recv_frame(sock: socket.socket, max_payload: int) -> Frame:
     return Frame(Op(op_code), reply, msg, payload_len)
 
 
+class FrameReader:
+    """Frames off one socket, reading prefix and header with one recv in the common case
+    (a recv each cost 20-40 us more per round trip, measured on loopback). Bytes read past
+    the header (the start of a payload, or of the next frame) are kept and handed out first,
+    so every read of that socket must go through this reader."""
+
+    CHUNK = 16 << 10
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = b""  # buffered bytes not handed out yet
+
+    def _fill(self, n: int) -> None:
+        parts, have = [self._buf], len(self._buf)
+        while have < n:
+            chunk = self.sock.recv(max(self.CHUNK, n - have))
+            if not chunk:
+                raise ConnectionError("peer closed the connection mid-frame")
+            parts.append(chunk)
+            have += len(chunk)
+        self._buf = b"".join(parts)
+
+    def _take(self, n: int) -> bytes:
+        if len(self._buf) < n:
+            self._fill(n)
+        out, self._buf = self._buf[:n], self._buf[n:]
+        return out
+
+    def frame(self, max_payload: int) -> Frame:
+        """One frame's prefix and header; read its `payload_bytes` with `recv_into` next."""
+        op_code, reply, header_len, payload_len = decode_prefix(self._take(PREFIX.size),
+                                                                max_payload)
+        msg = decode_header(op_code, reply, self._take(header_len))
+        return Frame(Op(op_code), reply, msg, payload_len)
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill `view` (payload bytes): buffered ones first, then straight from the socket."""
+        k = min(len(self._buf), view.nbytes)
+        if k:
+            view[:k] = self._buf[:k]
+            self._buf = self._buf[k:]
+        if k < view.nbytes:
+            recv_exact(self.sock, view[k:])
+
+
 def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=()) -> None:
     """One frame with its payload buffers, gathered by sendmsg (no join of the payload)."""
+    if not payload:
+        sock.sendall(encode(msg, op, reply))
+        return
     views = [memoryview(b).cast("B") for b in payload]
     bufs = [memoryview(encode(msg, op, reply, sum(v.nbytes for v in views))), *views]
     while bufs:

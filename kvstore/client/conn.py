@@ -40,6 +40,7 @@ class Connection:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             self.sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
         self.sock.settimeout(timeout_s)
+        self.reader = w.FrameReader(self.sock)
         hello = w.Hello(token=token, model=ns.model, num_layers=ns.num_layers,
                         num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, dtype=ns.dtype,
                         block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant)
@@ -59,7 +60,7 @@ class Connection:
     def receive(self, op: w.Op) -> tuple[w.Message, int]:
         """The reply to `op` (its payload, if any, is still to be read); raises RemoteError."""
         try:
-            frame = w.recv_frame(self.sock, 1 << 62)
+            frame = self.reader.frame(1 << 62)
         except socket.timeout as e:
             raise RequestTimeout(f"no reply to {op.name} from {self.addr.host}:{self.addr.port} "
                                  f"within {self.timeout_s}s (raise timeout_s for big batches)") from e
@@ -79,7 +80,7 @@ class Connection:
 
     def recv_into(self, view: memoryview) -> None:
         try:
-            w.recv_exact(self.sock, view)
+            self.reader.recv_into(view)
         except socket.timeout as e:
             raise RequestTimeout(f"payload from {self.addr.host}:{self.addr.port} stalled for "
                                  f"{self.timeout_s}s") from e

@@ -34,13 +34,14 @@ class Connection:
     def __init__(self, sock: socket.socket, server: "DataPlane") -> None:
         self.sock, self.server = sock, server
         self.busy = False
-        self.session = Session(sock, server.registry, server.cfg)
+        self.reader = w.FrameReader(sock)
+        self.session = Session(sock, self.reader, server.registry, server.cfg)
 
     def run(self) -> None:
         m = self.server.metrics
         try:
             while not self.server.stopping.is_set():
-                frame = w.recv_frame(self.sock, self.server.cfg.max_payload_bytes)
+                frame = self.reader.frame(self.server.cfg.max_payload_bytes)
                 with self.server.lock:
                     self.busy = True
                 try:

@@ -27,8 +27,9 @@ def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
 
 
 class Session:
-    def __init__(self, sock: socket.socket, registry: Registry, cfg: DaemonConfig) -> None:
-        self.sock, self.registry, self.cfg = sock, registry, cfg
+    def __init__(self, sock: socket.socket, reader: w.FrameReader, registry: Registry,
+                 cfg: DaemonConfig) -> None:
+        self.sock, self.reader, self.registry, self.cfg = sock, reader, registry, cfg
         self.hosted: Hosted | None = None
         self.reservations: dict[int, Reservation] = {}
         self.leases: set[int] = set()
@@ -43,7 +44,7 @@ class Session:
         return self._scratch[:nbytes]
 
     def recv_into(self, buf: torch.Tensor) -> None:
-        w.recv_exact(self.sock, memoryview(buf.numpy()))
+        self.reader.recv_into(memoryview(buf.numpy()))
         self.bytes_in += buf.numel()
 
     def drain(self, nbytes: int) -> None:

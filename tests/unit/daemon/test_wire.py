@@ -75,3 +75,36 @@ def test_fuzz_header_after_valid_prefix(op, reply, header):
         w.decode_header(int(op), reply, header)
     except w.ProtocolError:
         pass
+
+
+def test_frame_reader_keeps_bytes_read_past_a_header():
+    """Prefix + header come in one recv; payload bytes (or a whole next frame) read with
+    them are handed out first, whatever way the stream is split."""
+    first = w.encode(w.Put(hashes=b"a" * 16), w.Op.PUT, False, 40_000)
+    payload = bytes(range(256)) * 156 + bytes(64)  # 40,000 bytes
+    second = w.encode(w.Exists(hashes=b"b" * 32), w.Op.EXISTS, False)
+    stream = first + payload + second
+    for cut in (1, 7, 20, 25, 1000, len(first) + 3, len(stream)):
+        a, b = socket.socketpair()
+        with a, b:
+            a.sendall(stream[:cut])
+            reader = w.FrameReader(b)
+            sender = __import__("threading").Thread(target=a.sendall, args=(stream[cut:],))
+            sender.start()
+            frame = reader.frame(1 << 20)
+            assert frame.msg.hashes == b"a" * 16 and frame.payload_bytes == 40_000
+            got = bytearray(40_000)
+            reader.recv_into(memoryview(got)[:12_345])
+            reader.recv_into(memoryview(got)[12_345:])
+            assert bytes(got) == payload
+            assert reader.frame(1 << 20).msg.hashes == b"b" * 32
+            sender.join()
+
+
+def test_frame_reader_reports_a_peer_that_closes_mid_frame():
+    a, b = socket.socketpair()
+    with b:
+        a.sendall(w.encode(w.Stats(), w.Op.STATS, False)[:10])
+        a.close()
+        with pytest.raises(ConnectionError, match="mid-frame"):
+            w.FrameReader(b).frame(1 << 20)
