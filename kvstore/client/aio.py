@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from kvstore.buffers import byte_rows
-from kvstore.client.sync import Client
+from kvstore.client.sync import INLINE_PUT_BYTES, Client
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats
@@ -28,11 +28,12 @@ INLINE_READ_BYTES = 4 << 20  # direct reads up to this size run on the event loo
 class AsyncClient:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
-                 use_shm: bool = True) -> None:
+                 use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES) -> None:
         """Connects lazily: the first call (or `await connect()`) opens the connection."""
         self._args = (url, token, namespace)
         self._kw = dict(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                        pool_size=pool_size, use_shm=use_shm)
+                        pool_size=pool_size, use_shm=use_shm,
+                        inline_put_bytes=inline_put_bytes)
         self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvtier-client")
         self._client: Client | None = None
         self._connecting: asyncio.Lock | None = None

@@ -27,6 +27,10 @@ from kvstore.store import MatchResult, PutStatus
 
 PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)
 TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
+# A same-host put costs two requests (reserve slots, copy, commit); up to this many bytes
+# one request carrying the bytes is faster (measured: 256 KiB 0.73 vs 0.49 GB/s, while
+# 1 MiB is 1.4 vs 1.7 GB/s the other way).
+INLINE_PUT_BYTES = 512 << 10
 
 
 def _tiers(raw: bytes) -> list[TierKind | None]:
@@ -43,13 +47,14 @@ class Client:
 
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
-                 use_shm: bool = True) -> None:
+                 use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES) -> None:
         if namespace is None:
             raise ValueError("Client needs namespace=Namespace(model, num_layers, num_kv_heads, "
                              "head_dim, ...): the model whose KV blocks it stores")
         self.addr, self.token, self.ns = parse_url(url), token, namespace
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.pool_size, self.use_shm = pool_size, use_shm
+        self.inline_put_bytes = inline_put_bytes  # same-host puts this small go inline
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._arena: ArenaMap | None = None
@@ -142,7 +147,7 @@ class Client:
     def _put_n(self, conn: Connection, packed: bytes, rows) -> list[PutStatus]:
         conn.flush_releases()
         arena = self._arena
-        if arena is None:
+        if arena is None or len(packed) // 16 * self.block_bytes <= self.inline_put_bytes:
             reply, _ = conn.call(w.Put(hashes=packed), [_np(r) for r in _iter_rows(rows)])
             return [PUT_STATUSES[s] for s in reply.statuses]
         res, _ = conn.call(w.Reserve(hashes=packed))

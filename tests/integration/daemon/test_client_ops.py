@@ -23,7 +23,8 @@ def chain(seed: int, n: int) -> list[bytes]:
 
 @pytest.fixture(params=[True, False], ids=["shm", "tcp"])
 def client(request, daemon):
-    c = Client(daemon.url, namespace=NS, use_shm=request.param)
+    # inline_put_bytes=0: every same-host put takes the reserve / copy / commit path
+    c = Client(daemon.url, namespace=NS, use_shm=request.param, inline_put_bytes=0)
     assert c.uses_shm is request.param  # same host: the shm path is negotiated
     yield c
     c.close()

@@ -1,8 +1,9 @@
 """Same-host reads with no request: a client copies published DRAM slots of a real daemon.
 
-In the churn test the daemon has 16 DRAM slots of 256 KiB; writers in other processes churn
-through far more blocks than that, so slots are reused while readers copy them. Every block's bytes are
-derived from its hash (`block_of`), so any wrong byte a reader accepted would show.
+In the churn test the daemon has 16 DRAM slots of 256 KiB; writers in other processes
+churn through far more blocks than that, so slots are reused while readers copy them.
+Every block's bytes are derived from its hash (`block_of`), so any wrong byte a reader
+accepted would show.
 """
 from __future__ import annotations
 
