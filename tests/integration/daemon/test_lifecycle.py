@@ -100,3 +100,22 @@ def test_metrics_admin_and_config_file(make_daemon, tmp_path):
     urllib.request.urlopen(req, timeout=5).read()
     with Client(d.url, namespace=NS) as c:
         assert c.exists_n(hs) == [False] * 10
+
+
+def test_a_stopped_daemon_is_a_clear_timeout(make_daemon):
+    import signal
+    import time
+
+    from kvstore.client import RequestTimeout
+    d = make_daemon()
+    with Client(d.url, namespace=NS, timeout_s=0.5, use_shm=False) as c:
+        hs = hash_blocks(NS, np.arange(16))
+        c.put_n(hs, blocks(hs))
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RequestTimeout, match="within 0.5s"):
+                c.get_n(hs, np.zeros((1, BB), np.uint8))
+            assert time.monotonic() - t0 < 5
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
