@@ -178,6 +178,7 @@ class Hello(Message):
     block_tokens: int = 0
     revision: str = ""
     tenant: str = ""
+    agent: bool = False       # send the arena's transfer-agent metadata in the reply
 
 
 @_msg(Op.HELLO, reply=True)
@@ -190,6 +191,8 @@ class HelloOk(Message):
     shm_slots: int = 0
     max_payload_bytes: int = 0
     shm_dir: str = ""         # the arena's slot directory: same-host reads with no round trip
+    agent_meta: bytes = b""   # transfer Agent metadata exporting the DRAM arena (if asked)
+    agent_region: int = -1    # the arena's region id in that agent
 
 
 @_msg(Op.PUT)

@@ -20,6 +20,7 @@ from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats
 from kvstore.store import MatchResult, PutStatus
+from transfer import BackendKind
 
 
 INLINE_READ_BYTES = 4 << 20  # direct reads up to this size run on the event loop
@@ -28,12 +29,13 @@ INLINE_READ_BYTES = 4 << 20  # direct reads up to this size run on the event loo
 class AsyncClient:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
-                 use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES) -> None:
+                 use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
+                 use_agent: bool = False, agent_backends=(BackendKind.TCP,)) -> None:
         """Connects lazily: the first call (or `await connect()`) opens the connection."""
         self._args = (url, token, namespace)
         self._kw = dict(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                        pool_size=pool_size, use_shm=use_shm,
-                        inline_put_bytes=inline_put_bytes)
+                        pool_size=pool_size, use_shm=use_shm, inline_put_bytes=inline_put_bytes,
+                        use_agent=use_agent, agent_backends=agent_backends)
         self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvtier-client")
         self._client: Client | None = None
         self._connecting: asyncio.Lock | None = None
@@ -116,6 +118,10 @@ class AsyncClient:
     @property
     def uses_shm(self) -> bool:
         return self._client is not None and self._client.uses_shm
+
+    @property
+    def transport(self) -> str:
+        return self._client.transport if self._client is not None else "tcp"
 
     async def close(self) -> None:
         if self._client is not None:

@@ -28,7 +28,7 @@ def parse_url(url: str) -> Address:
 
 class Connection:
     def __init__(self, addr: Address, token: str, ns: Namespace, timeout_s: float,
-                 connect_timeout_s: float) -> None:
+                 connect_timeout_s: float, want_agent: bool = False) -> None:
         self.addr, self.timeout_s = addr, timeout_s
         self.pending_release: list[int] = []
         try:
@@ -43,7 +43,8 @@ class Connection:
         self.reader = w.FrameReader(self.sock)
         hello = w.Hello(token=token, model=ns.model, num_layers=ns.num_layers,
                         num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, dtype=ns.dtype,
-                        block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant)
+                        block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant,
+                        agent=want_agent)
         try:
             self.info: w.HelloOk = self.call(hello)[0]
         except BaseException:

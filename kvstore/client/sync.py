@@ -19,11 +19,13 @@ from kvstore import wire as w
 from kvstore.buffers import byte_rows
 from kvstore.client.conn import Connection, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
+from kvstore.client.agentpath import AgentPath
 from kvstore.client.shm import ArenaMap, same_host_arena
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats, TierCounters, TierStats
 from kvstore.store import MatchResult, PutStatus
+from transfer import BackendKind, TransferError
 
 PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)
 TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
@@ -47,14 +49,22 @@ class Client:
 
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
-                 use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES) -> None:
+                 use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
+                 use_agent: bool = False,
+                 agent_backends: Sequence[BackendKind | str] = (BackendKind.TCP,)) -> None:
+        """`use_agent`: off the daemon's host, move block bytes with a transfer Agent
+        (one-sided READ/WRITE of the daemon's arena through `agent_backends`, e.g. nixl for
+        RDMA) instead of inline in the frames. On the daemon's host shared memory wins."""
         if namespace is None:
             raise ValueError("Client needs namespace=Namespace(model, num_layers, num_kv_heads, "
                              "head_dim, ...): the model whose KV blocks it stores")
         self.addr, self.token, self.ns = parse_url(url), token, namespace
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.pool_size, self.use_shm = pool_size, use_shm
-        self.inline_put_bytes = inline_put_bytes  # same-host puts this small go inline
+        self.inline_put_bytes = inline_put_bytes  # puts this small go inline
+        self.use_agent = use_agent
+        self.agent_backends = tuple(BackendKind(b) for b in agent_backends)
+        self._agent: AgentPath | None = None
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._arena: ArenaMap | None = None
@@ -67,8 +77,13 @@ class Client:
     # ------------------------------------------------------------ connections
 
     def _new_conn(self) -> Connection:
-        conn = Connection(self.addr, self.token, self.ns, self.timeout_s, self.connect_timeout_s)
-        self._check_arena(conn.info)
+        conn = Connection(self.addr, self.token, self.ns, self.timeout_s, self.connect_timeout_s,
+                          want_agent=self.use_agent)
+        try:
+            self._check_arena(conn.info)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _check_arena(self, info: w.HelloOk) -> None:
@@ -82,6 +97,24 @@ class Client:
         arena = same_host_arena(info) if self.use_shm else None
         with self._lock:
             self._arena = arena
+        if arena is None and self.use_agent and info.agent_meta:
+            self._check_agent(info)
+
+    def _check_agent(self, info: w.HelloOk) -> None:
+        with self._lock:
+            if self._agent is not None and self._agent.key == info.agent_meta \
+                    and not self._agent.broken:
+                return
+            old, self._agent = self._agent, None
+        if old is not None:
+            old.close()
+        try:
+            path = AgentPath(info, self.agent_backends, self.timeout_s)
+        except TransferError as e:
+            raise ConnectError(f"cannot reach the daemon's transfer agent through "
+                               f"{[b.value for b in self.agent_backends]}: {e}") from e
+        with self._lock:
+            self._agent = path
 
     @contextmanager
     def _conn(self) -> Iterator[Connection]:
@@ -146,19 +179,27 @@ class Client:
 
     def _put_n(self, conn: Connection, packed: bytes, rows) -> list[PutStatus]:
         conn.flush_releases()
-        arena = self._arena
-        if arena is None or len(packed) // 16 * self.block_bytes <= self.inline_put_bytes:
+        arena, agent = self._arena, self._agent
+        if arena is None and agent is not None and agent.broken:
+            raise ConnectionError("the daemon's transfer agent went away")  # retried afresh
+        if (arena is None and agent is None) or \
+                len(packed) // 16 * self.block_bytes <= self.inline_put_bytes:
             reply, _ = conn.call(w.Put(hashes=packed), [_np(r) for r in _iter_rows(rows)])
             return [PUT_STATUSES[s] for s in reply.statuses]
         res, _ = conn.call(w.Reserve(hashes=packed))
         slots = np.frombuffer(res.slots, "<i8")
-        inline = []
+        inline, moved = [], []
         try:
             for i, (status, slot) in enumerate(zip(res.statuses, slots.tolist())):
                 if status == 0 and slot >= 0:
-                    _copy(arena.rows[slot], rows[i])
+                    if arena is not None:
+                        _copy(arena.rows[slot], rows[i])
+                    else:
+                        moved.append((slot, rows[i]))
                 elif status == 0:
                     inline.append(_np(rows[i]))
+            if moved:
+                agent.write([m[0] for m in moved], [m[1] for m in moved])
         except BaseException:
             conn.call(w.Abort(reservation_id=res.reservation_id))
             raise
@@ -243,17 +284,22 @@ class Client:
     get_n_into = get_n
 
     def _get_n(self, conn: Connection, packed: bytes, rows) -> list[TierKind | None]:
-        arena = self._arena
+        arena, agent = self._arena, self._agent
+        if arena is None and agent is not None and agent.broken:
+            raise ConnectionError("the daemon's transfer agent went away")  # retried afresh
         release, conn.pending_release = tuple(conn.pending_release), []
-        reply, payload_bytes = conn.call(w.Get(hashes=packed, shm=arena is not None,
-                                               release=release))
+        reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release,
+                                               shm=arena is not None or agent is not None))
         tiers = _tiers(reply.tiers)
         hits = [i for i, t in enumerate(tiers) if t is not None]
         if reply.lease_id:
             slots = np.frombuffer(reply.slots, "<i8")
             try:
-                for i in hits:
-                    _copy(rows[i], arena.rows[int(slots[i])])
+                if arena is not None:
+                    for i in hits:
+                        _copy(rows[i], arena.rows[int(slots[i])])
+                else:
+                    agent.read([int(slots[i]) for i in hits], [rows[i] for i in hits])
             finally:
                 conn.pending_release.append(reply.lease_id)
             return tiers
@@ -322,6 +368,12 @@ class Client:
                           r.open_reservations, r.open_leases)
 
     @property
+    def transport(self) -> str:
+        """How block bytes move: "shm" (the daemon's arena, same host), "agent" (a transfer
+        Agent, one-sided) or "tcp" (inline in the frames)."""
+        return "shm" if self._arena is not None else "agent" if self._agent is not None else "tcp"
+
+    @property
     def uses_shm(self) -> bool:
         """True when blocks move through the daemon's shared-memory arena (same host)."""
         return self._arena is not None
@@ -344,6 +396,9 @@ class Client:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
 
     def __enter__(self) -> "Client":
         return self

@@ -40,6 +40,10 @@ class DaemonConfig:
     advertise: str | None = None     # address other nodes and clients reach this node at
     cluster_ttl_s: int = 5           # etcd lease: a silent node leaves after this long
     event_interval_s: float = 0.05   # how often KV events are shipped to the leader
+    # Transfer-layer backends a namespace's DRAM arena is exported through, for clients on
+    # other hosts that move block bytes with a transfer Agent (one-sided READ/WRITE into
+    # leased / reserved slots) instead of inline in frames; () = none.
+    agent_backends: tuple[str, ...] = ("tcp",)
 
     def __post_init__(self) -> None:
         if not self.tokens and not _is_loopback(self.host):
@@ -54,6 +58,9 @@ class DaemonConfig:
                 raise ConfigError(f"port {port} out of range")
         if self.cluster is not None and not self.cluster.startswith("etcd://"):
             raise ConfigError(f"--cluster {self.cluster!r} must be etcd://HOST:PORT[,...]/PREFIX")
+        for b in self.agent_backends:
+            if b not in ("tcp", "nixl", "ucx"):
+                raise ConfigError(f"agent backend {b!r} is not one of tcp, nixl, ucx")
         if self.reservation_timeout_s <= 0 or self.lease_ttl_s <= 0:
             raise ConfigError("reservation and lease timeouts must be > 0")
 

@@ -20,6 +20,7 @@ from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.wire import ErrorCode, Hello, RemoteError
+from transfer import Agent, AgentConfig, BackendKind
 
 NS_FILE = "namespace.json"
 
@@ -32,12 +33,19 @@ class ShmInfo(NamedTuple):
     directory: str  # the arena's slot directory (kvstore.tiers.slotdir)
 
 
+class AgentInfo(NamedTuple):
+    agent: Agent       # exports this namespace's DRAM arena (and nothing else)
+    metadata: bytes    # what a client's Agent needs (handed out after HELLO's auth)
+    region_id: int     # the arena's region: slot i is bytes [i * block_bytes, +block_bytes)
+
+
 @dataclass
 class Hosted:
     ns: Namespace
     store: TieredStore
     shm: ShmInfo | None
     quota_blocks: int
+    agent: AgentInfo | None = None
     # Of the store's hits, those served from leased DRAM slots (shm and zero-copy TCP
     # reads): how much traffic skips a copy through the daemon.
     lease_hits: int = 0
@@ -110,7 +118,22 @@ class Registry:
             st = os.stat(path)
             dram = store.tier(TierKind.DRAM)
             shm = ShmInfo(path, st.st_dev, st.st_ino, dram.num_slots, dram.directory.path)
-        return Hosted(ns, store, shm, quota)
+        return Hosted(ns, store, shm, quota, agent=self._export(ns, store))
+
+    def _export(self, ns: Namespace, store: TieredStore) -> AgentInfo | None:
+        """One transfer Agent per namespace, so its metadata (its random agent id is what
+        lets a peer in) only ever reaches clients authenticated for this namespace."""
+        if not self.cfg.agent_backends or TierKind.DRAM not in store.tier_kinds:
+            return None
+        kinds = tuple(BackendKind(b) for b in self.cfg.agent_backends)
+        agent = Agent(f"kvtier-{self.cfg.node_id}-{ns.ns_id:016x}",
+                      AgentConfig(backends=kinds, tcp_host=self.cfg.host))
+        try:
+            region = agent.register(store.tier(TierKind.DRAM).arena)
+            return AgentInfo(agent, agent.metadata(), region.region_id)
+        except BaseException:
+            agent.close()
+            raise
 
     def reopen_existing(self) -> int:
         """Open every namespace found under the data dir (so its SSD blocks are served)."""
@@ -143,6 +166,7 @@ class Registry:
             if self._hosted.get(hosted.ns.ns_id) is not hosted:
                 return
             del self._hosted[hosted.ns.ns_id]
+        _close_agent(hosted)
         hosted.store.close(flush=False)
         shutil.rmtree(self._dir(hosted.ns), ignore_errors=True)
 
@@ -152,7 +176,13 @@ class Registry:
             self._closed = True
             hosted, self._hosted = list(self._hosted.values()), {}
         for h in hosted:
+            _close_agent(h)
             h.store.close(flush=True)
+
+
+def _close_agent(hosted: Hosted) -> None:
+    if hosted.agent is not None:
+        hosted.agent.agent.close()
 
 
 def _tiers(cfg: DaemonConfig, ns: Namespace, quota: int, directory: str,

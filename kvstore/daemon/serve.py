@@ -42,6 +42,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-wal", dest="durable", action="store_false", default=None,
                    help="SSD puts without the write-ahead log (faster; recent blocks lost on "
                    "a crash, never corrupted)")
+    p.add_argument("--agent-backends", metavar="LIST", help="transfer backends each "
+                   "namespace's DRAM arena is exported through for clients that move bytes "
+                   "with a transfer Agent (Client(use_agent=True)): comma-separated of tcp, "
+                   "nixl, ucx; 'none' to export nothing (default tcp)")
     p.add_argument("--node-id", help="this node's name in KV events (default the hostname)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--cluster", metavar="etcd://HOST:PORT[,HOST:PORT]/PREFIX",
@@ -61,6 +65,11 @@ def build_config(args: argparse.Namespace) -> DaemonConfig:
                  "durable", "node_id", "log_level", "cluster", "advertise", "cluster_ttl_s"):
         if getattr(args, flag) is not None:
             kw[flag] = getattr(args, flag)
+    if args.agent_backends is not None:
+        kw["agent_backends"] = args.agent_backends
+    if isinstance(kw.get("agent_backends"), str):
+        raw = kw["agent_backends"]
+        kw["agent_backends"] = () if raw in ("", "none") else tuple(raw.split(","))
     for flag, key in (("dram_size", "dram_bytes"), ("ssd_size", "ssd_bytes"),
                       ("gpu_size", "gpu_bytes")):
         if getattr(args, flag) is not None:

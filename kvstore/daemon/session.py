@@ -80,11 +80,14 @@ class Session:
         self.close_ops()
         self.hosted = self.registry.open(namespace_of(msg), grant)
         shm = self.hosted.shm
+        agent = self.hosted.agent if msg.agent else None
         self.reply(w.Op.HELLO, w.HelloOk(
             node_id=self.cfg.node_id, block_bytes=self.hosted.ns.block_bytes,
             shm_path=shm.path if shm else "", shm_dev=shm.dev if shm else 0,
             shm_ino=shm.ino if shm else 0, shm_slots=shm.num_slots if shm else 0,
-            max_payload_bytes=self.cfg.max_payload_bytes, shm_dir=shm.directory if shm else ""))
+            max_payload_bytes=self.cfg.max_payload_bytes, shm_dir=shm.directory if shm else "",
+            agent_meta=agent.metadata if agent else b"",
+            agent_region=agent.region_id if agent else -1))
 
     def check_payload(self, n: int, payload_bytes: int) -> None:
         bb = self.hosted.ns.block_bytes
