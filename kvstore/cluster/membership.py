@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from typing import NamedTuple
 
@@ -16,6 +17,8 @@ import aetcd
 from aetcd import transactions as txn
 
 from kvstore.cluster.records import ClusterError, EtcdAddress, NodeRecord
+
+log = logging.getLogger("kvtier.cluster")
 
 ETCD_ERRORS = (aetcd.ClientError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError,
                aetcd.InternalError)
@@ -91,16 +94,18 @@ class ClusterMember:
         node simply goes silent (as in a crash) and leaves when its lease expires."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # each step bounded: a watch or keepalive stuck in a gRPC call that ignores the
+        # cancel (seen once after a partition healed) must not hang the caller's close
+        await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), STOP_STEP_S)
         self._tasks = []
         if self._client is None:
             return
         if graceful and self._lease is not None:
             try:
-                await self._lease.revoke()
+                await _bounded(self._lease.revoke(), STOP_STEP_S)
             except ETCD_ERRORS:
                 pass  # etcd is gone: the lease will expire on its own
-        await self._client.close()
+        await _bounded(self._client.close(), STOP_STEP_S)
         self._client = None
 
     async def wait_for(self, predicate, timeout_s: float) -> None:
@@ -211,3 +216,14 @@ class ClusterMember:
         event = MembershipEvent(change, node_id, time.monotonic())
         for q in self._queues:
             q.put_nowait(event)
+
+
+STOP_STEP_S = 2.0
+
+
+async def _bounded(aw, timeout_s: float) -> None:
+    """Await `aw` for at most timeout_s; past that, leave it (the lease then just expires)."""
+    try:
+        await asyncio.wait_for(aw, timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("etcd did not answer within %.0f s while leaving; moving on", timeout_s)
