@@ -33,6 +33,7 @@ TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
 # one request carrying the bytes is faster (measured: 256 KiB 0.73 vs 0.49 GB/s, while
 # 1 MiB is 1.4 vs 1.7 GB/s the other way).
 INLINE_PUT_BYTES = 512 << 10
+VECTOR_READS = 4  # direct reads of more blocks than this take the vectorised path
 
 
 def _tiers(raw: bytes) -> list[TierKind | None]:
@@ -243,6 +244,8 @@ class Client:
         d, src = arena.directory, arena.array
         dst = rows.numpy() if isinstance(rows, torch.Tensor) and rows.device.type == "cpu" \
             else None
+        if len(hashes) > VECTOR_READS:
+            return self._direct_reads_n(arena, hashes, rows, dst)
         tiers: list[TierKind | None] = [None] * len(hashes)
         missed, touched = [], []
         for i, h in enumerate(hashes):
@@ -262,6 +265,30 @@ class Client:
             else:
                 missed.append(i)  # the slot was reused while we copied: ask the daemon
         if touched:
+            with self._lock:
+                self._touched += touched
+        return tiers, missed
+
+    def _direct_reads_n(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
+                        dst: np.ndarray | None) -> tuple[list[TierKind | None], list[int]]:
+        """`_direct_reads` for a batch: one vectorised directory lookup, one gather copy
+        into a single destination buffer, one generation check."""
+        d, src = arena.directory, arena.array
+        packed = w.pack_hashes(hashes)
+        slots, gens = d.find_n(packed)
+        found = np.flatnonzero(slots >= 0)
+        if dst is not None and len(found) == len(hashes):
+            np.take(src, slots, axis=0, out=dst)
+        else:
+            for i in found.tolist():
+                _copy(rows[i], arena.rows[int(slots[i])])
+        ok = np.zeros(len(hashes), bool)
+        ok[found] = d.still_valid_n(slots[found], gens[found])
+        tiers: list[TierKind | None] = [TierKind.DRAM if k else None for k in ok.tolist()]
+        missed = np.flatnonzero(~ok).tolist()
+        if len(missed) < len(hashes):
+            hit = np.flatnonzero(ok)
+            touched = [packed[16 * i:16 * i + 16] for i in hit.tolist()]
             with self._lock:
                 self._touched += touched
         return tiers, missed

@@ -169,6 +169,10 @@ class SlotDirectoryReader:
             os.close(fd)
             raise ConfigError(f"{path} is not the slot directory of a {num_slots}-slot arena")
         self._v = _Views(self._mm, num_slots)
+        _, gen_off, owner_off, table_off = _layout(num_slots)  # numpy views for batches
+        self._gen = np.frombuffer(self._mm, np.int64, num_slots, gen_off)
+        self._owner = np.frombuffer(self._mm, np.uint8, 16 * num_slots, owner_off).reshape(-1, 16)
+        self._table = np.frombuffer(self._mm, np.int64, table_size, table_off)
 
     def writer_alive(self) -> bool:
         """False once the store's process has closed the directory or died (its flock is
@@ -208,10 +212,40 @@ class SlotDirectoryReader:
         v = self._v
         return v.gen[slot] == gen and not v.raw[24]
 
+    def find_n(self, packed: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """`find` for many hashes at once (n x 16 packed bytes) in a few numpy passes:
+        (slots, gens), slot -1 where not found. Gens are read before owners, as in `find`."""
+        n = len(packed) // 16
+        slots, gens = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        if self._v.raw[24] or not n:
+            return slots, gens
+        keys = np.frombuffer(packed, np.uint8).reshape(n, 16)
+        mask = self._v.mask
+        buckets = (np.frombuffer(packed, "<u8")[0::2] & np.uint64(mask)).astype(np.int64)
+        todo = np.arange(n)
+        for k in range(PROBES):
+            cand = self._table[(buckets[todo] + k) & mask] - 1
+            ok = (cand >= 0) & (cand < self._v.num_slots)
+            cand = np.where(ok, cand, 0)
+            g = self._gen[cand]
+            hit = ok & ((g & 1) == 0) & (self._owner[cand] == keys[todo]).all(axis=1)
+            slots[todo[hit]], gens[todo[hit]] = cand[hit], g[hit]
+            todo = todo[~hit]
+            if not todo.size:
+                break
+        return slots, gens
+
+    def still_valid_n(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """Per slot: did its generation stay put (and the store stay open)?"""
+        if self._v.raw[24]:
+            return np.zeros(len(slots), bool)
+        return self._gen[slots] == gens
+
     def close(self) -> None:
         if self._mm.closed:
             return
         self._v.release()
+        self._gen = self._owner = self._table = None
         try:
             self._mm.close()
         except BufferError:

@@ -93,14 +93,17 @@ def test_readers_never_accept_bytes_of_a_reused_slot(make_daemon):
     bad, hits, misses = [], [0], [0]
 
     def read(k: int) -> None:
+        # reader 0 asks for both latest batches at once (the vectorised path), reader 1
+        # for one batch at a time (block by block)
+        n = 8 if k == 0 else 4
         with Client(daemon.url, namespace=BIG) as c:
-            out = np.empty((4, BIG.block_bytes), np.uint8)
+            out = np.empty((n, BIG.block_bytes), np.uint8)
             while any(p.is_alive() for p in writers):
                 # the blocks a writer put most recently: in DRAM now, soon evicted or removed
-                for start in (latest[k].value, latest[k].value - 4):
-                    if start < 10_000:
+                for start in (latest[k].value + 4 - n, latest[k].value - 4):
+                    if start < 10_000 * (k + 1):
                         continue
-                    hs = chain(start, 4, BIG)
+                    hs = chain(start, n, BIG)
                     for h, t, row in zip(hs, c.get_n(hs, out), out):
                         if t is None:
                             misses[0] += 1

@@ -191,3 +191,28 @@ def test_a_dead_writer_is_seen_at_once(tmp_path):
         child.wait()
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_batched_lookup_agrees_with_single_lookups(pair):
+    """find_n / still_valid_n against find / still_valid over random publish / unpublish
+    churn, crowded buckets included."""
+    writer, reader = pair
+    rng = np.random.default_rng(3)
+    keys = [h(i, bucket=int(rng.integers(0, 4)) if i % 3 == 0 else None) for i in range(200)]
+    where: dict[int, int] = {}  # slot -> key index
+    for _ in range(300):
+        slot = int(rng.integers(0, 32))
+        if slot in where:
+            writer.unpublish([slot], [keys[where.pop(slot)]])
+        else:
+            k = int(rng.integers(0, 200))
+            if k not in where.values():
+                writer.publish([slot], [keys[k]])
+                where[slot] = k
+        probe = [keys[int(i)] for i in rng.integers(0, 200, 12)]
+        slots, gens = reader.find_n(b"".join(probe))
+        for key, slot, gen in zip(probe, slots.tolist(), gens.tolist()):
+            single = reader.find(key)
+            assert (single or (-1, 0)) == ((slot, gen) if slot >= 0 else (-1, 0))
+        found = slots >= 0
+        assert reader.still_valid_n(slots[found], gens[found]).all()
