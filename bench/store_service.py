@@ -2,7 +2,9 @@
 
 A real daemon runs in another process (DRAM tier only, so fresh puts evict instead of
 writing SSD). For 256 KiB, 1 MiB and 4 MiB blocks, single and batched (16): put and get
-GB/s over the same-host shared-memory path and over TCP. Baselines: a memcpy of the same
+GB/s over the same-host shared-memory path, over TCP (bytes inline in the frames) and
+over the transfer layer (`use_agent=True`: a tcp transfer Agent reads/writes the daemon's
+arena one-sided; what RDMA backends would carry off-host). Baselines: a memcpy of the same
 bytes (shm path), a raw loopback socket stream of the same bytes with one round trip per
 op (TCP path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken
 directly over a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
@@ -254,8 +256,13 @@ def data_rows(url: str, redis: RedisPeer | None, mooncake: dict | None, raw: Raw
     rows = []
     for label, nbytes in SIZES.items():
         ns = namespace_for(nbytes)
-        clients = {"shm": Client(url, namespace=ns), "tcp": Client(url, namespace=ns, use_shm=False)}
+        clients = {"shm": Client(url, namespace=ns),
+                   "tcp": Client(url, namespace=ns, use_shm=False),
+                   # the transfer-agent path itself (puts never fall back to inline bytes)
+                   "agent": Client(url, namespace=ns, use_shm=False, use_agent=True,
+                                   inline_put_bytes=0)}
         assert clients["shm"].uses_shm, "the bench runs on the daemon's host"
+        assert clients["agent"].transport == "agent", "the daemon exports its arena (tcp)"
         for batch in (1, 16):
             total = nbytes * batch
             a = torch.randint(0, 256, (total,), dtype=torch.uint8)
