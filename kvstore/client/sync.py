@@ -278,7 +278,9 @@ class Client:
         slots, gens = d.find_n(packed)
         found = np.flatnonzero(slots >= 0)
         if dst is not None and len(found) == len(hashes):
-            np.take(src, slots, axis=0, out=dst)
+            # mode="clip": slots are in range already; the default "raise" buffers `out`
+            # and ran at a third of the speed
+            np.take(src, slots, axis=0, out=dst, mode="clip")
         else:
             for i in found.tolist():
                 _copy(rows[i], arena.rows[int(slots[i])])
