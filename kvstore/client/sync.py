@@ -33,7 +33,8 @@ TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
 # one request carrying the bytes is faster (measured: 256 KiB 0.73 vs 0.49 GB/s, while
 # 1 MiB is 1.4 vs 1.7 GB/s the other way).
 INLINE_PUT_BYTES = 512 << 10
-VECTOR_READS = 4  # direct reads of more blocks than this take the vectorised path
+VECTOR_READS = 32  # direct reads of more blocks take the vectorised path (measured: even
+# with a per-block loop up to ~64 blocks, ahead at 128 blocks of 64 KiB)
 
 
 def _tiers(raw: bytes) -> list[TierKind | None]:

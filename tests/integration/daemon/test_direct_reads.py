@@ -81,7 +81,9 @@ def _churn(url: str, start: int, rounds: int, latest, stop) -> None:
                 c.remove_n(hs[::2])
 
 
-def test_readers_never_accept_bytes_of_a_reused_slot(make_daemon):
+def test_readers_never_accept_bytes_of_a_reused_slot(make_daemon, monkeypatch):
+    import kvstore.client.sync
+    monkeypatch.setattr(kvstore.client.sync, "VECTOR_READS", 4)  # 8-block reads: vectorised
     daemon = make_daemon("--ssd-size", "0", "--dram-size", "4MiB")
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
