@@ -7,6 +7,8 @@ It must do so within bounded time (`AgentConfig.io_timeout_s`), whatever the pee
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -77,3 +79,12 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Stop threads, close sockets and mappings; pending transfers fail."""
+
+
+def quiet_ucx_without_rdma() -> None:
+    """Before UCX loads (nixl / ucx adapters): on a host with libibverbs installed but no
+    RDMA device, UCX's ib module crashes the interpreter at exit (seen with libibverbs1
+    44.0 and libucx 1.21); leave it out unless the user chose UCX_MODULES themselves."""
+    ib = "/sys/class/infiniband"
+    if not (os.path.isdir(ib) and os.listdir(ib)):
+        os.environ.setdefault("UCX_MODULES", "^ib")

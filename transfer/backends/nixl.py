@@ -26,7 +26,7 @@ from ..handle import Transfer
 from ..memory import Region
 from ..metadata import AgentMetadata
 from ..types import BackendKind, MemKind, Notification, Op
-from .base import AgentContext, Job
+from .base import AgentContext, Job, quiet_ucx_without_rdma
 
 
 def _import_nixl():
@@ -41,6 +41,7 @@ def _import_nixl():
     raise ImportError("NIXL python API not importable (" + "; ".join(errors) + ")")
 
 
+quiet_ucx_without_rdma()
 nixl_agent, nixl_agent_config = _import_nixl()
 
 USER, CTRL, ACK = b"U", b"C", b"A"

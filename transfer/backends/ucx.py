@@ -17,6 +17,9 @@ import struct
 import threading
 import time
 
+from .base import quiet_ucx_without_rdma  # noqa: E402
+
+quiet_ucx_without_rdma()
 try:  # the libucx wheel's loader makes libucp findable; ucxx itself skips it without librmm
     import libucx
     libucx.load_library()
