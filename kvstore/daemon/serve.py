@@ -124,7 +124,11 @@ async def serve(cfg: DaemonConfig) -> None:
         auth = "token required" if cfg.auth_required else "no auth (loopback only)"
         print(f"kvtier serve: data plane kvtier://{cfg.host}:{data_port}  control "
               f"http://{cfg.host}:{http_port}  data dir {cfg.data_dir}  ({auth})\n"
-              f"  connect: kvstore.Client('kvtier://{cfg.host}:{data_port}', namespace=...)",
+              f"  connect: kvstore.Client('kvtier://{cfg.host}:{data_port}', namespace=...)"
+              f"  (same host: shared memory, found automatically"
+              + (f"; other hosts: inline TCP, or use_agent=True for transfer-agent "
+                 f"{'/'.join(cfg.agent_backends)}" if cfg.agent_backends else
+                 "; other hosts: inline TCP") + ")",
               flush=True)
         agent = await _join_cluster(app, cfg, data_port, http_port)
         await stop.wait()
