@@ -23,7 +23,8 @@ from transfer import Agent, AgentConfig, BackendKind, DescList, Op, TransferErro
 
 
 class AgentPath:
-    def __init__(self, info: w.HelloOk, backends: Sequence[BackendKind], timeout_s: float) -> None:
+    def __init__(self, info: w.HelloOk, backends: Sequence[BackendKind],
+                 timeout_s: float) -> None:
         self.key = info.agent_meta
         self.block_bytes, self.timeout_s = info.block_bytes, timeout_s
         self.agent = Agent(f"kvtier-client-{uuid.uuid4().hex[:12]}",
@@ -31,7 +32,8 @@ class AgentPath:
         try:
             self.peer = self.agent.add_peer(info.agent_meta)
             self.remote = self.agent.prepare(
-                DescList.uniform(info.agent_region, info.block_bytes, info.shm_slots), peer=self.peer)
+                DescList.uniform(info.agent_region, info.block_bytes, info.shm_slots),
+                peer=self.peer)
         except BaseException:
             self.agent.close()
             raise
@@ -82,7 +84,8 @@ class AgentPath:
         with self._lock:
             staging = self._stage(len(slots))
             for i, src in enumerate(srcs):
-                np.copyto(staging[i], src.numpy() if src.device.type == "cpu" else src.cpu().numpy())
+                np.copyto(staging[i], src.numpy() if src.device.type == "cpu"
+                          else src.cpu().numpy())
             self._move(Op.WRITE, slots)
 
     def close(self) -> None:
