@@ -50,6 +50,7 @@ class Op(enum.IntEnum):
     RELEASE = 12
     STATS = 13
     TOUCH = 14
+    STAGE = 15
     ERROR = 0x7FFF
 
 
@@ -198,6 +199,22 @@ class HelloOk(Message):
 @_msg(Op.PUT)
 class Put(HashesMessage):
     hashes: bytes = b""
+    staged: bool = False      # the blocks are in this connection's staging segment (STAGE),
+    # rows 0..n-1, and the frame carries no payload: one request, no socket copy
+
+
+@_msg(Op.STAGE)
+class Stage(Message):
+    """Ask for (or regrow) this connection's staging segment: a /dev/shm file the daemon
+    creates and removes, which a same-host client fills before a staged PUT."""
+
+    nbytes: int = 0
+
+
+@_msg(Op.STAGE, reply=True)
+class StageOk(Message):
+    path: str = ""
+    nbytes: int = 0
 
 
 @_msg(Op.PUT, reply=True)
@@ -314,8 +331,10 @@ class Ack(Message):
 
 
 REQUESTS = {cls.OP: cls for cls in (Hello, Put, Get, Reserve, Commit, Abort, Exists, Match,
-                                    Remove, Pin, Unpin, Release, Stats, Touch)}
-REPLIES = {cls.OP: cls for cls in (HelloOk, PutOk, GetOk, ReserveOk, MatchOk, StatsOk, Error)}
+                                    Remove, Pin, Unpin, Release, Stats, Touch,
+                                    Stage)}
+REPLIES = {cls.OP: cls for cls in (HelloOk, PutOk, GetOk, ReserveOk, MatchOk, StatsOk, Error,
+                                   StageOk)}
 
 
 def reply_class(op: Op) -> type[Message]:

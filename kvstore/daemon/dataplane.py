@@ -101,6 +101,8 @@ class Connection:
             self.session.close_ops()
         except StoreClosedError:
             pass  # stores closed at shutdown: their reservations and leases went with them
+        finally:
+            self.session.close()
         self.sock.close()
         self.server.forget(self)
 

@@ -6,6 +6,9 @@ bytes go straight between the socket and DRAM arena slots the op has reserved or
 """
 from __future__ import annotations
 
+import mmap
+import os
+import secrets
 import socket
 from typing import Sequence
 
@@ -20,6 +23,37 @@ from kvstore.events import TierKind
 from kvstore.store import PutStatus, Reservation
 
 STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
+MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
+
+
+class Staging:
+    """A connection's staging segment: a /dev/shm file (0600, random name) we create and
+    remove; the same-host client maps it by the path STAGE returned and fills it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.path = f"/dev/shm/kvtier-stage-{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._mm, np.uint8)
+
+    def rows(self, n: int, block_bytes: int) -> np.ndarray:
+        return self.array[:n * block_bytes].reshape(n, block_bytes)
+
+    def close(self) -> None:
+        self.array = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a copy still holds a view; the mapping goes with it
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
@@ -34,6 +68,7 @@ class Session:
         self.reservations: dict[int, Reservation] = {}
         self.leases: set[int] = set()
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self.staging: Staging | None = None
         self.bytes_in = self.bytes_out = 0
 
     # ------------------------------------------------------------ plumbing
@@ -99,6 +134,8 @@ class Session:
 
     def put(self, msg: w.Put, payload_bytes: int) -> None:
         store, hashes = self.store, msg.hash_list
+        if msg.staged:
+            return self._put_staged(hashes, payload_bytes)
         self.check_payload(len(hashes), payload_bytes)
         res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
         try:
@@ -107,6 +144,46 @@ class Session:
             store.abort(res.reservation_id)
             raise
         store.commit(res.reservation_id)
+        self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in res.statuses)))
+
+    def stage(self, msg: w.Stage, payload_bytes: int) -> None:
+        if not 0 < msg.nbytes <= MAX_STAGE_BYTES:
+            raise w.RemoteError(w.ErrorCode.PROTOCOL, f"a staging segment is 1 to "
+                                f"{MAX_STAGE_BYTES} bytes, not {msg.nbytes}")
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        self.staging = Staging(msg.nbytes)
+        self.reply(w.Op.STAGE, w.StageOk(path=self.staging.path, nbytes=msg.nbytes))
+
+    def _put_staged(self, hashes: list[bytes], payload_bytes: int) -> None:
+        """Blocks the client copied into our staging segment: reserve, copy, commit."""
+        bb, n = self.hosted.ns.block_bytes, len(hashes)
+        if payload_bytes:
+            self.drain(payload_bytes)
+            raise w.RemoteError(w.ErrorCode.PROTOCOL, "a staged PUT carries no payload")
+        if self.staging is None or n * bb > self.staging.nbytes:
+            raise w.RemoteError(w.ErrorCode.PROTOCOL, f"a staged PUT of {n} blocks needs a "
+                                f"staging segment of {n * bb} bytes (send STAGE first)")
+        rows = self.staging.rows(n, bb)
+        store = self.store
+        res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
+        try:
+            arena, others = self.dram_rows(), {}
+            for i, slot in enumerate(res.slots):
+                if slot is not None and slot[0] is TierKind.DRAM:
+                    np.copyto(arena[slot[1]].numpy(), rows[i])
+                elif slot is not None:
+                    others.setdefault(slot[0], []).append(i)
+            for kind, idx in others.items():
+                store.tier(kind).write_n([res.slots[i][1] for i in idx],
+                                         [res.hashes[i] for i in idx],
+                                         [torch.from_numpy(rows[i]) for i in idx])
+        except BaseException:
+            store.abort(res.reservation_id)
+            raise
+        store.commit(res.reservation_id)
+        self.bytes_in += n * bb
         self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in res.statuses)))
 
     def _recv_blocks(self, res: Reservation, indices: Sequence[int]) -> None:
@@ -236,6 +313,12 @@ class Session:
         self.reply(w.Op.STATS, w.StatsOk(misses=s.misses, open_reservations=s.open_reservations,
                                          open_leases=s.open_leases, tiers=rows))
 
+    def close(self) -> None:
+        """The connection ended: its staging segment goes too."""
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
     def close_ops(self) -> None:
         """The connection ended (or re-helloed): its reservations and leases end with it."""
         if self.hosted is None:
@@ -250,4 +333,5 @@ HANDLERS = {w.Op.HELLO: Session.hello, w.Op.PUT: Session.put, w.Op.GET: Session.
             w.Op.RESERVE: Session.reserve, w.Op.COMMIT: Session.commit,
             w.Op.ABORT: Session.abort, w.Op.EXISTS: Session.exists, w.Op.MATCH: Session.match,
             w.Op.REMOVE: Session.remove, w.Op.PIN: Session.pin, w.Op.UNPIN: Session.unpin,
-            w.Op.RELEASE: Session.release, w.Op.STATS: Session.stats, w.Op.TOUCH: Session.touch}
+            w.Op.RELEASE: Session.release, w.Op.STATS: Session.stats, w.Op.TOUCH: Session.touch,
+            w.Op.STAGE: Session.stage}

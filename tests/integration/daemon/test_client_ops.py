@@ -21,21 +21,24 @@ def chain(seed: int, n: int) -> list[bytes]:
     return hash_blocks(NS, np.arange(n * NS.block_tokens) + seed * 1_000_003)
 
 
-PATHS = ["shm", "tcp", "agent"]
+PATHS = ["shm", "tcp", "agent", "staged"]
 
 
 @pytest.fixture(params=PATHS)
 def client(request, daemon):
-    # inline_put_bytes=0: every put with slots to write takes the reserve / copy / commit path
-    c = Client(daemon.url, namespace=NS, use_shm=request.param == "shm", inline_put_bytes=0,
-               use_agent=request.param == "agent")
-    assert c.transport == request.param  # same host: the shm path is negotiated
+    # shm and agent: every put takes the reserve / copy into slots / commit path; staged:
+    # same-host puts copied into the connection's staging segment, one request each
+    path = request.param
+    c = Client(daemon.url, namespace=NS, use_shm=path in ("shm", "staged"), inline_put_bytes=0,
+               staged_put_bytes=0 if path == "shm" else 1 << 20, use_agent=path == "agent")
+    assert c.transport == ("shm" if path == "staged" else path)  # same host: shm negotiated
+    c.test_path = path
     yield c
     c.close()
 
 
 def test_put_get_byte_exact_tensor_and_numpy(client):
-    hs = chain(1 + PATHS.index(client.transport), 12)
+    hs = chain(1 + PATHS.index(client.test_path), 12)
     src = torch.from_numpy(np.stack([block_of(h, BB) for h in hs]))
     assert client.put_n(hs, src) == [PutStatus.STORED] * 12
     assert client.put_n(hs, src) == [PutStatus.EXISTS] * 12  # content-addressed no-op
@@ -49,7 +52,7 @@ def test_put_get_byte_exact_tensor_and_numpy(client):
 
 
 def test_misses_leave_destination_alone(client):
-    hs = chain(10 + PATHS.index(client.transport), 3)
+    hs = chain(10 + PATHS.index(client.test_path), 3)
     client.put(hs[1], block_of(hs[1], BB))
     dst = np.full((3, BB), 7, np.uint8)
     tiers = client.get_n(hs, dst)
@@ -59,7 +62,7 @@ def test_misses_leave_destination_alone(client):
 
 
 def test_metadata_ops_match_store_semantics(client):
-    hs = chain(20 + PATHS.index(client.transport), 8)
+    hs = chain(20 + PATHS.index(client.test_path), 8)
     client.put_n(hs[:5], [block_of(h, BB) for h in hs[:5]])
     assert client.exists_n(hs) == [True] * 5 + [False] * 3
     assert client.contains_n(hs[4:6]) == [True, False]

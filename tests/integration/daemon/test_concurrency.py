@@ -19,7 +19,9 @@ def _worker(url: str, seed: int, use_shm: bool, rounds: int = 15) -> int:
     rng = np.random.default_rng(seed)
     shared = hash_blocks(NS, np.arange(8 * 16))
     bad = 0
-    with Client(url, namespace=NS, use_shm=use_shm, pool_size=2, inline_put_bytes=0) as c:
+    # of the two same-host workers (seeds 100, 102) one stages its puts, one reserves slots
+    with Client(url, namespace=NS, use_shm=use_shm, pool_size=2,
+                staged_put_bytes=(1 << 20) * (seed // 2 % 2)) as c:
         c.put_n(shared, np.stack([block_of(h, BB) for h in shared]))
         for r in range(rounds):
             hs = hash_blocks(NS, rng.integers(0, 50_000, 16 * int(rng.integers(1, 9))))

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvstore import Client
 from kvstore import wire as w
+from kvstore.events import TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import PutStatus
 
@@ -186,3 +187,44 @@ def test_fuzzed_bytes_close_only_that_connection(daemon, junk):
             pass
     with raw_conn(daemon) as s:  # and it still serves the next client
         assert isinstance(hello(s), w.HelloOk)
+
+
+def test_staged_put_misuse_is_refused_and_the_segment_goes_with_the_connection(daemon):
+    import os
+    h = hash_blocks(NS, np.arange(16))
+    with raw_conn(daemon) as s:
+        hello(s)
+        w.send_frame(s, w.Put(hashes=h[0], staged=True), w.Op.PUT, False)
+        frame = w.recv_frame(s, 1 << 30)
+        assert frame.op is w.Op.ERROR and "send STAGE first" in frame.msg.message
+        w.send_frame(s, w.Stage(nbytes=1 << 40), w.Op.STAGE, False)
+        assert w.recv_frame(s, 1 << 30).op is w.Op.ERROR
+        w.send_frame(s, w.Stage(nbytes=BB), w.Op.STAGE, False)
+        path = w.recv_frame(s, 1 << 30).msg.path
+        assert os.path.exists(path) and oct(os.stat(path).st_mode)[-3:] == "600"
+        two = hash_blocks(NS, np.arange(32) + 5)
+        w.send_frame(s, w.Put(hashes=w.pack_hashes(two), staged=True), w.Op.PUT, False)
+        assert "needs a staging segment" in w.recv_frame(s, 1 << 30).msg.message
+        w.send_frame(s, w.Exists(hashes=h[0]), w.Op.EXISTS, False)  # still serving
+        assert w.recv_frame(s, 1 << 30).msg.flags == b"\x00"
+    for _ in range(50):
+        if not os.path.exists(path):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(path), "the staging segment outlived its connection"
+
+
+def test_staged_puts_reach_ssd_when_dram_is_pinned_full(make_daemon):
+    d = make_daemon("--dram-size", "16KiB")  # 4 DRAM slots
+    with Client(d.url, namespace=NS) as c:
+        assert c.uses_shm and c.staged_put_bytes >= 8 * BB
+        first = hash_blocks(NS, np.arange(4 * 16) + 77)
+        c.put_n(first, np.stack([block_of(h, BB) for h in first]))
+        assert c.pin(first) == [True] * 4
+        more = hash_blocks(NS, np.arange(8 * 16) + 10**5)
+        assert c.put_n(more, np.stack([block_of(h, BB) for h in more])) == \
+            [PutStatus.STORED] * 8
+        assert c.match_prefix(more).tiers == (TierKind.SSD,) * 8
+        out = np.zeros((8, BB), np.uint8)
+        assert None not in c.get_n(more, out)
+        assert all(np.array_equal(o, block_of(h, BB)) for h, o in zip(more, out))
