@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from kvstore.buffers import byte_rows
-from kvstore.client.sync import INLINE_PUT_BYTES, Client
+from kvstore.client.sync import INLINE_PUT_BYTES, STAGED_PUT_BYTES, Client
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats
@@ -30,12 +30,14 @@ class AsyncClient:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
                  use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
-                 use_agent: bool = False, agent_backends=(BackendKind.TCP,)) -> None:
+                 staged_put_bytes: int = STAGED_PUT_BYTES, use_agent: bool = False,
+                 agent_backends=(BackendKind.TCP,)) -> None:
         """Connects lazily: the first call (or `await connect()`) opens the connection."""
         self._args = (url, token, namespace)
         self._kw = dict(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                         pool_size=pool_size, use_shm=use_shm, inline_put_bytes=inline_put_bytes,
-                        use_agent=use_agent, agent_backends=agent_backends)
+                        staged_put_bytes=staged_put_bytes, use_agent=use_agent,
+                        agent_backends=agent_backends)
         self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvtier-client")
         self._client: Client | None = None
         self._connecting: asyncio.Lock | None = None
