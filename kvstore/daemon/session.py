@@ -26,13 +26,16 @@ STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 
 
+STAGE_PREFIX = "kvtier-stage-"
+
+
 class Staging:
     """A connection's staging segment: a /dev/shm file (0600, random name) we create and
     remove; the same-host client maps it by the path STAGE returned and fills it."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.path = f"/dev/shm/kvtier-stage-{os.getpid()}-{secrets.token_hex(8)}"
+        self.path = f"/dev/shm/{STAGE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -40,6 +43,28 @@ class Staging:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mm, np.uint8)
+
+    @staticmethod
+    def sweep() -> int:
+        """Remove staging segments left by daemons that died without closing them (their
+        pid, in the name, no longer runs); how many went."""
+        gone = 0
+        for name in os.listdir("/dev/shm"):
+            if not name.startswith(STAGE_PREFIX):
+                continue
+            try:
+                os.kill(int(name[len(STAGE_PREFIX):].split("-")[0]), 0)
+                continue  # its daemon still runs
+            except ProcessLookupError:
+                pass
+            except (ValueError, PermissionError):
+                continue  # not ours to judge
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                gone += 1
+            except OSError:
+                pass
+        return gone
 
     def rows(self, n: int, block_bytes: int) -> np.ndarray:
         return self.array[:n * block_bytes].reshape(n, block_bytes)

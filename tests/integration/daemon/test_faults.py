@@ -228,3 +228,17 @@ def test_staged_puts_reach_ssd_when_dram_is_pinned_full(make_daemon):
         out = np.zeros((8, BB), np.uint8)
         assert None not in c.get_n(more, out)
         assert all(np.array_equal(o, block_of(h, BB)) for h, o in zip(more, out))
+
+
+def test_a_killed_daemons_staging_segments_are_swept_at_the_next_start(make_daemon):
+    import os
+    d = make_daemon()
+    with Client(d.url, namespace=NS) as c:
+        hs = hash_blocks(NS, np.arange(16) + 4242)
+        c.put_n(hs, np.stack([block_of(h, BB) for h in hs]))  # staged: makes a segment
+        pid = d.proc.pid
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-stage-{pid}-")]
+        assert left
+        d.kill()
+    d.start()
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in left)
