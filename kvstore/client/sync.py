@@ -190,17 +190,15 @@ class Client:
         arena, agent = self._arena, self._agent
         if arena is None and agent is not None and agent.broken:
             raise ConnectionError("the daemon's transfer agent went away")  # retried afresh
-        n = len(packed) // 16
-        if arena is not None and n * self.block_bytes <= self.staged_put_bytes:
-            staging = conn.staging(max(n * self.block_bytes, min(self.staged_put_bytes,
-                                                                 MAX_STAGE_BYTES)))
+        n, stage_limit = len(packed) // 16, min(self.staged_put_bytes, MAX_STAGE_BYTES)
+        if arena is not None and n * self.block_bytes <= stage_limit:
+            staging = conn.staging(stage_limit)  # sized once for any put that stages
             staged = staging[:n * self.block_bytes].reshape(n, self.block_bytes)
             for i, row in enumerate(_iter_rows(rows)):
                 np.copyto(staged[i], _np(row))
             reply, _ = conn.call(w.Put(hashes=packed, staged=True))
             return [PUT_STATUSES[s] for s in reply.statuses]
-        if (arena is None and agent is None) or (
-                arena is None and n * self.block_bytes <= self.inline_put_bytes):
+        if arena is None and (agent is None or n * self.block_bytes <= self.inline_put_bytes):
             reply, _ = conn.call(w.Put(hashes=packed), [_np(r) for r in _iter_rows(rows)])
             return [PUT_STATUSES[s] for s in reply.statuses]
         res, _ = conn.call(w.Reserve(hashes=packed))
