@@ -1,7 +1,6 @@
 """One data-plane connection of the SDK: connect, hello, and blocking request/reply."""
 from __future__ import annotations
 
-import mmap
 import os
 import socket
 from typing import NamedTuple
@@ -12,6 +11,7 @@ import numpy as np
 from kvstore import wire as w
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.keys import Namespace
+from transfer.shm import SHM_DIR, ShmSegment
 
 DEFAULT_PORT = 7481
 
@@ -35,7 +35,7 @@ class Connection:
                  connect_timeout_s: float, want_agent: bool = False) -> None:
         self.addr, self.timeout_s = addr, timeout_s
         self.pending_release: list[int] = []
-        self._staging: tuple[mmap.mmap, np.ndarray] | None = None
+        self._staging: ShmSegment | None = None
         try:
             self.sock = socket.create_connection(addr, timeout=connect_timeout_s)
         except OSError as e:
@@ -99,24 +99,19 @@ class Connection:
     def staging(self, nbytes: int) -> np.ndarray:
         """This connection's staging segment (same host only), at least nbytes long: the
         daemon creates it on the first STAGE and regrows it on request."""
-        if self._staging is None or len(self._staging[1]) < nbytes:
+        if self._staging is None or self._staging.size < nbytes:
             reply, _ = self.call(w.Stage(nbytes=nbytes))
+            directory, name = os.path.split(reply.path)
+            if directory != SHM_DIR:
+                raise w.ProtocolError(f"staging segment {reply.path!r} is not in {SHM_DIR}")
             self._drop_staging()
-            fd = os.open(reply.path, os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, reply.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self._staging = (mm, np.frombuffer(mm, np.uint8))
-        return self._staging[1]
+            self._staging = ShmSegment.attach(name, reply.nbytes)
+        return self._staging.array
 
     def _drop_staging(self) -> None:
         if self._staging is not None:
-            mm, self._staging = self._staging[0], None
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a copy still holds a view; unmapped when it is dropped
+            self._staging, segment = None, self._staging
+            segment.close()
 
     def close(self) -> None:
         self._drop_staging()

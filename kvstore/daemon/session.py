@@ -6,7 +6,6 @@ bytes go straight between the socket and DRAM arena slots the op has reserved or
 """
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import socket
@@ -21,6 +20,7 @@ from kvstore.daemon.namespaces import Hosted, Registry, namespace_of
 from kvstore.errors import ReservationError
 from kvstore.events import TierKind
 from kvstore.store import PutStatus, Reservation
+from transfer import ShmSegment
 
 STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
@@ -35,14 +35,9 @@ class Staging:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.path = f"/dev/shm/{STAGE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.array = np.frombuffer(self._mm, np.uint8)
+        self.segment = ShmSegment.create(nbytes, f"{STAGE_PREFIX}{os.getpid()}-"
+                                                 f"{secrets.token_hex(8)}")
+        self.path = self.segment.path
 
     @staticmethod
     def sweep() -> int:
@@ -67,18 +62,10 @@ class Staging:
         return gone
 
     def rows(self, n: int, block_bytes: int) -> np.ndarray:
-        return self.array[:n * block_bytes].reshape(n, block_bytes)
+        return self.segment.array[:n * block_bytes].reshape(n, block_bytes)
 
     def close(self) -> None:
-        self.array = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # a copy still holds a view; the mapping goes with it
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self.segment.close()
 
 
 def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
