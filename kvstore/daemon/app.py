@@ -23,7 +23,7 @@ from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.dataplane import DataPlane, listen
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.namespaces import Hosted, Registry
-from kvstore.daemon.session import Staging
+from kvstore.tiers.dram import sweep_orphans
 from kvstore.daemon import cluster, views
 
 CONFIG = web.AppKey("config", DaemonConfig)
@@ -44,7 +44,7 @@ async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     port = app[DATA_SOCKET].getsockname()[1]
     registry = app[REGISTRY] = Registry(cfg, shm_tag=str(port))
-    Staging.sweep()  # segments of same-host clients of a daemon that was killed
+    sweep_orphans()  # arenas and staging segments of killed daemons and stores
     app[METRICS] = Metrics(registry.hosted)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, registry.reopen_existing)

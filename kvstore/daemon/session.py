@@ -6,6 +6,7 @@ bytes go straight between the socket and DRAM arena slots the op has reserved or
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import socket
@@ -38,34 +39,17 @@ class Staging:
         self.segment = ShmSegment.create(nbytes, f"{STAGE_PREFIX}{os.getpid()}-"
                                                  f"{secrets.token_hex(8)}")
         self.path = self.segment.path
-
-    @staticmethod
-    def sweep() -> int:
-        """Remove staging segments left by daemons that died without closing them (their
-        pid, in the name, no longer runs); how many went."""
-        gone = 0
-        for name in os.listdir("/dev/shm"):
-            if not name.startswith(STAGE_PREFIX):
-                continue
-            try:
-                os.kill(int(name[len(STAGE_PREFIX):].split("-")[0]), 0)
-                continue  # its daemon still runs
-            except ProcessLookupError:
-                pass
-            except (ValueError, PermissionError):
-                continue  # not ours to judge
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-                gone += 1
-            except OSError:
-                pass
-        return gone
+        # held while we live: a daemon start sweeps segments whose lock is free
+        # (kvstore.tiers.dram.sweep_orphans)
+        self._lock_fd = os.open(self.path, os.O_RDONLY)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
 
     def rows(self, n: int, block_bytes: int) -> np.ndarray:
         return self.segment.array[:n * block_bytes].reshape(n, block_bytes)
 
     def close(self) -> None:
         self.segment.close()
+        os.close(self._lock_fd)
 
 
 def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:

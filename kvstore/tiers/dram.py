@@ -8,10 +8,13 @@ with CUDA as pinned memory so device copies run at full speed.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
 import struct
+import time
+import weakref
 
 import torch
 
@@ -69,8 +72,48 @@ class _Mapping:
             pass  # a caller still holds a slot view; the mapping goes when it is dropped
 
 
+def sweep_orphans(min_age_s: float = 10.0) -> int:
+    """Remove /dev/shm files of kvtier stores whose process died without closing them
+    (SIGKILL, or an exit that skipped close): an arena's owner holds an exclusive flock on
+    its slot directory (`<arena>.dir`) and a daemon on each staging segment for as long as
+    it lives, and the kernel drops the lock with the process, whatever namespace it ran in.
+    Files younger than min_age_s are left alone (an owner may be between create and lock).
+    Returns how many files went."""
+    gone, now = 0, time.time()
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith("kvtier-"):
+            continue
+        if name.endswith(".dir"):
+            victims = [name, name[:-4]]
+        elif name.startswith("kvtier-stage-"):
+            victims = [name]
+        else:
+            continue  # an arena: it goes with its directory
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if now - os.stat(path).st_mtime < min_age_s:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner is alive
+        finally:
+            os.close(fd)
+        for victim in victims:
+            try:
+                os.unlink(os.path.join(SHM_DIR, victim))
+                gone += 1
+            except OSError:
+                pass
+    return gone
+
+
 class DramTier(ArenaTier):
     def __init__(self, num_slots: int, slot_bytes: int, shm_name: str | None = None) -> None:
+        sweep_orphans()  # what killed stores left behind would otherwise pin RAM for good
         self.shm_name = shm_name or f"kvtier-{os.getpid()}-{secrets.token_hex(4)}"
         self._path = shm_path(self.shm_name)
         self._map = _Mapping(self._path, META_BYTES + num_slots * slot_bytes, True, True)
@@ -85,6 +128,9 @@ class DramTier(ArenaTier):
         except FileNotFoundError:
             pass
         self.directory = SlotDirectory(dir_path(self._path), num_slots)
+        # a store its owner forgets to close still leaves nothing in /dev/shm at exit
+        self._unlink_at_exit = weakref.finalize(self, _unlink_all, [self._path,
+                                                                   self.directory.path])
 
     def publish_n(self, slots, hashes) -> None:
         self.directory.publish(slots, hashes)
@@ -102,9 +148,18 @@ class DramTier(ArenaTier):
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
         self.arena = torch.empty((0, self.slot_bytes), dtype=torch.uint8)
         self._map.close()
+        self._unlink_at_exit.detach()
         try:
             os.unlink(self._path)
         except FileNotFoundError:
+            pass
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
             pass
 
 

@@ -74,6 +74,7 @@ def test_a_corrupted_block_ends_the_loaded_prefix_and_output_is_unchanged(smollm
     model, tokenizer = smollm2
     first, second = (prompt_ids(tokenizer, q) for q in QUESTIONS)
     kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)))
+    kv.store.close()
     store = TieredStore(kv.ns, StoreConfig((TierConfig("ssd", 4096, path=str(tmp_path / "ssd")),)))
     kv.store = store  # SSD only, so the block can be corrupted on disk
     try:

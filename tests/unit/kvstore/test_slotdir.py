@@ -216,3 +216,40 @@ def test_batched_lookup_agrees_with_single_lookups(pair):
             assert (single or (-1, 0)) == ((slot, gen) if slot >= 0 else (-1, 0))
         found = slots >= 0
         assert reader.still_valid_n(slots[found], gens[found]).all()
+
+
+def test_killed_and_unclosed_stores_leave_nothing_in_dev_shm(tmp_path):
+    """A store whose process exits without close() unlinks its arena at exit; one whose
+    process is SIGKILLed is swept by the next store's start (its flock is gone), while a
+    live store's files stay whatever their age."""
+    import subprocess
+    import sys
+    import time
+
+    from kvstore.tiers.dram import DramTier, sweep_orphans
+
+    def child(name: str, kill: bool) -> None:
+        code = (f"import os, signal; from kvstore.tiers.dram import DramTier; "
+                f"t = DramTier(4, 1024, shm_name={name!r}); print('made', flush=True); "
+                + ("os.kill(os.getpid(), signal.SIGKILL)" if kill else "pass"))
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+        assert "made" in done.stdout, done.stderr
+
+    unclosed, killed = (f"kvtier-test-{secrets.token_hex(4)}" for _ in range(2))
+    child(unclosed, kill=False)
+    assert not os.path.exists(f"/dev/shm/{unclosed}")
+    assert not os.path.exists(f"/dev/shm/{unclosed}.dir")
+    child(killed, kill=True)
+    live = DramTier(4, 1024, shm_name=f"kvtier-test-{secrets.token_hex(4)}")
+    try:
+        old = time.time() - 60
+        for path in (f"/dev/shm/{killed}", f"/dev/shm/{killed}.dir", live.directory.path):
+            assert os.path.exists(path)
+            os.utime(path, (old, old))
+        assert sweep_orphans() >= 2
+        assert not os.path.exists(f"/dev/shm/{killed}")
+        assert not os.path.exists(f"/dev/shm/{killed}.dir")
+        assert os.path.exists(live.directory.path), "a live store's files were swept"
+    finally:
+        live.close()
