@@ -165,16 +165,7 @@ class Session:
         store = self.store
         res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
         try:
-            arena, others = self.dram_rows(), {}
-            for i, slot in enumerate(res.slots):
-                if slot is not None and slot[0] is TierKind.DRAM:
-                    np.copyto(arena[slot[1]].numpy(), rows[i])
-                elif slot is not None:
-                    others.setdefault(slot[0], []).append(i)
-            for kind, idx in others.items():
-                store.tier(kind).write_n([res.slots[i][1] for i in idx],
-                                         [res.hashes[i] for i in idx],
-                                         [torch.from_numpy(rows[i]) for i in idx])
+            store.write_reserved(res, rows)
         except BaseException:
             store.abort(res.reservation_id)
             raise
