@@ -108,6 +108,13 @@ class Client:
         if arena is None and self.use_agent and info.agent_meta:
             self._check_agent(info)
 
+    def _movers(self) -> tuple[ArenaMap | None, AgentPath | None]:
+        """What moves block bytes now: the arena mapping (same host) or the transfer agent."""
+        arena, agent = self._arena, self._agent
+        if arena is None and agent is not None and agent.broken:
+            raise ConnectionError("the daemon's transfer agent went away")  # retried afresh
+        return arena, agent
+
     def _check_agent(self, info: w.HelloOk) -> None:
         with self._lock:
             if self._agent is not None and self._agent.key == info.agent_meta \
@@ -187,9 +194,7 @@ class Client:
 
     def _put_n(self, conn: Connection, packed: bytes, rows) -> list[PutStatus]:
         conn.flush_releases()
-        arena, agent = self._arena, self._agent
-        if arena is None and agent is not None and agent.broken:
-            raise ConnectionError("the daemon's transfer agent went away")  # retried afresh
+        arena, agent = self._movers()
         n, stage_limit = len(packed) // 16, min(self.staged_put_bytes, MAX_STAGE_BYTES)
         if arena is not None and n * self.block_bytes <= stage_limit:
             staging = conn.staging(stage_limit)  # sized once for any put that stages
@@ -309,11 +314,12 @@ class Client:
                 self._touched += touched
         return tiers, missed
 
-    def _due_touches(self) -> list[bytes] | None:
+    def _due_touches(self, everything: bool = False) -> list[bytes] | None:
         """Direct reads send nothing; the daemon learns of them (hit counts, LRU recency) in
-        TOUCH batches of TOUCH_BATCH blocks, best effort: the batch due now, if any."""
+        TOUCH batches of TOUCH_BATCH blocks, best effort: the batch due now (or, with
+        `everything`, whatever is pending), if any."""
         with self._lock:
-            if len(self._touched) < TOUCH_BATCH:
+            if not self._touched or (len(self._touched) < TOUCH_BATCH and not everything):
                 return None
             batch, self._touched = self._touched, []
             return batch
@@ -327,9 +333,7 @@ class Client:
     get_n_into = get_n
 
     def _get_n(self, conn: Connection, packed: bytes, rows) -> list[TierKind | None]:
-        arena, agent = self._arena, self._agent
-        if arena is None and agent is not None and agent.broken:
-            raise ConnectionError("the daemon's transfer agent went away")  # retried afresh
+        arena, agent = self._movers()
         release, conn.pending_release = tuple(conn.pending_release), []
         reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release,
                                                shm=arena is not None or agent is not None))
@@ -400,8 +404,7 @@ class Client:
         self._call(w.Unpin(hashes=w.pack_hashes(hashes)))
 
     def stats(self) -> StoreStats:
-        with self._lock:
-            touched, self._touched = self._touched, []
+        touched = self._due_touches(everything=True)
         if touched:  # so the hit counts include this client's direct reads
             self._send_touches(touched)
         r = self._call(w.Stats())
@@ -430,8 +433,7 @@ class Client:
     def close(self) -> None:
         if self._closed:
             return
-        with self._lock:
-            touched, self._touched = self._touched, []
+        touched = self._due_touches(everything=True)
         if touched:
             self._send_touches(touched)
         self._closed = True
