@@ -20,6 +20,7 @@ import torch
 
 from kvstore import wire as w
 from transfer import Agent, AgentConfig, BackendKind, DescList, Op, TransferError
+from transfer.copy import copy_bytes
 
 
 class AgentPath:
@@ -72,10 +73,7 @@ class AgentPath:
             staging = self._stage(len(slots))
             self._move(Op.READ, slots)
             for i, dst in enumerate(dsts):
-                if dst.device.type == "cpu":
-                    np.copyto(dst.numpy(), staging[i])
-                else:
-                    dst.copy_(torch.from_numpy(staging[i]))
+                copy_bytes(dst, staging[i])
 
     def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor]) -> None:
         """Copy the source rows into the (reserved) arena slots."""
@@ -84,8 +82,7 @@ class AgentPath:
         with self._lock:
             staging = self._stage(len(slots))
             for i, src in enumerate(srcs):
-                np.copyto(staging[i], src.numpy() if src.device.type == "cpu"
-                          else src.cpu().numpy())
+                copy_bytes(staging[i], src)
             self._move(Op.WRITE, slots)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import torch
 from kvstore.errors import StoreClosedError
 from kvstore.events import TierKind
 from kvstore.tiers.base import ByteBatch, FreeSlots
+from transfer.copy import copy_bytes
 
 
 class ArenaTier:
@@ -44,20 +45,20 @@ class ArenaTier:
         self._check_open()
         for slot, i, n in _runs(slots):
             if isinstance(srcs, torch.Tensor):
-                self.arena[slot:slot + n].copy_(srcs[i:i + n], non_blocking=True)
+                copy_bytes(self.arena[slot:slot + n], srcs[i:i + n])
             else:
                 for k in range(n):
-                    self.arena[slot + k].copy_(srcs[i + k], non_blocking=True)
+                    copy_bytes(self.arena[slot + k], srcs[i + k])
         self._sync()
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
         self._check_open()
         for slot, i, n in _runs(slots):
             if isinstance(dsts, torch.Tensor):
-                dsts[i:i + n].copy_(self.arena[slot:slot + n], non_blocking=True)
+                copy_bytes(dsts[i:i + n], self.arena[slot:slot + n])
             else:
                 for k in range(n):
-                    dsts[i + k].copy_(self.arena[slot + k], non_blocking=True)
+                    copy_bytes(dsts[i + k], self.arena[slot + k])
         self._sync()
         return [True] * len(slots)
 

@@ -11,9 +11,9 @@ accounting only; on open every stored block is found again and given a slot.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Sequence
 
+import numpy as np
 import torch
 from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
@@ -22,6 +22,7 @@ from kvstore.events import TierKind
 from kvstore.keys import HASH_BYTES, Namespace
 from kvstore.layout import checksum, decode_block, encode_header
 from kvstore.tiers.base import ByteBatch, FreeSlots
+from transfer.copy import copy_bytes
 
 
 def rocksdb_options() -> Options:
@@ -129,9 +130,4 @@ class SsdTier:
 
 
 def _copy_into(dst: torch.Tensor, payload: memoryview) -> None:
-    if dst.device.type == "cpu":
-        memoryview(dst.numpy())[:] = payload
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only source buffer: we only read it
-        dst.copy_(torch.frombuffer(payload, dtype=torch.uint8))
+    copy_bytes(dst, np.frombuffer(payload, np.uint8))
