@@ -2,6 +2,7 @@
 posts READ/WRITE transfers by index through the best backend per peer."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -18,7 +19,7 @@ from .handle import Transfer
 from .memory import Region, RegionTable, check_ranges
 from .metadata import AgentMetadata, RegionInfo, host_id
 from .types import AgentConfig, BackendKind, Notification, Op
-from .backends.base import AgentContext, Backend, Job
+from .backends.base import AgentContext, Backend, Grants, Job
 
 
 class Agent:
@@ -37,7 +38,9 @@ class Agent:
         self._peers: dict[str, AgentMetadata] = {}
         self._counter = itertools.count(1)
         self._closed = False
-        ctx = AgentContext(name, self.agent_id, self.config, self.regions, self._deliver)
+        self._grants = Grants(self.config.require_grant)
+        ctx = AgentContext(name, self.agent_id, self.config, self.regions, self._deliver,
+                           self._grants)
         self._backends: dict[BackendKind, Backend] = {}
         try:
             for kind in self.config.backends:
@@ -84,10 +87,22 @@ class Agent:
                              fields.get("tcp_addr"), infos, nixl=fields.get("nixl"),
                              ucx=fields.get("ucx")).encode()
 
-    def add_peer(self, metadata: bytes) -> str:
-        """Learn (or refresh) a peer from its `metadata()`; returns the peer's name."""
+    def grant(self, key: bytes) -> None:
+        """Let peers presenting `key` (>= 16 random bytes) connect to this agent's tcp port
+        (what `AgentConfig.require_grant` asks for). Hand the key out with the metadata."""
         self._check_open()
-        meta = AgentMetadata.decode(metadata)
+        self._grants.add(key)
+
+    def revoke(self, key: bytes) -> None:
+        """Withdraw a key: its peers' connections are closed and it opens nothing more."""
+        for conn in self._grants.revoke(key):
+            conn.close()
+
+    def add_peer(self, metadata: bytes, key: bytes = b"") -> str:
+        """Learn (or refresh) a peer from its `metadata()`; returns the peer's name. `key`:
+        what that peer granted this side (when it requires one)."""
+        self._check_open()
+        meta = dataclasses.replace(AgentMetadata.decode(metadata), access_key=bytes(key))
         for b in self._backends.values():
             b.add_peer(meta)
         self._peers[meta.name] = meta

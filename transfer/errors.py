@@ -18,6 +18,7 @@ class Fault(enum.Enum):
     REMOTE = "the peer rejected the request"
     UNSUPPORTED = "not supported by this backend"
     CLOSED = "agent closed"
+    REFUSED = "refused by the peer"
 
 
 class TransferError(Exception):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 
@@ -47,6 +47,8 @@ class AgentMetadata:
     # (msgpack there too); None when this agent does not run that backend
     nixl: bytes | None = None
     ucx: bytes | None = None
+    # Never on the wire: the key this side presents to that peer (`Agent.add_peer(key=)`).
+    access_key: bytes = field(default=b"", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.version != METADATA_VERSION:

@@ -50,6 +50,9 @@ class AgentConfig:
     io_timeout_s: float = 10.0  # no progress on a socket for this long → TransferError
     connect_timeout_s: float = 5.0
     max_frame_bytes: int = 1 << 32  # largest payload a peer may send in one frame
+    # Only peers presenting a key this agent granted (`Agent.grant`) may connect to its tcp
+    # port; without it, any peer that knows the agent id may (trusted networks only).
+    require_grant: bool = False
 
     def __post_init__(self) -> None:
         if not self.backends:

@@ -7,7 +7,9 @@ It must do so within bounded time (`AgentConfig.io_timeout_s`), whatever the pee
 """
 from __future__ import annotations
 
+import hmac
 import os
+import threading
 
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -29,6 +31,49 @@ class AgentContext:
     config: AgentConfig
     regions: RegionTable
     deliver: Callable[[Notification], None]  # hand a notification to this agent's queue
+    grants: "Grants"
+
+
+class Grants:
+    """The keys peers must present to reach this agent's ports (when the agent requires
+    one). Checked in constant time; a revoked key ends the connections that used it."""
+
+    def __init__(self, required: bool) -> None:
+        self.required = required
+        self._lock = threading.Lock()
+        self._keys: dict[bytes, set] = {}  # key -> live connections that presented it
+
+    def add(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("an access key needs at least 16 random bytes")
+        with self._lock:
+            self._keys.setdefault(bytes(key), set())
+
+    def admit(self, key, conn) -> bool:
+        """Whether `key` opens this agent; if so `conn` is tracked under it."""
+        if not self.required:
+            return True
+        if not isinstance(key, bytes):
+            return False
+        with self._lock:
+            match = None
+            for known in self._keys:  # every key compared: timing says nothing
+                if hmac.compare_digest(known, key):
+                    match = known
+            if match is None:
+                return False
+            self._keys[match].add(conn)
+            return True
+
+    def forget(self, conn) -> None:
+        with self._lock:
+            for conns in self._keys.values():
+                conns.discard(conn)
+
+    def revoke(self, key: bytes) -> list:
+        """Drop a key; returns the connections that used it (the caller closes them)."""
+        with self._lock:
+            return list(self._keys.pop(bytes(key), ()))
 
 
 @dataclass(frozen=True, eq=False)

@@ -79,7 +79,7 @@ class TcpBackend:
                     conn.close()
                 p.conns[slot] = None
                 conn = Connection(self.ctx.config, p.meta.tcp_addr, p.meta.agent_id,
-                                  self.ctx.name)
+                                  self.ctx.name, p.meta.access_key)
                 p.conns[slot] = conn
             return conn
 

@@ -38,7 +38,7 @@ class Request:
 
 class Connection:
     def __init__(self, config: AgentConfig, addr: tuple[str, int], peer_agent_id: str,
-                 my_name: str):
+                 my_name: str, key: bytes = b""):
         self.config = config
         self.progress = Progress()
         self._dead: TransferError | None = None
@@ -47,11 +47,11 @@ class Connection:
         self._inflight: deque[Request] = deque()
         self._has_inflight = threading.Condition(self._lock)
         self._seq = 0
-        self.sock = self._connect(addr, peer_agent_id, my_name)
+        self.sock = self._connect(addr, peer_agent_id, my_name, key)
         for target, role in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             threading.Thread(target=target, daemon=True, name=f"kvt-tcp-{role}").start()
 
-    def _connect(self, addr, peer_agent_id: str, my_name: str) -> socket.socket:
+    def _connect(self, addr, peer_agent_id: str, my_name: str, key: bytes) -> socket.socket:
         try:
             sock = socket.create_connection(addr, timeout=self.config.connect_timeout_s)
         except socket.timeout as e:
@@ -60,7 +60,7 @@ class Connection:
             raise TransferError(Fault.PEER_GONE, f"cannot connect to {addr}: {e}") from e
         try:
             tune(sock, self.config.tcp_sock_buf_bytes)
-            send_views(sock, [frame(Kind.HELLO, [peer_agent_id, my_name])], self.progress,
+            send_views(sock, [frame(Kind.HELLO, [peer_agent_id, my_name, key])], self.progress,
                        self.config.connect_timeout_s, lambda: False)
             kind, header, _ = recv_frame(sock, self.progress, self.config.connect_timeout_s,
                                          lambda: False, 0, idle_ok=False)

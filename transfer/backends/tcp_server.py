@@ -7,6 +7,7 @@ connection is closed. Data is acknowledged only after all of it has landed.
 """
 from __future__ import annotations
 
+import hmac
 import socket
 import threading
 
@@ -16,8 +17,8 @@ from ..errors import Fault, TransferError
 from ..memory import check_ranges, finish_staged, host_views
 from ..types import Notification
 from .base import AgentContext
-from .tcp_wire import (Kind, Progress, desc_arrays, drain, frame, protocol_error,
-                       recv_frame, recv_views, send_views, tune)
+from .tcp_wire import (MAX_HELLO_BYTES, Kind, Progress, desc_arrays, drain, frame,
+                       protocol_error, recv_frame, recv_views, send_views, tune)
 
 
 class Server:
@@ -55,6 +56,7 @@ class Server:
         except TransferError as e:
             conn.try_send_error(0, e)  # the peer learns why before the close
         finally:
+            self.ctx.grants.forget(conn)
             with self._lock:
                 self._conns.discard(sock)
             sock.close()
@@ -92,14 +94,27 @@ class _ServerConn:
         send_views(self.sock, views, self.progress, self.ctx.config.io_timeout_s,
                    self.stopped)
 
+    def close(self) -> None:
+        """End this connection from another thread (its key was revoked)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def run(self) -> None:
-        kind, header, plen = self._recv(idle_ok=True)
-        if kind is not Kind.HELLO or len(header) != 2 or plen:
+        # a peer has io_timeout_s to say HELLO, in one small frame with no payload
+        kind, header, plen = recv_frame(self.sock, self.progress, self.ctx.config.io_timeout_s,
+                                        self.stopped, 0, False, MAX_HELLO_BYTES)
+        if kind is not Kind.HELLO or len(header) != 3 or plen:
             raise protocol_error("expected HELLO first")
-        if header[0] != self.ctx.agent_id:
-            raise TransferError(Fault.PEER_GONE, f"this is agent {self.ctx.name!r} "
-                                f"({self.ctx.agent_id}), not the one addressed")
-        self.peer = str(header[1])
+        target, peer, key = header
+        # One refusal for a wrong agent id and a missing or wrong key, naming nothing: a
+        # stranger learns neither which agent listens here nor what it holds.
+        known = isinstance(target, str) and hmac.compare_digest(target.encode(),
+                                                                self.ctx.agent_id.encode())
+        if not (self.ctx.grants.admit(key, self) and known):
+            raise TransferError(Fault.REFUSED, "refused")
+        self.peer = str(peer)
         self._send([frame(Kind.ACK, [0])])
         while True:
             kind, header, plen = self._recv(idle_ok=True)

@@ -26,12 +26,13 @@ MAGIC = b"KVTX"
 WIRE_VERSION = 1
 HEAD = struct.Struct("<4sBBHIQ")
 MAX_HEADER_BYTES = 1 << 26
+MAX_HELLO_BYTES = 1 << 10  # a HELLO (before the peer is known) is small
 POLL_S = 0.2
 IOV_MAX = 512
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # [target agent_id, sender name]
+    HELLO = 1  # [target agent_id, sender name, access key]
     WRITE = 2  # [seq, ids, offsets, lengths, notify|None] + payload
     READ = 3  # [seq, ids, offsets, lengths, notify|None]
     NOTIFY = 4  # [seq, payload]
@@ -58,7 +59,8 @@ def protocol_error(msg: str) -> TransferError:
     return TransferError(Fault.PROTOCOL, msg)
 
 
-def parse_head(head: bytes, max_payload: int) -> tuple[Kind, int, int]:
+def parse_head(head: bytes, max_payload: int,
+               max_header: int = MAX_HEADER_BYTES) -> tuple[Kind, int, int]:
     magic, version, kind, _, hlen, plen = HEAD.unpack(head)
     if magic != MAGIC or version != WIRE_VERSION:
         raise protocol_error(f"bad frame magic/version {magic!r}/{version}")
@@ -66,14 +68,15 @@ def parse_head(head: bytes, max_payload: int) -> tuple[Kind, int, int]:
         kind = Kind(kind)
     except ValueError:
         raise protocol_error(f"unknown frame kind {kind}") from None
-    if hlen > MAX_HEADER_BYTES or plen > max_payload:
+    if hlen > max_header or plen > max_payload:
         raise protocol_error(f"frame too large (header {hlen}, payload {plen})")
     return kind, hlen, plen
 
 
 def parse_header(body: bytes, kind: Kind) -> list:
     try:
-        header = msgpack.unpackb(body, raw=False, use_list=True)
+        header = msgpack.unpackb(body, raw=False, use_list=True, max_map_len=0,
+                                 max_ext_len=0, max_array_len=64)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise protocol_error(f"undecodable {kind.name} header: {e}") from e
     if not isinstance(header, list) or not header:
@@ -153,12 +156,12 @@ def send_views(sock: socket.socket, views: Sequence, progress: Progress, timeout
 
 
 def recv_frame(sock: socket.socket, progress: Progress, timeout_s: float,
-               stopped: Callable[[], bool], max_payload: int,
-               idle_ok: bool) -> tuple[Kind, list, int]:
+               stopped: Callable[[], bool], max_payload: int, idle_ok: bool,
+               max_header: int = MAX_HEADER_BYTES) -> tuple[Kind, list, int]:
     """Read one frame's head and header; the caller reads `payload_len` bytes after it."""
     head = bytearray(HEAD.size)
     recv_views(sock, [head], progress, timeout_s, stopped, idle_ok)
-    kind, hlen, plen = parse_head(bytes(head), max_payload)
+    kind, hlen, plen = parse_head(bytes(head), max_payload, max_header)
     body = bytearray(hlen)
     recv_views(sock, [body], progress, timeout_s, stopped)
     return kind, parse_header(bytes(body), kind), plen

@@ -157,7 +157,7 @@ def target():
 def _raw_conn(b: Agent) -> socket.socket:
     addr = AgentMetadata.decode(b.metadata()).tcp_addr
     s = socket.create_connection(addr, timeout=3)
-    s.sendall(frame(Kind.HELLO, [b.agent_id, "raw"]))
+    s.sendall(frame(Kind.HELLO, [b.agent_id, "raw", b""]))
     assert _reply_kind(s) == Kind.ACK
     return s
 
@@ -222,5 +222,8 @@ def test_hello_to_the_wrong_agent_is_refused(target):
     b, _, _ = target
     addr = AgentMetadata.decode(b.metadata()).tcp_addr
     with socket.create_connection(addr, timeout=3) as s:
-        s.sendall(frame(Kind.HELLO, ["0" * 32, "raw"]))
-        assert _reply_kind(s) == Kind.ERROR
+        s.sendall(frame(Kind.HELLO, ["0" * 32, "raw", b""]))
+        head = s.recv(HEAD.size, socket.MSG_WAITALL)
+        assert HEAD.unpack(head)[2] == Kind.ERROR
+        body = s.recv(HEAD.unpack(head)[4], socket.MSG_WAITALL)
+        assert b"refused" in body and b.agent_id.encode() not in body  # names nothing
