@@ -47,19 +47,31 @@ def _hash_run(args: argparse.Namespace) -> int:
 
 
 def _fsck_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="an SSD tier directory (RocksDB)")
-    p.add_argument("--repair", action="store_true", help="delete blocks that fail verification")
+    p.add_argument("path", help="an SSD tier directory (the daemon's DATA_DIR/<ns_id>/ssd)")
+    p.add_argument("--repair", action="store_true", help="drop the blocks that fail "
+                   "verification and rebuild a damaged index from the slab file")
 
 
 def _fsck_run(args: argparse.Namespace) -> int:
+    """Exit 0 when every block verifies (or --repair fixed what did not), 1 otherwise."""
     from kvstore.fsck import fsck
     report = fsck(args.path, repair=args.repair)
-    print(f"{report.num_ok} blocks ok, {len(report.bad)} bad, {report.num_bytes / 2**20:.1f} MiB")
-    for key, reason in report.bad[:20]:
+    print(f"{report.num_ok} blocks ok, {len(report.bad)} bad, "
+          f"{report.num_bytes / 2**20:.1f} MiB")
+    if report.index_error:
+        print(f"  {report.index_error}; {report.num_recoverable} intact blocks in the slab "
+              "file are not listed")
+    for key, reason in report.bad:
         print(f"  {key.hex()}: {reason}")
-    if report.bad and not args.repair:
-        print("run again with --repair to delete the bad blocks (they would be served as misses)")
-    return 1 if report.bad and not args.repair else 0
+    if report.clean:
+        return 0
+    if args.repair:
+        print("repaired: bad blocks dropped" + (", index rebuilt from the slab file"
+                                                if report.index_error else ""))
+        return 0
+    print("run again with --repair to drop the bad blocks (a running daemon serves them as "
+          "misses)" + (" and rebuild the index" if report.index_error else ""))
+    return 1
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:

@@ -40,7 +40,6 @@ class TierConfig:
     capacity_blocks: int
     path: str | None = None        # SSD: the RocksDB directory
     device: str | None = None      # GPU: torch device (default cuda when present, else cpu)
-    shm_name: str | None = None    # DRAM: /dev/shm name (default generated)
     durable: bool = True           # SSD: write-ahead log on, so a block survives a process
                                    # crash; off: ~2.5x faster puts, recent blocks lost on crash
     high_watermark: float = 0.95   # background eviction starts above this fill fraction...

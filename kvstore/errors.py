@@ -39,3 +39,8 @@ class StoreClosedError(KVStoreError, RuntimeError):
 
 class ReservationError(KVStoreError, RuntimeError):
     """Committing or aborting a reservation that is unknown, expired or already done."""
+
+
+class TierIOError(KVStoreError):
+    """A tier could not read or write its storage (disk full, I/O error, a damaged index).
+    The store turns it into a miss (reads) or NO_SPACE (writes); it never means wrong KV."""

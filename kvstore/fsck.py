@@ -1,54 +1,130 @@
-"""Offline verification of an SSD tier directory: every value must be a valid encoded block
-stored under its own hash."""
+"""Offline verification of an SSD tier directory (`kvtier fsck`).
+
+Every index entry must point at a slot of the slab file holding that very block, intact
+(header: hash, namespace; payload: checksum). An index RocksDB cannot read to the end is
+itself a finding: the blocks it lost are counted from the slab headers. `repair` drops the
+bad entries and, for a damaged index, rebuilds it from the slab file (what the tier does on
+its own at open), so nothing intact is lost.
+"""
 from __future__ import annotations
 
+import json
 import os
 from typing import NamedTuple
 
-from rocksdict import Rdict, WriteBatch
+import numpy as np
+import torch
+from rocksdict import Rdict
 
-from kvstore.errors import BlockFormatError, ConfigError
-from kvstore.keys import HASH_BYTES
-from kvstore.layout import verify_encoded
-from kvstore.tiers.ssd import rocksdb_options
+from kvstore.errors import ConfigError
+from kvstore.keys import Namespace
+from kvstore.tiers.slabfile import SlabFile
+from kvstore.tiers.ssd import SsdTier, TIER_FILE
+from kvstore.tiers.ssdindex import parse_entry, rocksdb_options
 
 
 class FsckReport(NamedTuple):
     num_ok: int
     num_bytes: int
-    bad: list[tuple[bytes, str]]  # (key, reason)
+    bad: list[tuple[bytes, str]]   # (key, reason) of every entry that fails
+    index_error: str | None        # why the index could not be read to the end
+    num_recoverable: int           # intact blocks in the slab file the index does not list
+
+    @property
+    def clean(self) -> bool:
+        return not self.bad and self.index_error is None
 
 
 def fsck(path: str, repair: bool = False) -> FsckReport:
-    if not os.path.isfile(os.path.join(path, "CURRENT")):
-        raise ConfigError(f"{path} is not an SSD tier directory (no RocksDB CURRENT file)")
-    db = Rdict(path, options=rocksdb_options())
-    ok, nbytes, bad = 0, 0, []
+    ns = _namespace(path)
+    report = _check(path, ns)
+    if repair and not report.clean:
+        _repair(path, ns)
+    return report
+
+
+def _namespace(path: str) -> Namespace:
+    meta = os.path.join(path, TIER_FILE)
+    if not os.path.isfile(meta):
+        raise ConfigError(f"{path} is not an SSD tier directory (no {TIER_FILE})")
+    with open(meta) as f:
+        return Namespace(**json.load(f))
+
+
+def _check(path: str, ns: Namespace) -> FsckReport:
+    slabs = SlabFile(os.path.join(path, "slabs.dat"), ns, 1 << 62)
     try:
-        for key, value in db.items():
-            reason = _check(key, value)
+        entries, index_error = _read_index(os.path.join(path, "index"))
+        ok, bad, claimed = 0, [], set()
+        for key, value in entries:
+            reason = _entry_problem(slabs, key, value, claimed)
             if reason:
                 bad.append((key, reason))
             else:
                 ok += 1
-                nbytes += len(value)
-        if repair and bad:
-            batch = WriteBatch(raw_mode=True)
-            for key, _ in bad:
-                batch.delete(key)
-            db.write(batch)
+        recoverable = 0
+        if index_error is not None:
+            free = [s for s in range(slabs.num_grown) if s not in claimed]
+            recoverable = sum(h is not None for _, h, _ in slabs.headers(free))
+        return FsckReport(ok, ok * ns.block_bytes, bad, index_error, recoverable)
+    finally:
+        slabs.close()
+
+
+def _read_index(path: str) -> tuple[list[tuple[bytes, bytes]], str | None]:
+    try:
+        db = Rdict(path, options=rocksdb_options())
+    except Exception as e:  # noqa: BLE001 - RocksDB's own words
+        raise ConfigError(f"cannot open the index {path}: {e} (is a daemon using it? stop "
+                          "it first)") from e
+    entries, error = [], None
+    try:
+        it = db.iter()
+        it.seek_to_first()
+        while it.valid():
+            entries.append((it.key(), it.value()))
+            it.next()
+        it.status()
+    except Exception as e:  # noqa: BLE001
+        error = f"the index is damaged after {len(entries)} entries: {e}"
     finally:
         db.close()
-    return FsckReport(ok, nbytes, bad)
+    return entries, error
 
 
-def _check(key: bytes, value: bytes) -> str | None:
-    if len(key) != HASH_BYTES:
-        return f"key of {len(key)} bytes is not a block hash"
-    try:
-        header = verify_encoded(value)
-    except BlockFormatError as e:
-        return str(e)
-    if header.block_hash != key:
-        return f"value holds block {header.block_hash.hex()}"
+def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set) -> str | None:
+    entry = parse_entry(key, value)
+    if entry is None:
+        return "not an index entry (wrong key or value size)"
+    h, slot, _ = entry
+    if slot >= slabs.num_grown:
+        return f"slot {slot} is beyond the slab file"
+    if slot in claimed:
+        return f"slot {slot} is listed twice"
+    claimed.add(slot)
+    dst = memoryview(np.empty(slabs.block_bytes, np.uint8))
+    if not slabs.read_n([slot], [h], [dst])[0]:
+        return f"slot {slot} does not hold this block intact (checksum or header)"
     return None
+
+
+def _repair(path: str, ns: Namespace) -> None:
+    """Open the tier (a damaged index is rebuilt from the slabs), then drop every block
+    that does not read back intact."""
+    tier = SsdTier(ns, path, _grown_slots(path, ns))
+    try:
+        found = tier.recover()
+        row = torch.empty((1, ns.block_bytes), dtype=torch.uint8)
+        bad = [(h, s) for h, s in found if not tier.read_n([s], [h], row)[0]]
+        if bad:
+            tier.free_n([s for _, s in bad], [h for h, _ in bad])
+    finally:
+        tier.close()
+
+
+def _grown_slots(path: str, ns: Namespace) -> int:
+    slabs = SlabFile(os.path.join(path, "slabs.dat"), ns, 1 << 62)
+    try:
+        return max(1, slabs.num_grown)
+    finally:
+        slabs.close()

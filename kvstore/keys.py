@@ -26,6 +26,9 @@ BlockHash = NewType("BlockHash", bytes)
 HASH_BYTES = 16
 KV_LAYOUT = "LKTHD"  # [num_layers, 2 (K,V), block_tokens, num_kv_heads, head_dim]
 _RECIPE = b"kvtier/block-hash/v1"
+MAX_DIM = 1 << 16          # each of layers, kv heads, head_dim, block_tokens
+MAX_NAME_BYTES = 1024      # model, revision, dtype and tenant strings
+MAX_BLOCK_BYTES = 1 << 30  # one block of one shard
 
 DTYPE_BYTES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -52,13 +55,24 @@ class Namespace:
     tenant: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("model", "dtype", "revision", "tenant"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value.encode()) > MAX_NAME_BYTES:
+                raise ValueError(f"Namespace.{name} must be a string of at most "
+                                 f"{MAX_NAME_BYTES} bytes")
         if not self.model:
             raise ValueError("Namespace.model must name the model (e.g. 'HuggingFaceTB/SmolLM2-135M')")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"Namespace.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Namespace.{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if type(value) is not int or not 0 < value <= MAX_DIM:
+                raise ValueError(f"Namespace.{name} must be an int in [1, {MAX_DIM}], "
+                                 f"got {value!r}")
+        if self.block_bytes > MAX_BLOCK_BYTES:
+            raise ValueError(f"a block of this namespace would be {self.block_bytes} bytes; "
+                             f"blocks are at most {MAX_BLOCK_BYTES} bytes (use fewer "
+                             "block_tokens)")
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

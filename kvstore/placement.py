@@ -11,6 +11,7 @@ import enum
 import time
 from typing import Sequence
 
+from kvstore.errors import TierIOError
 from kvstore.events import EventKind, KVEvent
 from kvstore.stats import TierCounters
 from kvstore.tiers.base import Tier
@@ -135,18 +136,25 @@ class Placement:
             return
         self.make_room(i + 1, len(victims))
         k = min(len(victims), self.tiers[i + 1].num_free())
-        self.demote_to(i, i + 1, victims[:k])
+        k = self.demote_to(i, i + 1, victims[:k])
         self.drop(victims[k:])
 
-    def demote_to(self, src: int, dst: int, group: list[Entry]) -> None:
-        """Copy blocks from tier src into free slots of tier dst (a lower, slower tier)."""
+    def demote_to(self, src: int, dst: int, group: list[Entry]) -> int:
+        """Copy blocks from tier src into free slots of tier dst (a lower, slower tier).
+        Returns how many moved: none when dst cannot take them (its disk is full, a write
+        failed); the caller drops the rest."""
         if not group:
-            return
+            return 0
         slots = self.tiers[dst].alloc_n(len(group))
-        assert slots is not None, "caller made room first"
+        if slots is None:
+            return 0
         hashes = [e.hash for e in group]
         src_tier = self.tiers[src]
-        self.tiers[dst].write_n(slots, hashes, [src_tier.slot_view(e.slot) for e in group])
+        try:
+            self.tiers[dst].write_n(slots, hashes, [src_tier.slot_view(e.slot) for e in group])
+        except TierIOError:
+            self.tiers[dst].free_n(slots, hashes)
+            return 0
         src_tier.free_n([e.slot for e in group], hashes)
         for e, slot in zip(group, slots):
             e.tier, e.slot = dst, slot
@@ -158,11 +166,13 @@ class Placement:
         self.emit(EventKind.STORED, dst, hashes)
         for e in group:  # still newer than what the lower tier held: its MRU end, in order
             self.make_evictable(e)
+        return len(group)
 
-    def flush_to_last(self) -> None:
+    def flush_to_last(self, chunk: int = 256) -> int:
         """Write every unleased memory-tier block to the last (persistent) tier, slowest
-        memory tier first so the hottest blocks end up most recent there."""
-        last = len(self.tiers) - 1
+        memory tier first so the hottest blocks end up most recent there, in chunks so a
+        disk that fills up midway keeps what fit. Returns how many blocks were not written."""
+        last, missed = len(self.tiers) - 1, 0
         for i in range(last - 1, -1, -1):
             group = [self.entries[h] for h in self.lru[i]]
             group += [e for e in self.entries.values()
@@ -170,7 +180,11 @@ class Placement:
             for e in group:
                 self.hold(e)
             self.make_room(last, len(group))
-            self.demote_to(i, last, group[:self.tiers[last].num_free()])
+            group = group[:self.tiers[last].num_free()] if len(group) else group
+            for k in range(0, len(group), chunk):
+                part = group[k:k + chunk]
+                missed += len(part) - self.demote_to(i, last, part)
+        return missed
 
     def promote(self, group: list[Entry], rows: list) -> None:
         """Move blocks (leased by the caller alone) into the fastest tier, writing them from
@@ -211,8 +225,10 @@ class Placement:
             self.emit(EventKind.REMOVED, tier_idx, hashes)
 
     def release_reserved(self, group: Sequence[Entry]) -> None:
-        """Free the slots of reserved (never visible) entries."""
+        """Free the slots of reserved (never visible) entries. The entries go first, so even
+        a tier that fails to clean up leaves no trace a later put could take for EXISTS."""
         for tier_idx, members in group_by_tier(group):
-            self.tiers[tier_idx].free_n([e.slot for e in members], [e.hash for e in members])
             for e in members:
-                del self.entries[e.hash]
+                if self.entries.get(e.hash) is e:
+                    del self.entries[e.hash]
+            self.tiers[tier_idx].free_n([e.slot for e in members], [e.hash for e in members])

@@ -34,15 +34,19 @@ class StoreStats(NamedTuple):
     misses: int
     open_reservations: int
     open_leases: int
+    write_errors: int = 0       # puts a tier could not store (answered NO_SPACE)
+    background_errors: int = 0  # background maintenance passes that failed (and went on)
 
     @classmethod
     def collect(cls, ns, tiers: Sequence, counters: Sequence[TierCounters], misses: int,
-                reservations: int, leases: int) -> "StoreStats":
+                reservations: int, leases: int, write_errors: int = 0,
+                background_errors: int = 0) -> "StoreStats":
         rows = tuple(
             TierStats(t.kind, t.num_slots, t.num_slots - t.num_free(), t.num_free(),
                       TierCounters(**{f.name: getattr(c, f.name) for f in fields(c)}))
             for t, c in zip(tiers, counters))
-        return cls(ns.model, ns.block_bytes, rows, misses, reservations, leases)
+        return cls(ns.model, ns.block_bytes, rows, misses, reservations, leases, write_errors,
+                   background_errors)
 
     def tier(self, kind: TierKind) -> TierStats:
         return next(t for t in self.tiers if t.kind is kind)

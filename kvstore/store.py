@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import math
 import threading
 import time
@@ -21,7 +22,7 @@ from typing import NamedTuple, Sequence
 
 from kvstore.buffers import byte_rows, select_rows
 from kvstore.config import StoreConfig, TierConfig
-from kvstore.errors import ReservationError, StoreClosedError
+from kvstore.errors import ReservationError, StoreClosedError, TierIOError
 from kvstore.events import EventKind, KVEvent, TierKind
 from kvstore.keys import HASH_BYTES, Namespace
 from kvstore.layout import decode_block
@@ -29,6 +30,7 @@ from kvstore.placement import Entry, Placement, State, group_by_tier, visible
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier
 
+log = logging.getLogger("kvtier.store")
 
 class PutStatus(enum.Enum):
     STORED = "stored"        # committed by this call
@@ -60,7 +62,7 @@ def make_tier(ns: Namespace, cfg: TierConfig) -> Tier:
         return GpuTier(cfg.capacity_blocks, ns.block_bytes, cfg.device)
     if cfg.kind is TierKind.DRAM:
         from kvstore.tiers.dram import DramTier
-        return DramTier(cfg.capacity_blocks, ns.block_bytes, cfg.shm_name)
+        return DramTier(cfg.capacity_blocks, ns.block_bytes)
     from kvstore.tiers.ssd import SsdTier
     return SsdTier(ns, cfg.path, cfg.capacity_blocks, durable=cfg.durable)
 
@@ -83,6 +85,8 @@ class TieredStore:
         self._leases: dict[int, tuple[float, list[Entry]]] = {}
         self._ids = itertools.count(1)
         self._num_misses = 0
+        self._num_write_errors = 0       # puts a tier could not store (NO_SPACE)
+        self._num_background_errors = 0  # maintenance passes that failed
         self._closed = False
         self._stop = threading.Event()
         self._bg: threading.Thread | None = None
@@ -99,11 +103,22 @@ class TieredStore:
         res = self.reserve_n(hashes, timeout_s=math.inf)
         try:
             self._write_reserved(res, rows)
+        except TierIOError as e:
+            return self.abort_failed(res, e)
         except BaseException:
             self.abort(res.reservation_id)
             raise
         self.commit(res.reservation_id)
         return list(res.statuses)
+
+    def abort_failed(self, res: Reservation, error: Exception) -> list[PutStatus]:
+        """A reservation whose bytes a tier could not take (disk full, I/O error): give it
+        back; its new blocks are NO_SPACE, nothing was stored."""
+        log.warning("a put of %d blocks was not stored: %s", len(res.hashes), error)
+        self.abort(res.reservation_id)
+        with self._lock:
+            self._num_write_errors += 1
+        return [PutStatus.NO_SPACE if s is PutStatus.STORED else s for s in res.statuses]
 
     def put_encoded_n(self, blobs: Sequence) -> list[PutStatus]:
         """Store encoded blocks (header + payload, as on the wire or on disk). Each is checked
@@ -189,7 +204,12 @@ class TieredStore:
         with self._lock:
             self._check_open()
             held = self._hold(hashes)
-        ok = self._read_held(held, rows)
+        try:
+            ok = self._read_held(held, rows)
+        except BaseException:
+            with self._lock:  # nothing may stay held: every reader count goes back
+                self._unhold([e for e in held if e is not None])
+            raise
         with self._lock:
             return self._finish_read(held, ok, rows)
 
@@ -212,8 +232,13 @@ class TieredStore:
             if e is not None:
                 by_tier.setdefault(e.tier, []).append(i)
         for tier_idx, idx in by_tier.items():
-            got = self._p.tiers[tier_idx].read_n([held[i].slot for i in idx],
-                                                 [held[i].hash for i in idx], select_rows(rows, idx))
+            try:
+                got = self._p.tiers[tier_idx].read_n([held[i].slot for i in idx],
+                                                     [held[i].hash for i in idx],
+                                                     select_rows(rows, idx))
+            except TierIOError as e:  # the tier's blocks of this batch are misses, no more
+                log.warning("a read of %d blocks failed: %s", len(idx), e)
+                got = [False] * len(idx)
             for i, good in zip(idx, got):
                 ok[i] = good
         return ok
@@ -400,8 +425,15 @@ class TieredStore:
                     self._p.make_room(i, tier.num_slots - int(cfg.low_watermark * tier.num_slots))
 
     def _background(self) -> None:
+        """`maintain()` on a timer; an error is logged and counted (`stats().background_errors`)
+        and the thread carries on, so one bad disk moment never stops eviction for good."""
         while not self._stop.wait(self.config.background_interval_s):
-            self.maintain()
+            try:
+                self.maintain()
+            except Exception:  # noqa: BLE001 - logged with its traceback, counted
+                log.exception("background maintenance of %r failed; retrying", self.ns.model)
+                with self._lock:
+                    self._num_background_errors += 1
 
     def drain_events(self) -> list[KVEvent]:
         """KV events since the last drain, in seq order (a gap: the buffer overflowed)."""
@@ -427,7 +459,8 @@ class TieredStore:
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats.collect(self.ns, self._p.tiers, self._p.counters, self._num_misses,
-                                      len(self._reservations), len(self._leases))
+                                      len(self._reservations), len(self._leases),
+                                      self._num_write_errors, self._num_background_errors)
 
     @property
     def tier_kinds(self) -> tuple[TierKind, ...]:
@@ -458,7 +491,14 @@ class TieredStore:
             if self._closed:
                 return
             if flush and self._p.tiers[-1].persistent:
-                self._p.flush_to_last()
+                try:
+                    missed = self._p.flush_to_last()
+                except Exception as e:  # noqa: BLE001 - a full disk: keep what made it
+                    missed = f"some ({e})"
+                if missed:
+                    log.error("closing %r: %s memory-tier blocks could not be written to SSD "
+                              "(disk full?); the blocks already there are intact",
+                              self.ns.model, missed)
             self._closed = True
             for tier in self._p.tiers:
                 tier.close()

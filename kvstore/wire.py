@@ -11,10 +11,20 @@ hashes travel as one bytes field of n x 16 bytes, per-block statuses and tiers a
 each, slots as little-endian int64s, so a 1,000-block batch is a handful of msgpack items.
 A frame that cannot be decoded raises `ProtocolError`; the daemon answers with an ERROR
 frame and closes only that connection.
+
+Limits hold while decoding, before any object is built from untrusted bytes: a header is
+at most MAX_HELLO_HEADER_BYTES until the connection has authenticated (only HELLO is
+served before that) and MAX_HEADER_BYTES after; msgpack maps and extension types are
+refused outright (no message has one) and arrays are capped at MAX_ARRAY_ITEMS.
+
+Same-host connections come over a Unix-domain socket; there the replies to SHARE (the DRAM
+arena and its slot directory) and STAGE (a staging segment) carry file descriptors
+(SCM_RIGHTS) attached to the reply frame's first byte.
 """
 from __future__ import annotations
 
 import enum
+import os
 import socket
 import struct
 from dataclasses import dataclass, fields
@@ -25,10 +35,13 @@ import msgpack
 from kvstore.errors import KVStoreError
 from kvstore.keys import HASH_BYTES
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"KVTW"
 PREFIX = struct.Struct("<4sHHIQ")
 MAX_HEADER_BYTES = 1 << 20
+MAX_HELLO_HEADER_BYTES = 16 << 10  # everything a connection may send before it authenticates
+MAX_ARRAY_ITEMS = 1 << 16
+MAX_FDS = 4  # descriptors one reply frame may carry
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 REPLY = 0x8000
 MISS = 255  # tier byte of a block that was not found
@@ -51,6 +64,7 @@ class Op(enum.IntEnum):
     STATS = 13
     TOUCH = 14
     STAGE = 15
+    SHARE = 16
     ERROR = 0x7FFF
 
 
@@ -63,8 +77,9 @@ class ErrorCode(enum.IntEnum):
     NAMESPACE = 6       # bad namespace, or too many namespaces
     BLOCK_SIZE = 7      # payload not n x block_bytes
     RESERVATION = 8     # unknown / expired reservation
-    UNAVAILABLE = 9     # daemon shutting down
+    UNAVAILABLE = 9     # daemon shutting down, or at its connection limit
     INTERNAL = 10
+    QUOTA = 11          # the tenant's namespace or byte quota is used up
 
 
 class ProtocolError(KVStoreError):
@@ -179,21 +194,34 @@ class Hello(Message):
     block_tokens: int = 0
     revision: str = ""
     tenant: str = ""
-    agent: bool = False       # send the arena's transfer-agent metadata in the reply
+    agent: bool = False       # send the arena's transfer-agent metadata and a capability
+    agent_key: bytes = b""    # a capability this client already holds (kept, not reissued)
 
 
 @_msg(Op.HELLO, reply=True)
 class HelloOk(Message):
     node_id: str = ""
     block_bytes: int = 0
-    shm_path: str = ""        # "" when the namespace has no DRAM tier
-    shm_dev: int = 0          # st_dev / st_ino of the arena file: same host iff they match
-    shm_ino: int = 0
-    shm_slots: int = 0
     max_payload_bytes: int = 0
-    shm_dir: str = ""         # the arena's slot directory: same-host reads with no round trip
+    instance: bytes = b""     # random per daemon process: the local socket reaches the same one
+    local_socket: str = ""    # abstract Unix socket of same-host clients ("" = none)
+    arena_id: bytes = b""     # the namespace's DRAM arena ("" = no DRAM tier); SHARE maps it
+    shm_slots: int = 0
     agent_meta: bytes = b""   # transfer Agent metadata exporting the DRAM arena (if asked)
     agent_region: int = -1    # the arena's region id in that agent
+    agent_key: bytes = b""    # the capability that agent wants from this client
+
+
+@_msg(Op.SHARE)
+class Share(Message):
+    """Same-host only (the local socket): hand me the namespace's DRAM arena (read-write:
+    I write the slots RESERVE gives me) and its slot directory (read-only)."""
+
+
+@_msg(Op.SHARE, reply=True)
+class ShareOk(Message):
+    arena_id: bytes = b""
+    num_slots: int = 0        # two descriptors ride on this frame: arena, directory
 
 
 @_msg(Op.PUT)
@@ -205,16 +233,16 @@ class Put(HashesMessage):
 
 @_msg(Op.STAGE)
 class Stage(Message):
-    """Ask for (or regrow) this connection's staging segment: a /dev/shm file the daemon
-    creates and removes, which a same-host client fills before a staged PUT."""
+    """Same-host only: ask for (or regrow) this connection's staging segment, anonymous
+    shared memory the daemon makes and hands over as a descriptor (it goes with the
+    connection); the client fills it before a staged PUT."""
 
     nbytes: int = 0
 
 
 @_msg(Op.STAGE, reply=True)
 class StageOk(Message):
-    path: str = ""
-    nbytes: int = 0
+    nbytes: int = 0           # one descriptor rides on this frame
 
 
 @_msg(Op.PUT, reply=True)
@@ -332,9 +360,9 @@ class Ack(Message):
 
 REQUESTS = {cls.OP: cls for cls in (Hello, Put, Get, Reserve, Commit, Abort, Exists, Match,
                                     Remove, Pin, Unpin, Release, Stats, Touch,
-                                    Stage)}
+                                    Stage, Share)}
 REPLIES = {cls.OP: cls for cls in (HelloOk, PutOk, GetOk, ReserveOk, MatchOk, StatsOk, Error,
-                                   StageOk)}
+                                   StageOk, ShareOk)}
 
 
 def reply_class(op: Op) -> type[Message]:
@@ -358,7 +386,8 @@ def encode(msg: Message, op: Op, reply: bool, payload_bytes: int = 0) -> bytes:
     return PREFIX.pack(MAGIC, msg.version, code, len(header), payload_bytes) + header
 
 
-def decode_prefix(raw: bytes, max_payload: int) -> tuple[int, bool, int, int]:
+def decode_prefix(raw: bytes, max_payload: int,
+                  max_header: int = MAX_HEADER_BYTES) -> tuple[int, bool, int, int]:
     """(op code, reply, header_len, payload_len) of a frame prefix, checked."""
     magic, version, code, header_len, payload_len = PREFIX.unpack(raw)
     if magic != MAGIC:
@@ -367,9 +396,11 @@ def decode_prefix(raw: bytes, max_payload: int) -> tuple[int, bool, int, int]:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this side speaks "
                             f"{PROTOCOL_VERSION}); upgrade the older side", ErrorCode.VERSION)
-    if header_len > MAX_HEADER_BYTES:
+    if header_len > max_header:
         raise ProtocolError(f"frame header of {header_len} bytes exceeds the "
-                            f"{MAX_HEADER_BYTES}-byte limit", ErrorCode.TOO_LARGE)
+                            f"{max_header}-byte limit" + (" (before HELLO)" if max_header
+                                                         < MAX_HEADER_BYTES else ""),
+                            ErrorCode.TOO_LARGE)
     if payload_len > max_payload:
         raise ProtocolError(f"frame payload of {payload_len} bytes exceeds the daemon's "
                             f"{max_payload}-byte limit (send fewer blocks per call)",
@@ -386,16 +417,18 @@ def decode_header(op_code: int, reply: bool, header: bytes) -> Message:
     if cls is None:
         raise ProtocolError(f"op {op.name} is not a request")
     try:
-        values = msgpack.unpackb(header, use_list=False, raw=False, strict_map_key=True)
+        values = msgpack.unpackb(header, use_list=False, raw=False, strict_map_key=True,
+                                 max_map_len=0, max_ext_len=0, max_array_len=MAX_ARRAY_ITEMS,
+                                 max_str_len=len(header), max_bin_len=len(header))
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
-            UnicodeDecodeError, TypeError) as e:
+            UnicodeDecodeError, TypeError, OverflowError) as e:
         raise ProtocolError(f"malformed {op.name} header: {e}") from e
     n = len(_spec(cls))
     if not isinstance(values, tuple) or len(values) != n:
         raise ProtocolError(f"{op.name} header must be an array of {n} fields")
     try:
         return cls(PROTOCOL_VERSION, *values)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ProtocolError(f"bad {op.name} header: {e}") from e
 
 
@@ -430,13 +463,20 @@ class FrameReader:
     """Frames off one socket, reading prefix and header with one recv in the common case
     (a recv each cost 20-40 us more per round trip, measured on loopback). Bytes read past
     the header (the start of a payload, or of the next frame) are kept and handed out first,
-    so every read of that socket must go through this reader."""
+    so every read of that socket must go through this reader.
+
+    `max_header` starts at the pre-authentication limit; the daemon raises it once a HELLO
+    has passed (`authenticated`)."""
 
     CHUNK = 16 << 10
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_header: int = MAX_HEADER_BYTES) -> None:
         self.sock = sock
+        self.max_header = max_header
         self._buf = b""  # buffered bytes not handed out yet
+
+    def authenticated(self) -> None:
+        self.max_header = MAX_HEADER_BYTES
 
     def _fill(self, n: int) -> None:
         parts, have = [self._buf], len(self._buf)
@@ -456,10 +496,27 @@ class FrameReader:
 
     def frame(self, max_payload: int) -> Frame:
         """One frame's prefix and header; read its `payload_bytes` with `recv_into` next."""
-        op_code, reply, header_len, payload_len = decode_prefix(self._take(PREFIX.size),
-                                                                max_payload)
+        op_code, reply, header_len, payload_len = decode_prefix(
+            self._take(PREFIX.size), max_payload, self.max_header)
         msg = decode_header(op_code, reply, self._take(header_len))
         return Frame(Op(op_code), reply, msg, payload_len)
+
+    def frame_with_fds(self, max_payload: int) -> tuple[Frame, list[int]]:
+        """A frame and the descriptors attached to its first byte (a Unix socket's reply to
+        SHARE or STAGE). The caller owns (and must close) every descriptor returned."""
+        if self._buf:
+            raise ProtocolError("descriptors expected at a frame boundary, bytes were pending")
+        data, fds, flags, _ = socket.recv_fds(self.sock, self.CHUNK, MAX_FDS)
+        try:
+            if not data:
+                raise ConnectionError("peer closed the connection")
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError("more descriptors than a reply may carry")
+            self._buf = data
+            return self.frame(max_payload), fds
+        except BaseException:
+            close_fds(fds)
+            raise
 
     def recv_into(self, view: memoryview) -> None:
         """Fill `view` (payload bytes): buffered ones first, then straight from the socket."""
@@ -469,6 +526,22 @@ class FrameReader:
             self._buf = self._buf[k:]
         if k < view.nbytes:
             recv_exact(self.sock, view[k:])
+
+
+def close_fds(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def send_frame_fds(sock: socket.socket, msg: Message, op: Op, fds: list[int]) -> None:
+    """A reply frame with no payload and `fds` attached to its first byte (Unix sockets)."""
+    data = encode(msg, op, True)
+    sent = socket.send_fds(sock, [data], fds)
+    if sent < len(data):
+        sock.sendall(data[sent:])
 
 
 def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=()) -> None:

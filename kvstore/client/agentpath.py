@@ -4,7 +4,8 @@ installed, i.e. RDMA). Frames then carry only the control messages: GET leases s
 names them, RESERVE hands out slots, COMMIT publishes them, exactly as on the same-host path.
 
 The daemon exports each namespace's arena through its own Agent and hands that agent's
-metadata only to clients that passed HELLO's auth for the namespace. Transfers go through
+metadata, with a capability (a random key its port demands), only to clients that passed
+HELLO's auth for the namespace; the key lives as long as a connection of the client holds it. Transfers go through
 one registered staging buffer (registering each caller's buffer per call would cost more
 than the copy, and a real NIXL registration pins pages), so calls on one client are
 serialised here.
@@ -26,12 +27,12 @@ from transfer.copy import copy_bytes
 class AgentPath:
     def __init__(self, info: w.HelloOk, backends: Sequence[BackendKind],
                  timeout_s: float) -> None:
-        self.key = info.agent_meta
+        self.meta, self.access_key = info.agent_meta, info.agent_key
         self.block_bytes, self.timeout_s = info.block_bytes, timeout_s
         self.agent = Agent(f"kvtier-client-{uuid.uuid4().hex[:12]}",
                            AgentConfig(backends=tuple(backends), io_timeout_s=timeout_s))
         try:
-            self.peer = self.agent.add_peer(info.agent_meta)
+            self.peer = self.agent.add_peer(info.agent_meta, key=info.agent_key)
             self.remote = self.agent.prepare(
                 DescList.uniform(info.agent_region, info.block_bytes, info.shm_slots),
                 peer=self.peer)

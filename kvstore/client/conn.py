@@ -1,7 +1,10 @@
-"""One data-plane connection of the SDK: connect, hello, and blocking request/reply."""
+"""One data-plane connection of the SDK: connect, hello, and blocking request/reply.
+
+Over TCP (`Address`), or, on the daemon's host, over its local Unix socket
+(`LocalAddress`, the abstract name HELLO's reply gives), where replies to SHARE and STAGE
+carry shared memory as file descriptors."""
 from __future__ import annotations
 
-import os
 import socket
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -11,7 +14,7 @@ import numpy as np
 from kvstore import wire as w
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.keys import Namespace
-from transfer.shm import SHM_DIR, ShmSegment
+from transfer.shm import ShmSegment
 
 DEFAULT_PORT = 7481
 
@@ -19,6 +22,26 @@ DEFAULT_PORT = 7481
 class Address(NamedTuple):
     host: str
     port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class LocalAddress(NamedTuple):
+    name: str  # an abstract Unix socket name (without the leading NUL)
+
+    def __str__(self) -> str:
+        return "the daemon's local socket"
+
+    def connect(self, timeout_s: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect("\0" + self.name)
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
 
 def parse_url(url: str) -> Address:
@@ -31,17 +54,22 @@ def parse_url(url: str) -> Address:
 
 
 class Connection:
-    def __init__(self, addr: Address, token: str, ns: Namespace, timeout_s: float,
-                 connect_timeout_s: float, want_agent: bool = False) -> None:
+    def __init__(self, addr: Address | LocalAddress, token: str, ns: Namespace,
+                 timeout_s: float, connect_timeout_s: float, want_agent: bool = False,
+                 agent_key: bytes = b"") -> None:
         self.addr, self.timeout_s = addr, timeout_s
+        self.local = isinstance(addr, LocalAddress)
         self.pending_release: list[int] = []
         self._staging: ShmSegment | None = None
         try:
-            self.sock = socket.create_connection(addr, timeout=connect_timeout_s)
+            if self.local:
+                self.sock = addr.connect(connect_timeout_s)
+            else:
+                self.sock = socket.create_connection(addr, timeout=connect_timeout_s)
+                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as e:
-            raise ConnectError(f"cannot reach the kvtier daemon at {addr.host}:{addr.port} ({e}); "
+            raise ConnectError(f"cannot reach the kvtier daemon at {addr} ({e}); "
                                "is `kvtier serve` running there?") from e
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             self.sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
         self.sock.settimeout(timeout_s)
@@ -49,7 +77,7 @@ class Connection:
         hello = w.Hello(token=token, model=ns.model, num_layers=ns.num_layers,
                         num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, dtype=ns.dtype,
                         block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant,
-                        agent=want_agent)
+                        agent=want_agent, agent_key=agent_key)
         try:
             self.info: w.HelloOk = self.call(hello)[0]
         except BaseException:
@@ -60,7 +88,7 @@ class Connection:
         try:
             w.send_frame(self.sock, msg, msg.OP, False, payload)
         except socket.timeout as e:
-            raise RequestTimeout(f"sending {msg.OP.name} to {self.addr.host}:{self.addr.port} "
+            raise RequestTimeout(f"sending {msg.OP.name} to {self.addr} "
                                  f"stalled for {self.timeout_s}s") from e
 
     def receive(self, op: w.Op) -> tuple[w.Message, int]:
@@ -68,8 +96,11 @@ class Connection:
         try:
             frame = self.reader.frame(1 << 62)
         except socket.timeout as e:
-            raise RequestTimeout(f"no reply to {op.name} from {self.addr.host}:{self.addr.port} "
-                                 f"within {self.timeout_s}s (raise timeout_s for big batches)") from e
+            raise RequestTimeout(f"no reply to {op.name} from {self.addr} within "
+                                 f"{self.timeout_s}s (raise timeout_s for big batches)") from e
+        return self._check(frame, op)
+
+    def _check(self, frame: w.Frame, op: w.Op) -> tuple[w.Message, int]:
         if not frame.reply:
             raise w.ProtocolError(f"the daemon sent a request frame ({frame.op.name})")
         if frame.op is w.Op.ERROR:
@@ -88,7 +119,7 @@ class Connection:
         try:
             self.reader.recv_into(view)
         except socket.timeout as e:
-            raise RequestTimeout(f"payload from {self.addr.host}:{self.addr.port} stalled for "
+            raise RequestTimeout(f"payload from {self.addr} stalled for "
                                  f"{self.timeout_s}s") from e
 
     def flush_releases(self) -> None:
@@ -96,16 +127,31 @@ class Connection:
             ids, self.pending_release = tuple(self.pending_release), []
             self.call(w.Release(lease_ids=ids))
 
+    def call_fds(self, msg: w.Message, num_fds: int) -> tuple[w.Message, list[int]]:
+        """A request whose reply carries `num_fds` descriptors (local socket only); the
+        caller owns them."""
+        self.send(msg)
+        try:
+            frame, fds = self.reader.frame_with_fds(0)
+        except socket.timeout as e:
+            raise RequestTimeout(f"no reply to {msg.OP.name} within {self.timeout_s}s") from e
+        try:
+            reply, _ = self._check(frame, msg.OP)
+            if len(fds) != num_fds:
+                raise w.ProtocolError(f"{msg.OP.name} reply carried {len(fds)} descriptors, "
+                                      f"not {num_fds}")
+        except BaseException:
+            w.close_fds(fds)
+            raise
+        return reply, fds
+
     def staging(self, nbytes: int) -> np.ndarray:
         """This connection's staging segment (same host only), at least nbytes long: the
         daemon creates it on the first STAGE and regrows it on request."""
         if self._staging is None or self._staging.size < nbytes:
-            reply, _ = self.call(w.Stage(nbytes=nbytes))
-            directory, name = os.path.split(reply.path)
-            if directory != SHM_DIR:
-                raise w.ProtocolError(f"staging segment {reply.path!r} is not in {SHM_DIR}")
+            reply, (fd,) = self.call_fds(w.Stage(nbytes=nbytes), 1)
             self._drop_staging()
-            self._staging = ShmSegment.attach(name, reply.nbytes)
+            self._staging = ShmSegment.from_fd(fd, writable=True, size=reply.nbytes)
         return self._staging.array
 
     def _drop_staging(self) -> None:

@@ -1,60 +1,69 @@
-"""The same-host path: map the daemon's DRAM arena file once and copy slots directly.
+"""The same-host path: the daemon's DRAM arena, mapped once, and slots copied directly.
 
-The daemon reports its arena's path and (st_dev, st_ino); the client is on the same host
-exactly when it can open that path and finds the same file there. The mapping is made once
-(pre-faulted, via the transfer layer's `map_path`) and reused for every request. Where the
-daemon also reports the arena's slot directory (and the CPU orders memory as x86-64 does),
-reads of DRAM blocks need no request at all: see `kvstore.tiers.slotdir`.
+A client on the daemon's host reaches it over the daemon's local Unix socket (its abstract
+name comes in HELLO's reply, only after the token check) and asks for the namespace's arena
+with SHARE: the reply carries two descriptors, the arena (read-write: the client writes the
+slots RESERVE gives it) and its slot directory (read-only, sealed). Nothing has a name in a
+filesystem, so no other process can map them; any uid can use the path. The arena's first
+page holds its random id, which must match the one HELLO announced (the descriptors come
+from the daemon we authenticated with). Where the directory is mapped (and the CPU orders
+memory as x86-64 does), reads of DRAM blocks need no request at all: see
+`kvstore.tiers.slotdir`.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
 from kvstore import wire as w
 from kvstore.errors import ConfigError
-from kvstore.tiers.dram import META_BYTES
+from kvstore.tiers.dram import META_BYTES, arena_meta
 from kvstore.tiers.slotdir import DIRECT_READS, SlotDirectoryReader
-from transfer.shm import map_path
+from transfer.shm import ShmSegment
 
 
 class ArenaMap:
-    def __init__(self, info: w.HelloOk) -> None:
-        self.key = (info.shm_path, info.shm_dev, info.shm_ino)
-        nbytes = info.shm_slots * info.block_bytes
-        self._mm, view = map_path(info.shm_path, nbytes, META_BYTES)
-        self.array = view[:nbytes].reshape(info.shm_slots, info.block_bytes)  # numpy rows
+    """One mapping of a namespace's arena (and its slot directory) for a client's life."""
+
+    def __init__(self, info: w.ShareOk, arena_fd: int, dir_fd: int, block_bytes: int) -> None:
+        try:
+            self._seg = ShmSegment.from_fd(arena_fd, writable=True)
+        except BaseException:
+            w.close_fds([dir_fd])
+            raise
+        try:
+            num_slots, slot_bytes, arena_id = arena_meta(self._seg.array)
+            if (arena_id, num_slots, slot_bytes) != (info.arena_id, info.num_slots, block_bytes):
+                raise ConfigError("the shared arena is not the one the daemon announced")
+        except BaseException:
+            self._seg.close()
+            w.close_fds([dir_fd])
+            raise
+        self.arena_id = arena_id
+        nbytes = num_slots * block_bytes
+        self.array = self._seg.array[META_BYTES:META_BYTES + nbytes].reshape(num_slots,
+                                                                            block_bytes)
         self.rows = torch.from_numpy(self.array)
         self.directory: SlotDirectoryReader | None = None
-        if DIRECT_READS and info.shm_dir:
+        if DIRECT_READS:
             try:
-                self.directory = SlotDirectoryReader(info.shm_dir, info.shm_slots)
+                self.directory = SlotDirectoryReader(dir_fd, num_slots)
             except (OSError, ConfigError):
                 pass  # leased reads (one round trip each) still work
+        else:
+            w.close_fds([dir_fd])
 
     def close(self) -> None:
         if self.directory is not None:
             self.directory.close()
             self.directory = None
         self.rows = self.array = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # a copy in another thread still holds a view; unmapped when it is dropped
+        self._seg.close()  # a copy in another thread may still hold a view: unmapped after
 
 
-def same_host_arena(info: w.HelloOk) -> ArenaMap | None:
-    """A mapping of the daemon's arena when this process can see it, else None (use TCP)."""
-    if not info.shm_path:
+def map_arena(conn, block_bytes: int) -> ArenaMap | None:
+    """Ask the daemon (over `conn`, a local-socket connection) for the namespace's arena;
+    None when it has no DRAM tier."""
+    if not conn.info.arena_id:
         return None
-    try:
-        st = os.stat(info.shm_path)
-    except OSError:
-        return None
-    if (st.st_dev, st.st_ino) != (info.shm_dev, info.shm_ino):
-        return None
-    try:
-        return ArenaMap(info)
-    except (OSError, ValueError):
-        return None  # e.g. no permission to map it: the TCP path still works
+    reply, (arena_fd, dir_fd) = conn.call_fds(w.Share(), 2)
+    return ArenaMap(reply, arena_fd, dir_fd, block_bytes)

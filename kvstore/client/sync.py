@@ -17,10 +17,10 @@ import torch
 
 from kvstore import wire as w
 from kvstore.buffers import byte_rows
-from kvstore.client.conn import Connection, parse_url
+from kvstore.client.conn import Connection, LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
-from kvstore.client.shm import ArenaMap, same_host_arena
+from kvstore.client.shm import ArenaMap, map_arena
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats, TierCounters, TierStats
@@ -77,6 +77,7 @@ class Client:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._arena: ArenaMap | None = None
+        self._local: LocalAddress | None = None  # the daemon's local socket, once found
         self._touched: list[bytes] = []
         self._closed = False
         self.block_bytes = namespace.block_bytes
@@ -86,40 +87,74 @@ class Client:
     # ------------------------------------------------------------ connections
 
     def _new_conn(self) -> Connection:
-        conn = Connection(self.addr, self.token, self.ns, self.timeout_s, self.connect_timeout_s,
-                          want_agent=self.use_agent)
+        """A connection over the local socket when this client found the daemon on its
+        host, else over TCP (which tells where the local socket is, if there is one)."""
+        conn = None
+        if self._local is not None:
+            try:
+                conn = self._connect(self._local)
+            except ConnectError:
+                self._local = None  # the daemon restarted (a new socket): find it again
+        if conn is None:
+            conn = self._connect(self.addr)
+            if self.use_shm and conn.info.local_socket:
+                conn = self._go_local(conn)
         try:
-            self._check_arena(conn.info)
+            self._check_arena(conn)
         except BaseException:
             conn.close()
             raise
         return conn
 
-    def _check_arena(self, info: w.HelloOk) -> None:
+    def _connect(self, addr) -> Connection:
+        agent = self._agent
+        return Connection(addr, self.token, self.ns, self.timeout_s, self.connect_timeout_s,
+                          want_agent=self.use_agent,
+                          agent_key=agent.access_key if agent is not None else b"")
+
+    def _go_local(self, tcp: Connection) -> Connection:
+        """The same daemon over its local socket, when this process can reach it (same host
+        and network namespace); otherwise `tcp` as it is."""
+        local = LocalAddress(tcp.info.local_socket)
+        try:
+            conn = self._connect(local)
+        except (ConnectError, w.RemoteError, OSError):
+            return tcp  # another host: TCP it is
+        if conn.info.instance != tcp.info.instance:
+            conn.close()  # not the daemon we authenticated with over TCP
+            return tcp
+        tcp.close()
+        self._local = local
+        return conn
+
+    def _check_arena(self, conn: Connection) -> None:
+        """Map the namespace's arena (local connections) the first time, or again after the
+        daemon replaced it; off the host, set up the transfer agent instead."""
+        info = conn.info
         with self._lock:
-            key = (info.shm_path, info.shm_dev, info.shm_ino)
-            if self._arena is not None and self._arena.key == key:
-                return
-            old, self._arena = self._arena, None
+            current = self._arena is not None and self._arena.arena_id == info.arena_id
+        if conn.local and current:
+            return
+        arena = map_arena(conn, self.block_bytes) if conn.local else None
+        with self._lock:
+            old, self._arena = self._arena, arena
         if old is not None:
             old.close()
-        arena = same_host_arena(info) if self.use_shm else None
-        with self._lock:
-            self._arena = arena
         if arena is None and self.use_agent and info.agent_meta:
             self._check_agent(info)
 
-    def _movers(self) -> tuple[ArenaMap | None, AgentPath | None]:
-        """What moves block bytes now: the arena mapping (same host) or the transfer agent."""
-        arena, agent = self._arena, self._agent
+    def _movers(self, conn: Connection) -> tuple[ArenaMap | None, AgentPath | None]:
+        """What moves block bytes on `conn`: the arena mapping (a local connection) or the
+        transfer agent (None, None: inline in the frames)."""
+        arena, agent = (self._arena if conn.local else None), self._agent
         if arena is None and agent is not None and agent.broken:
             raise ConnectionError("the daemon's transfer agent went away")  # retried afresh
         return arena, agent
 
     def _check_agent(self, info: w.HelloOk) -> None:
         with self._lock:
-            if self._agent is not None and self._agent.key == info.agent_meta \
-                    and not self._agent.broken:
+            if self._agent is not None and self._agent.meta == info.agent_meta \
+                    and self._agent.access_key == info.agent_key and not self._agent.broken:
                 return
             old, self._agent = self._agent, None
         if old is not None:
@@ -195,7 +230,7 @@ class Client:
 
     def _put_n(self, conn: Connection, packed: bytes, rows) -> list[PutStatus]:
         conn.flush_releases()
-        arena, agent = self._movers()
+        arena, agent = self._movers(conn)
         n, stage_limit = len(packed) // 16, min(self.staged_put_bytes, MAX_STAGE_BYTES)
         if arena is not None and n * self.block_bytes <= stage_limit:
             staging = conn.staging(stage_limit)  # sized once for any put that stages
@@ -334,7 +369,7 @@ class Client:
     get_n_into = get_n
 
     def _get_n(self, conn: Connection, packed: bytes, rows) -> list[TierKind | None]:
-        arena, agent = self._movers()
+        arena, agent = self._movers(conn)
         release, conn.pending_release = tuple(conn.pending_release), []
         reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release,
                                                shm=arena is not None or agent is not None))
@@ -416,8 +451,8 @@ class Client:
 
     @property
     def transport(self) -> str:
-        """How block bytes move: "shm" (the daemon's arena, same host), "agent" (a transfer
-        Agent, one-sided) or "tcp" (inline in the frames)."""
+        """How block bytes move: "shm" (the daemon's arena over its local socket, same
+        host), "agent" (a transfer Agent, one-sided) or "tcp" (inline in the frames)."""
         return "shm" if self._arena is not None else "agent" if self._agent is not None else "tcp"
 
     @property

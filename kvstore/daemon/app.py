@@ -20,10 +20,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.daemon.config import ADMIN, DaemonConfig
-from kvstore.daemon.dataplane import DataPlane, listen
+from kvstore.daemon.dataplane import DataPlane, listen, listen_local
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.namespaces import Hosted, Registry
-from kvstore.tiers.dram import sweep_orphans
 from kvstore.daemon import cluster, views
 
 CONFIG = web.AppKey("config", DaemonConfig)
@@ -42,19 +41,20 @@ async def _listen_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _registry_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
-    port = app[DATA_SOCKET].getsockname()[1]
-    registry = app[REGISTRY] = Registry(cfg, shm_tag=str(port))
-    sweep_orphans()  # arenas and staging segments of killed daemons and stores
+    registry = app[REGISTRY] = Registry(cfg)
     app[METRICS] = Metrics(registry.hosted)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, registry.reopen_existing)
+    app[METRICS].namespaces_failed.set(len(registry.failed))
     yield
     await loop.run_in_executor(None, registry.close)
 
 
 async def _dataplane_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
-    plane = app[DATAPLANE] = DataPlane(cfg, app[REGISTRY], app[METRICS], app[DATA_SOCKET])
+    local = listen_local() if cfg.local_socket else None
+    plane = app[DATAPLANE] = DataPlane(cfg, app[REGISTRY], app[METRICS], app[DATA_SOCKET],
+                                       local)
     plane.start()
     yield
     await asyncio.get_running_loop().run_in_executor(None, plane.shutdown, cfg.shutdown_grace_s)
@@ -78,15 +78,22 @@ def require_admin(request: web.Request) -> None:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """200 while the data plane accepts connections; 503 (with why) when it does not."""
     app = request.app
-    return web.json_response({"status": "ok", "node_id": app[CONFIG].node_id,
-                              "data_port": app[DATAPLANE].port})
+    plane = app[DATAPLANE]
+    body = {"status": "ok" if plane.accepting else "not accepting",
+            "node_id": app[CONFIG].node_id, "data_port": plane.port,
+            "namespaces_failed": len(app[REGISTRY].failed)}
+    return web.json_response(body, status=200 if plane.accepting else 503)
 
 
 async def stats(request: web.Request) -> web.Response:
     hosted = request.app[REGISTRY].hosted(grant_of(request))
     rows = await asyncio.get_running_loop().run_in_executor(None, views.stats_rows, hosted)
-    return web.json_response({"node_id": request.app[CONFIG].node_id, "namespaces": rows})
+    body = {"node_id": request.app[CONFIG].node_id, "namespaces": rows}
+    if grant_of(request) == ADMIN:
+        body["namespaces_failed"] = request.app[REGISTRY].failed
+    return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:

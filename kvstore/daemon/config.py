@@ -1,49 +1,107 @@
-"""Daemon configuration: one frozen dataclass, read from flags and an optional TOML file."""
+"""Daemon configuration: one frozen dataclass, declared once.
+
+Each field that a user may set carries its help text (and, where the name differs, its flag)
+in the field's metadata: `kvtier serve`'s flags, the TOML config file's `[serve]` keys and
+the validation all come from this one declaration (`options()`), so no list of names is
+kept anywhere else.
+"""
 from __future__ import annotations
 
 import hmac
 import ipaddress
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, Iterator, NamedTuple
 
+from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 
 ADMIN = "*"  # the tenant of a token that may use every namespace and the admin endpoints
 
 
+def opt(default: Any, help: str, *, flag: str | None = None, kind: str = "",
+        **kw) -> Any:
+    """A user-settable field: `kind` is "size" (bytes, '4GiB' accepted), "list" (comma
+    separated, 'none' = empty), "flag" (a store_false switch) or "" (its annotation's type)."""
+    meta = {"help": help, "flag": flag, "kind": kind}
+    if callable(default):
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+class TenantLimits(NamedTuple):
+    max_namespaces: int
+    memory_bytes: int  # DRAM + GPU bytes all of the tenant's namespaces may hold; 0 = no cap
+    disk_bytes: int    # SSD bytes likewise
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
-    host: str = "127.0.0.1"
-    port: int = 7481                 # data plane (framed binary protocol)
-    http_port: int = 7480            # control plane (aiohttp)
-    data_dir: str = "./kvtier-data"
-    dram_bytes: int = 1 << 30        # per namespace
-    ssd_bytes: int = 64 << 30        # per namespace
-    gpu_bytes: int = 0               # per namespace; 0 = no GPU tier
+    host: str = opt("127.0.0.1", "bind address (others than loopback need --token-file)")
+    port: int = opt(7481, "data-plane port (0 = any free port)")
+    http_port: int = opt(7480, "control-plane port (0 = any free port)")
+    data_dir: str = opt("./kvtier-data", "SSD tier directory")
+    dram_bytes: int = opt(1 << 30, "DRAM tier size per namespace (0 = none)",
+                          flag="--dram-size", kind="size")
+    ssd_bytes: int = opt(64 << 30, "SSD tier size per namespace (0 = none); grows on "
+                         "demand, so an unused size reserves no disk", flag="--ssd-size",
+                         kind="size")
+    gpu_bytes: int = opt(-1, "GPU tier size per namespace (default 1GiB when CUDA is "
+                         "available, else none)", flag="--gpu-size", kind="size")
     gpu_device: str | None = None
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    quota_blocks: int = 0            # most blocks a namespace keeps in each tier; 0 = no cap
-    tenant_quotas: tuple[tuple[str, int], ...] = ()
-    tokens: tuple[tuple[str, str], ...] = ()  # (token, tenant or ADMIN)
-    block_tokens: int = 0            # only namespaces with this block size; 0 = any
-    max_namespaces: int = 8
-    reservation_timeout_s: float = 30.0
+    high_watermark: float = opt(0.95, "background eviction starts above this fill fraction")
+    low_watermark: float = opt(0.85, "...and stops at this one")
+    quota_blocks: int = opt(0, "most blocks a namespace keeps in each tier (0 = no cap "
+                            "beyond the tier sizes)")
+    tenant_quotas: tuple[tuple[str, int], ...] = ()  # per-tenant quota_blocks ([quotas])
+    max_namespaces: int = opt(8, "namespaces one tenant may host at once")
+    max_namespaces_total: int = opt(64, "namespaces the daemon hosts at once, all tenants")
+    tenant_memory_bytes: int = opt(0, "DRAM + GPU bytes all namespaces of one tenant may "
+                                   "hold (0 = no cap)", flag="--tenant-memory", kind="size")
+    tenant_disk_bytes: int = opt(0, "SSD bytes all namespaces of one tenant may hold "
+                                 "(0 = no cap)", flag="--tenant-disk", kind="size")
+    tenant_limits: tuple[tuple[str, int, int, int], ...] = ()  # [tenants.NAME] overrides
+    tokens: tuple[tuple[str, str], ...] = ()  # (token, tenant or ADMIN), from --token-file
+    block_tokens: int = opt(0, "accept only namespaces with this block size in tokens "
+                            "(0 = any)")
+    max_connections: int = opt(1024, "open data-plane connections at most (a quarter of "
+                               "them may be waiting to authenticate)")
+    hello_timeout_s: float = opt(10.0, "seconds a new connection has to authenticate",
+                                 flag="--hello-timeout")
+    idle_timeout_s: float = opt(600.0, "seconds an authenticated connection may stay "
+                                "silent (or stall mid-frame) before it is closed",
+                                flag="--idle-timeout")
+    reservation_timeout_s: float = opt(30.0, "seconds before an uncommitted put is "
+                                       "reclaimed", flag="--reservation-timeout")
     lease_ttl_s: float = 30.0
     max_payload_bytes: int = 1 << 30
-    durable: bool = True
-    node_id: str = field(default_factory=lambda: f"{os.uname().nodename}")
-    log_level: str = "info"
+    durable: bool = opt(True, "SSD puts without the write-ahead log (faster; recent blocks "
+                        "lost on a crash, never corrupted)", flag="--no-wal", kind="flag")
+    local_socket: bool = opt(True, "serve no same-host clients over the local socket "
+                             "(shared memory); every client then uses TCP",
+                             flag="--no-local-socket", kind="flag")
+    inspectable: bool = opt(False, "keep the process dumpable, so debuggers and py-spy of "
+                            "the same user can attach (they can then read every tenant's "
+                            "memory too)")
+    node_id: str = opt(lambda: os.uname().nodename, "this node's name in KV events "
+                       "(default the hostname)")
+    log_level: str = opt("info", "debug, info, warning or error")
     shutdown_grace_s: float = 10.0
-    cluster: str | None = None       # etcd://HOST:PORT[,HOST:PORT]/PREFIX to join a pool
-    advertise: str | None = None     # address other nodes and clients reach this node at
-    cluster_ttl_s: int = 5           # etcd lease: a silent node leaves after this long
+    cluster: str | None = opt(None, "etcd://HOST:PORT[,HOST:PORT]/PREFIX: join a multi-node "
+                              "pool coordinated by etcd")
+    advertise: str | None = opt(None, "address peers and clients use to reach this node "
+                                "(default: the bind address)")
+    cluster_ttl_s: int = opt(5, "seconds of silence after which etcd drops a node",
+                             flag="--cluster-ttl")
     event_interval_s: float = 0.05   # how often KV events are shipped to the leader
     # Transfer-layer backends a namespace's DRAM arena is exported through, for clients on
     # other hosts that move block bytes with a transfer Agent (one-sided READ/WRITE into
     # leased / reserved slots) instead of inline in frames; () = none.
-    agent_backends: tuple[str, ...] = ("tcp",)
+    agent_backends: tuple[str, ...] = opt(("tcp",), "transfer backends each namespace's DRAM "
+                                          "arena is exported through for Client(use_agent="
+                                          "True): comma-separated of tcp, nixl, ucx, or none",
+                                          kind="list")
 
     def __post_init__(self) -> None:
         if not self.tokens and not _is_loopback(self.host):
@@ -51,8 +109,9 @@ class DaemonConfig:
                               "only binds loopback (pass --token-file to serve other hosts)")
         if self.dram_bytes <= 0 and self.ssd_bytes <= 0 and self.gpu_bytes <= 0:
             raise ConfigError("at least one tier needs a size (--dram-size / --ssd-size)")
-        if self.max_namespaces < 1:
-            raise ConfigError("max_namespaces must be >= 1")
+        if min(self.max_namespaces, self.max_namespaces_total, self.max_connections) < 1:
+            raise ConfigError("max_namespaces, max_namespaces_total and max_connections "
+                              "must be >= 1")
         for port in (self.port, self.http_port):
             if not 0 <= port < 65536:
                 raise ConfigError(f"port {port} out of range")
@@ -61,8 +120,9 @@ class DaemonConfig:
         for b in self.agent_backends:
             if b not in ("tcp", "nixl", "ucx"):
                 raise ConfigError(f"agent backend {b!r} is not one of tcp, nixl, ucx")
-        if self.reservation_timeout_s <= 0 or self.lease_ttl_s <= 0:
-            raise ConfigError("reservation and lease timeouts must be > 0")
+        if min(self.reservation_timeout_s, self.lease_ttl_s, self.hello_timeout_s,
+               self.idle_timeout_s) <= 0:
+            raise ConfigError("timeouts must be > 0")
 
     @property
     def auth_required(self) -> bool:
@@ -86,6 +146,32 @@ class DaemonConfig:
 
     def quota_for(self, tenant: str) -> int:
         return dict(self.tenant_quotas).get(tenant, self.quota_blocks)
+
+    def limits_for(self, tenant: str) -> TenantLimits:
+        for name, *values in self.tenant_limits:
+            if name == tenant:
+                return TenantLimits(*values)
+        return TenantLimits(self.max_namespaces, self.tenant_memory_bytes,
+                            self.tenant_disk_bytes)
+
+
+def options() -> Iterator[tuple[str, str, dict]]:
+    """(field name, flag, metadata) of every user-settable field."""
+    for f in fields(DaemonConfig):
+        if "help" in f.metadata:
+            flag = f.metadata["flag"] or "--" + f.name.removesuffix("_s").replace("_", "-")
+            yield f.name, flag, f.metadata
+
+
+def coerce(name: str, value: Any) -> Any:
+    """A value from a flag or the config file, as the field wants it."""
+    f = next(f for f in fields(DaemonConfig) if f.name == name)
+    kind = f.metadata.get("kind", "")
+    if kind == "size":
+        return parse_size(value)
+    if kind == "list" and isinstance(value, str):
+        return () if value in ("", "none") else tuple(v.strip() for v in value.split(","))
+    return value
 
 
 def _is_loopback(host: str) -> bool:
@@ -115,21 +201,41 @@ def read_token_file(path: str) -> tuple[tuple[str, str], ...]:
 
 
 def read_toml(path: str) -> dict:
-    """The [serve] table of a config file (keys as DaemonConfig fields) plus [quotas]."""
+    """The [serve] table of a config file (keys as DaemonConfig fields), [quotas]
+    (tenant = blocks per namespace and tier) and [tenants.NAME] tables (max_namespaces,
+    memory, disk)."""
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from e
-    known = {f.name for f in fields(DaemonConfig)}
+    known = {name for name, _, _ in options()} | {"token_file", "max_payload_bytes"}
     serve = dict(doc.get("serve", {}))
-    unknown = set(serve) - known - {"token_file"}
+    unknown = set(serve) - known
     if unknown:
         raise ConfigError(f"config file {path}: unknown [serve] keys {sorted(unknown)}")
+    serve = {k: (coerce(k, v) if k != "token_file" and k != "max_payload_bytes" else v)
+             for k, v in serve.items()}
     if "quotas" in doc:
         serve["tenant_quotas"] = tuple((str(k), int(v)) for k, v in doc["quotas"].items())
+    if "tenants" in doc:
+        serve["tenant_limits"] = tuple(_tenant_row(path, k, v)
+                                       for k, v in doc["tenants"].items())
     return serve
+
+
+def _tenant_row(path: str, tenant: str, table: Any) -> tuple[str, int, int, int]:
+    if not isinstance(table, dict) or set(table) - {"max_namespaces", "memory", "disk"}:
+        raise ConfigError(f"config file {path}: [tenants.{tenant}] takes max_namespaces, "
+                          "memory and disk")
+    return (str(tenant), int(table.get("max_namespaces", DaemonConfig.max_namespaces)),
+            parse_size(table.get("memory", 0)), parse_size(table.get("disk", 0)))
 
 
 def with_overrides(cfg: DaemonConfig, **kw) -> DaemonConfig:
     return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
+
+
+def default_of(name: str) -> Any:
+    f = next(f for f in fields(DaemonConfig) if f.name == name)
+    return f.default_factory() if f.default is MISSING else f.default

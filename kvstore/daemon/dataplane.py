@@ -1,16 +1,28 @@
-"""The data-plane server: a listening socket, one thread per connection.
+"""The data-plane server: listening sockets, one thread per connection.
 
 Threads, not asyncio, on purpose: each op's bulk bytes move with blocking recv_into/sendmsg
 straight into or out of arena slots, which release the GIL and reach the raw loopback
 figure (~3.8 GB/s here); an event loop would add a wake-up per partial read of every
 megabyte. The store core is synchronous and thread-safe, so each connection calls it directly.
 
+Two listeners: TCP (any host) and, for clients on this host, an abstract Unix-domain socket
+with a random name (no file to guess; any uid may connect; the name reaches clients only in
+HELLO's reply). Both speak the same protocol; only the Unix one can pass descriptors.
+
+Limits before work: at most `max_connections` open, a quarter of them unauthenticated; a new
+connection must authenticate within `hello_timeout_s`, and an authenticated one is closed
+after `idle_timeout_s` of silence (kernel socket timeouts, so blocking MSG_WAITALL reads keep
+their speed). Running out of descriptors (EMFILE) pauses accepting, never stops it.
+
 Shutdown: stop accepting, wake idle connections, let busy ones finish their op, then return.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import secrets
 import socket
+import struct
 import threading
 import time
 
@@ -22,6 +34,8 @@ from kvstore.daemon.session import HANDLERS, Session
 from kvstore.errors import KVStoreError, StoreClosedError
 
 log = logging.getLogger("kvtier.dataplane")
+ACCEPT_BACKOFF_S = (0.01, 1.0)  # first and longest pause when the process is out of fds
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -30,12 +44,34 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen_local() -> tuple[socket.socket, str]:
+    """An abstract Unix socket with an unguessable name; (socket, name without the NUL)."""
+    name = f"kvtier-{secrets.token_hex(16)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\0" + name)
+    sock.listen(128)
+    return sock, name
+
+
+def _timeouts(sock: socket.socket, seconds: float) -> None:
+    """Kernel send/receive timeouts: the socket stays blocking (MSG_WAITALL keeps filling a
+    megabyte in one call) yet no peer can hold a thread longer than `seconds` per call."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 class Connection:
-    def __init__(self, sock: socket.socket, server: "DataPlane") -> None:
+    def __init__(self, sock: socket.socket, server: "DataPlane", local: bool) -> None:
         self.sock, self.server = sock, server
         self.busy = False
-        self.reader = w.FrameReader(sock)
-        self.session = Session(sock, self.reader, server.registry, server.cfg)
+        self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES)
+        self.session = Session(sock, self.reader, server.registry, server.cfg,
+                               server.instance, server.local_name, local)
+
+    @property
+    def authenticated(self) -> bool:
+        return self.session.hosted is not None
 
     def run(self) -> None:
         m = self.server.metrics
@@ -53,7 +89,7 @@ class Connection:
             m.protocol_errors.inc()
             self._send_error(e.code, str(e))
         except (ConnectionError, OSError, TimeoutError):
-            pass  # the client went away (or shutdown woke us): nothing to answer
+            pass  # the client went away, timed out, or shutdown woke us: nothing to answer
         finally:
             self._close()
 
@@ -61,10 +97,13 @@ class Connection:
         m, t0 = self.server.metrics, time.perf_counter()
         if frame.reply:
             raise w.ProtocolError(f"a client sent a reply frame ({frame.op.name})")
-        handler = HANDLERS[frame.op]
+        if frame.op is not w.Op.HELLO and not self.authenticated:
+            raise w.ProtocolError(f"{frame.op.name} before HELLO: send HELLO (token and "
+                                  "namespace) first")
+        was_authenticated = self.authenticated
         outcome = "ok"
         try:
-            handler(self.session, frame.msg, frame.payload_bytes)
+            HANDLERS[frame.op](self.session, frame.msg, frame.payload_bytes)
         except w.ProtocolError:
             outcome = "protocol"
             raise  # answered and closed by run()
@@ -80,6 +119,16 @@ class Connection:
         except (KVStoreError, ValueError) as e:  # bad input the store refused
             outcome = "refused"
             self._send_error(w.ErrorCode.PROTOCOL, str(e))
+        except (ConnectionError, TimeoutError):
+            outcome = "disconnected"
+            raise
+        except Exception as e:  # a bug or an I/O failure: say so, log it, end this connection
+            outcome = "internal"
+            m.internal_errors.inc()
+            log.exception("%s failed", frame.op.name)
+            self._send_error(w.ErrorCode.INTERNAL, f"{frame.op.name} failed inside the "
+                             f"daemon ({type(e).__name__}); see its log")
+            raise ConnectionError("internal error") from e
         finally:
             n = len(getattr(frame.msg, "hashes", b"")) // 16
             m.observe(frame.op.name.lower(), outcome, time.perf_counter() - t0, n)
@@ -89,6 +138,10 @@ class Connection:
             if s.bytes_out:
                 m.bytes_out.inc(s.bytes_out)
             s.bytes_in = s.bytes_out = 0
+        if self.authenticated and not was_authenticated:
+            self.reader.authenticated()
+            _timeouts(self.sock, self.server.cfg.idle_timeout_s)
+            self.server.authenticated(self)
 
     def _send_error(self, code: w.ErrorCode, message: str) -> None:
         try:
@@ -98,13 +151,12 @@ class Connection:
 
     def _close(self) -> None:
         try:
-            self.session.close_ops()
+            self.session.end()
         except StoreClosedError:
             pass  # stores closed at shutdown: their reservations and leases went with them
         finally:
-            self.session.close()
-        self.sock.close()
-        self.server.forget(self)
+            self.sock.close()
+            self.server.forget(self)
 
     def wake_if_idle(self) -> None:
         if not self.busy:
@@ -116,53 +168,107 @@ class Connection:
 
 class DataPlane:
     def __init__(self, cfg: DaemonConfig, registry: Registry, metrics: Metrics,
-                 sock: socket.socket) -> None:
+                 sock: socket.socket, local: tuple[socket.socket, str] | None = None) -> None:
         self.cfg, self.registry, self.metrics, self.sock = cfg, registry, metrics, sock
+        self.local_sock, self.local_name = local if local else (None, "")
+        self.instance = secrets.token_bytes(16)  # tells clients the local socket is ours
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.conns: dict[Connection, threading.Thread] = {}
-        self._acceptor = threading.Thread(target=self._accept, name="kvtier-accept", daemon=True)
+        self.num_pending = 0  # connections not yet authenticated
+        self._acceptors = [threading.Thread(target=self._accept, args=(s, s is self.local_sock),
+                                            name="kvtier-accept", daemon=True)
+                           for s in (sock, self.local_sock) if s is not None]
 
     @property
     def port(self) -> int:
         return self.sock.getsockname()[1]
 
-    def start(self) -> None:
-        self._acceptor.start()
+    @property
+    def accepting(self) -> bool:
+        """Every acceptor thread still runs (the control plane's health check)."""
+        return not self.stopping.is_set() and all(t.is_alive() for t in self._acceptors)
 
-    def _accept(self) -> None:
+    def start(self) -> None:
+        for t in self._acceptors:
+            t.start()
+
+    def _accept(self, listener: socket.socket, local: bool) -> None:
+        pause = ACCEPT_BACKOFF_S[0]
         while not self.stopping.is_set():
             try:
-                sock, _ = self.sock.accept()
-            except OSError:
-                return  # listening socket closed: shutting down
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock, _ = listener.accept()
+            except OSError as e:
+                if self.stopping.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # listening socket closed: shutting down
+                if e.errno not in _OUT_OF_RESOURCES:
+                    continue  # one connection that died before we took it
+                self.metrics.accept_errors.inc()
+                log.warning("cannot accept a connection (%s): pausing %.2fs; raise the open "
+                            "file limit (ulimit -n) or lower --max-connections", e, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                continue
+            pause = ACCEPT_BACKOFF_S[0]
+            self._admit(sock, local)
+
+    def _admit(self, sock: socket.socket, local: bool) -> None:
+        try:
+            if not local:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-            conn = Connection(sock, self)
-            thread = threading.Thread(target=conn.run, name="kvtier-conn", daemon=True)
-            with self.lock:
-                if self.stopping.is_set():
-                    sock.close()
-                    return
-                self.conns[conn] = thread
-            self.metrics.connections.inc()
-            self.metrics.connections_total.inc()
-            thread.start()
+            _timeouts(sock, self.cfg.hello_timeout_s)
+            conn = Connection(sock, self, local)
+        except OSError:
+            sock.close()
+            return
+        with self.lock:
+            refused = self._over_limit()
+            if refused is None:
+                self.conns[conn] = threading.Thread(target=conn.run, name="kvtier-conn",
+                                                    daemon=True)
+                self.num_pending += 1
+        if refused is not None:
+            self.metrics.connections_refused.inc()
+            conn._send_error(w.ErrorCode.UNAVAILABLE, refused)
+            sock.close()
+            return
+        self.metrics.connections.inc()
+        self.metrics.connections_total.inc()
+        self.conns[conn].start()
+
+    def _over_limit(self) -> str | None:
+        if self.stopping.is_set():
+            return "the daemon is shutting down"
+        if len(self.conns) >= self.cfg.max_connections:
+            return f"the daemon is at its connection limit ({self.cfg.max_connections}); retry"
+        if self.num_pending >= max(1, self.cfg.max_connections // 4):
+            return "too many connections waiting to authenticate; retry"
+        return None
+
+    def authenticated(self, conn: Connection) -> None:
+        with self.lock:
+            self.num_pending -= 1
 
     def forget(self, conn: Connection) -> None:
         with self.lock:
             if self.conns.pop(conn, None) is not None:
                 self.metrics.connections.dec()
+                if not conn.authenticated:
+                    self.num_pending -= 1
 
     def shutdown(self, grace_s: float) -> None:
         """Stop accepting; idle connections close now, busy ones after their current op."""
         self.stopping.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        for listener in (self.sock, self.local_sock):
+            if listener is None:
+                continue
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             with self.lock:

@@ -41,8 +41,16 @@ class StoreCollector:
                                           "client copied from published slots with no request "
                                           "(reported in batches); part of the tier hits",
                                           labels=["namespace"])
+        write_errors = CounterMetricFamily("kvtier_store_write_errors", "puts a tier could "
+                                           "not store (disk full, I/O error): answered NO_SPACE",
+                                           labels=["namespace"])
+        bg_errors = CounterMetricFamily("kvtier_store_background_errors", "background "
+                                        "maintenance passes that failed (logged; the thread "
+                                        "carries on)", labels=["namespace"])
         for h in self._hosted():
             s = h.store.stats()
+            write_errors.add_metric([h.label], s.write_errors)
+            bg_errors.add_metric([h.label], s.background_errors)
             misses.add_metric([h.label], s.misses)
             lease_hits.add_metric([h.label], h.lease_hits)
             direct_hits.add_metric([h.label], h.direct_hits)
@@ -53,7 +61,7 @@ class StoreCollector:
                 for name in _COUNTERS:
                     counters[name].add_metric(labels, getattr(t.counters, name))
         yield from counters.values()
-        yield from (used, capacity, misses, lease_hits, direct_hits)
+        yield from (used, capacity, misses, lease_hits, direct_hits, write_errors, bg_errors)
 
 
 class Metrics:
@@ -74,6 +82,16 @@ class Metrics:
                                          "data-plane connections accepted", registry=r)
         self.protocol_errors = Counter("kvtier_protocol_errors",
                                        "connections closed for a protocol error", registry=r)
+        self.internal_errors = Counter("kvtier_internal_errors", "requests that failed "
+                                       "inside the daemon (logged with a traceback)", registry=r)
+        self.connections_refused = Counter("kvtier_connections_refused", "connections "
+                                           "refused at the connection limits", registry=r)
+        self.accept_errors = Counter("kvtier_accept_errors", "accept() failures for want of "
+                                     "descriptors or memory (accepting pauses, then resumes)",
+                                     registry=r)
+        self.namespaces_failed = Gauge("kvtier_namespaces_failed", "namespace directories "
+                                       "found at start that could not be opened (not served; "
+                                       "see the log)", registry=r)
         r.register(StoreCollector(hosted))
         self.bytes_in, self.bytes_out = self.net_bytes.labels("in"), self.net_bytes.labels("out")
         self._children: dict[tuple[str, str], tuple] = {}  # labels() costs ~2 us per call

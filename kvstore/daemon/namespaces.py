@@ -1,13 +1,20 @@
 """Per-namespace stores: created on a client's first hello, reopened from disk at start.
 
 A namespace is one model's KV layout plus a tenant (`kvstore.keys.Namespace`); each gets its
-own TieredStore (its own DRAM arena in /dev/shm and RocksDB directory under the data dir),
-so its block size is fixed and one tenant's blocks are never reachable from another's.
+own TieredStore (its own anonymous DRAM arena, its own SSD directory under the data dir), so
+its block size is fixed and one tenant's blocks are never reachable from another's.
+
+Limits are per tenant (how many namespaces, how many bytes of memory and of disk their
+tiers may take), so one tenant cannot starve the others, plus a cap for the whole daemon.
+A namespace that cannot be created leaves nothing on disk; one found on disk at start that
+cannot be opened is logged, counted and left where it is, and the daemon serves the rest.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import shutil
 import threading
 from dataclasses import asdict, dataclass, field
@@ -15,22 +22,15 @@ from typing import NamedTuple
 
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.daemon.config import ADMIN, DaemonConfig
-from kvstore.errors import ConfigError
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.wire import ErrorCode, Hello, RemoteError
 from transfer import Agent, AgentConfig, BackendKind
 
+log = logging.getLogger("kvtier.namespaces")
 NS_FILE = "namespace.json"
-
-
-class ShmInfo(NamedTuple):
-    path: str
-    dev: int
-    ino: int
-    num_slots: int
-    directory: str  # the arena's slot directory (kvstore.tiers.slotdir)
+MEMORY_TIERS = (TierKind.GPU, TierKind.DRAM)
 
 
 class AgentInfo(NamedTuple):
@@ -43,8 +43,8 @@ class AgentInfo(NamedTuple):
 class Hosted:
     ns: Namespace
     store: TieredStore
-    shm: ShmInfo | None
     quota_blocks: int
+    tier_bytes: dict[TierKind, int]  # capacity of each tier, in bytes (the tenant's quota)
     agent: AgentInfo | None = None
     # Of the store's hits, those served from leased DRAM slots (shm and zero-copy TCP
     # reads): how much traffic skips a copy through the daemon.
@@ -53,6 +53,8 @@ class Hosted:
     # no request at all (reported afterwards in TOUCH batches).
     direct_hits: int = 0
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
+    # agent capabilities handed out, and how many live connections hold each
+    _agent_keys: dict[bytes, int] = field(default_factory=dict)
 
     def count_lease_hits(self, n: int) -> None:
         with self._count_lock:
@@ -66,6 +68,37 @@ class Hosted:
     def label(self) -> str:
         return f"{self.ns.model}@{self.ns.tenant}" if self.ns.tenant else self.ns.model
 
+    @property
+    def dram(self):
+        """The DRAM tier (its arena is what same-host clients map), or None."""
+        kinds = self.store.tier_kinds
+        return self.store.tier(TierKind.DRAM) if TierKind.DRAM in kinds else None
+
+    def agent_key(self, held: bytes = b"") -> bytes:
+        """A capability for this namespace's transfer agent: `held` again when it is live
+        (a client's further connections share one key), else a fresh one."""
+        assert self.agent is not None
+        with self._count_lock:
+            if held and held in self._agent_keys:
+                self._agent_keys[held] += 1
+                return held
+            key = secrets.token_bytes(32)
+            self.agent.agent.grant(key)
+            self._agent_keys[key] = 1
+            return key
+
+    def drop_agent_key(self, key: bytes) -> None:
+        """One connection holding `key` closed; the last one revokes it (and the agent
+        closes the transfer connections that used it)."""
+        with self._count_lock:
+            left = self._agent_keys.get(key, 0) - 1
+            if left > 0:
+                self._agent_keys[key] = left
+                return
+            self._agent_keys.pop(key, None)
+        if self.agent is not None:
+            self.agent.agent.revoke(key)
+
 
 def namespace_of(hello: Hello) -> Namespace:
     try:
@@ -76,11 +109,12 @@ def namespace_of(hello: Hello) -> Namespace:
 
 
 class Registry:
-    def __init__(self, cfg: DaemonConfig, shm_tag: str) -> None:
-        self.cfg, self.shm_tag = cfg, shm_tag  # shm_tag: the data port, unique on the host
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
         self._lock = threading.Lock()
         self._hosted: dict[int, Hosted] = {}
         self._closed = False
+        self.failed: dict[str, str] = {}  # namespace directories that did not open: why
 
     def open(self, ns: Namespace, tenant_grant: str) -> Hosted:
         """The store of `ns`, created on first use; checks the tenant grant and the limits."""
@@ -95,39 +129,53 @@ class Registry:
                 raise RemoteError(ErrorCode.UNAVAILABLE, "the daemon is shutting down")
             hosted = self._hosted.get(ns.ns_id)
             if hosted is None:
-                if len(self._hosted) >= self.cfg.max_namespaces:
-                    raise RemoteError(ErrorCode.NAMESPACE, f"the daemon already hosts "
-                                      f"{len(self._hosted)} namespaces (--max-namespaces)")
-                hosted = self._hosted[ns.ns_id] = self._create(ns)
+                tiers = self._plan(ns)
+                hosted = self._hosted[ns.ns_id] = self._create(ns, tiers)
             return hosted
 
-    def _create(self, ns: Namespace) -> Hosted:
+    def _plan(self, ns: Namespace) -> tuple[TierConfig, ...]:
+        """The tiers a new namespace gets within the daemon's and its tenant's limits."""
+        cfg, limits = self.cfg, self.cfg.limits_for(ns.tenant)
+        if len(self._hosted) >= cfg.max_namespaces_total:
+            raise RemoteError(ErrorCode.QUOTA, f"the daemon already hosts {len(self._hosted)} "
+                              "namespaces (--max-namespaces-total)")
+        mine = [h for h in self._hosted.values() if h.ns.tenant == ns.tenant]
+        if len(mine) >= limits.max_namespaces:
+            raise RemoteError(ErrorCode.QUOTA, f"tenant {ns.tenant!r} already has {len(mine)} "
+                              "namespaces (--max-namespaces, or [tenants] in the config)")
+        used_memory = sum(h.tier_bytes.get(k, 0) for h in mine for k in MEMORY_TIERS)
+        used_disk = sum(h.tier_bytes.get(TierKind.SSD, 0) for h in mine)
+        memory_left = limits.memory_bytes - used_memory if limits.memory_bytes else None
+        disk_left = limits.disk_bytes - used_disk if limits.disk_bytes else None
+        return _tiers(cfg, ns, cfg.quota_for(ns.tenant), self._dir(ns), memory_left, disk_left)
+
+    def _create(self, ns: Namespace, tiers: tuple[TierConfig, ...]) -> Hosted:
         directory = self._dir(ns)
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, NS_FILE), "w") as f:
-            json.dump(asdict(ns), f)
-        quota = self.cfg.quota_for(ns.tenant)
-        shm_name = f"kvtier-{self.shm_tag}-{ns.ns_id:016x}"
-        _unlink_stale(shm_name)  # we hold the port: no live daemon owns this name
-        tiers = _tiers(self.cfg, ns, quota, directory, shm_name)
-        store = TieredStore(ns, StoreConfig(tiers, reservation_timeout_s=self.cfg.reservation_timeout_s,
-                                            node_id=self.cfg.node_id, background_interval_s=0.5))
-        shm = None
-        if TierKind.DRAM in store.tier_kinds:
-            path = os.path.join("/dev/shm", shm_name)
-            st = os.stat(path)
-            dram = store.tier(TierKind.DRAM)
-            shm = ShmInfo(path, st.st_dev, st.st_ino, dram.num_slots, dram.directory.path)
-        return Hosted(ns, store, shm, quota, agent=self._export(ns, store))
+        existed = os.path.isdir(directory)
+        store = agent = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            _write_meta(directory, ns)
+            store = TieredStore(ns, StoreConfig(tiers, reservation_timeout_s=self.cfg.reservation_timeout_s,
+                                                node_id=self.cfg.node_id, background_interval_s=0.5))
+            agent = self._export(ns, store)
+        except BaseException:
+            if store is not None:
+                store.close(flush=False)
+            if not existed:  # a namespace that never came to be leaves nothing behind
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
+        sizes = {t.kind: t.capacity_blocks * ns.block_bytes for t in tiers}
+        return Hosted(ns, store, self.cfg.quota_for(ns.tenant), sizes, agent=agent)
 
     def _export(self, ns: Namespace, store: TieredStore) -> AgentInfo | None:
-        """One transfer Agent per namespace, so its metadata (its random agent id is what
-        lets a peer in) only ever reaches clients authenticated for this namespace."""
+        """One transfer Agent per namespace: only peers holding a key this daemon granted
+        to an authenticated client of the namespace get through its port."""
         if not self.cfg.agent_backends or TierKind.DRAM not in store.tier_kinds:
             return None
         kinds = tuple(BackendKind(b) for b in self.cfg.agent_backends)
         agent = Agent(f"kvtier-{self.cfg.node_id}-{ns.ns_id:016x}",
-                      AgentConfig(backends=kinds, tcp_host=self.cfg.host))
+                      AgentConfig(backends=kinds, tcp_host=self.cfg.host, require_grant=True))
         try:
             region = agent.register(store.tier(TierKind.DRAM).arena)
             return AgentInfo(agent, agent.metadata(), region.region_id)
@@ -136,16 +184,23 @@ class Registry:
             raise
 
     def reopen_existing(self) -> int:
-        """Open every namespace found under the data dir (so its SSD blocks are served)."""
+        """Open every namespace found under the data dir (so its SSD blocks are served).
+        One that fails is logged, counted (`failed`) and left on disk untouched."""
         if not os.path.isdir(self.cfg.data_dir):
             return 0
         count = 0
         for name in sorted(os.listdir(self.cfg.data_dir)):
             meta = os.path.join(self.cfg.data_dir, name, NS_FILE)
-            if os.path.isfile(meta) and len(self._hosted) < self.cfg.max_namespaces:
+            if not os.path.isfile(meta):
+                continue
+            try:
                 with open(meta) as f:
                     self.open(Namespace(**json.load(f)), ADMIN)
                 count += 1
+            except Exception as e:  # noqa: BLE001 - any reason at all: serve the others
+                self.failed[name] = str(e)
+                log.error("namespace %s under %s was not opened and is not served (its files "
+                          "are left as they are): %s", name, self.cfg.data_dir, e)
         return count
 
     def hosted(self, tenant_grant: str = ADMIN) -> list[Hosted]:
@@ -180,38 +235,47 @@ class Registry:
             h.store.close(flush=True)
 
 
+def _write_meta(directory: str, ns: Namespace) -> None:
+    tmp = os.path.join(directory, NS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(asdict(ns), f)
+    os.replace(tmp, os.path.join(directory, NS_FILE))
+
+
 def _close_agent(hosted: Hosted) -> None:
     if hosted.agent is not None:
         hosted.agent.agent.close()
 
 
 def _tiers(cfg: DaemonConfig, ns: Namespace, quota: int, directory: str,
-           shm_name: str) -> tuple[TierConfig, ...]:
+           memory_left: int | None, disk_left: int | None) -> tuple[TierConfig, ...]:
+    """The namespace's tiers: configured sizes, capped by the per-namespace block quota and
+    by what the tenant has left of its memory (GPU first, then DRAM) and disk budgets."""
     bb = ns.block_bytes
     marks = dict(high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark)
 
-    def cap(nbytes: int) -> int:
-        n = nbytes // bb
+    def blocks(nbytes: int, left: int | None) -> int:
+        n = max(nbytes, 0) // bb
+        if left is not None:
+            n = min(n, max(left, 0) // bb)
         return min(n, quota) if quota else n
 
     tiers = []
-    if cap(cfg.gpu_bytes) > 0:
-        tiers.append(TierConfig(TierKind.GPU, cap(cfg.gpu_bytes), device=cfg.gpu_device, **marks))
-    if cap(cfg.dram_bytes) > 0:
-        tiers.append(TierConfig(TierKind.DRAM, cap(cfg.dram_bytes), shm_name=shm_name, **marks))
-    if cap(cfg.ssd_bytes) > 0:
-        tiers.append(TierConfig(TierKind.SSD, cap(cfg.ssd_bytes), path=os.path.join(directory, "ssd"),
+    gpu = blocks(cfg.gpu_bytes, memory_left)
+    if gpu > 0:
+        tiers.append(TierConfig(TierKind.GPU, gpu, device=cfg.gpu_device, **marks))
+        memory_left = None if memory_left is None else memory_left - gpu * bb
+    dram = blocks(cfg.dram_bytes, memory_left)
+    if dram > 0:
+        tiers.append(TierConfig(TierKind.DRAM, dram, **marks))
+    ssd = blocks(cfg.ssd_bytes, disk_left)
+    if ssd > 0:
+        tiers.append(TierConfig(TierKind.SSD, ssd, path=os.path.join(directory, "ssd"),
                                 durable=cfg.durable, **marks))
     if not tiers:
+        if memory_left is not None or disk_left is not None:
+            raise RemoteError(ErrorCode.QUOTA, f"tenant {ns.tenant!r} has no room left for a "
+                              f"namespace of {bb}-byte blocks (its memory/disk quota is used)")
         raise RemoteError(ErrorCode.NAMESPACE, f"blocks of {bb} bytes do not fit any tier "
                           "(raise --dram-size / --ssd-size)")
     return tuple(tiers)
-
-
-def _unlink_stale(shm_name: str) -> None:
-    try:
-        os.unlink(os.path.join("/dev/shm", shm_name))
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise ConfigError(f"cannot remove stale shared memory /dev/shm/{shm_name}: {e}") from e

@@ -3,12 +3,15 @@
 Runs on the connection's thread; every store call is synchronous (the store core is). Bulk
 bytes go straight between the socket and DRAM arena slots the op has reserved or leased
 (recv_into / sendmsg), through a scratch buffer only for SSD / GPU blocks.
+
+Nothing but HELLO is served before a token has passed. Connections over the daemon's local
+(Unix) socket are on the same host: there SHARE hands the namespace's DRAM arena and slot
+directory to the client as file descriptors, and STAGE a per-connection staging segment;
+over TCP both are refused.
 """
 from __future__ import annotations
 
-import fcntl
 import os
-import secrets
 import socket
 from typing import Sequence
 
@@ -27,44 +30,21 @@ STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 
 
-STAGE_PREFIX = "kvtier-stage-"
-
-
-class Staging:
-    """A connection's staging segment: a /dev/shm file (0600, random name) we create and
-    remove; the same-host client maps it by the path STAGE returned and fills it."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.segment = ShmSegment.create(nbytes, f"{STAGE_PREFIX}{os.getpid()}-"
-                                                 f"{secrets.token_hex(8)}")
-        self.path = self.segment.path
-        # held while we live: a daemon start sweeps segments whose lock is free
-        # (kvstore.tiers.dram.sweep_orphans)
-        self._lock_fd = os.open(self.path, os.O_RDONLY)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-
-    def rows(self, n: int, block_bytes: int) -> np.ndarray:
-        return self.segment.array[:n * block_bytes].reshape(n, block_bytes)
-
-    def close(self) -> None:
-        self.segment.close()
-        os.close(self._lock_fd)
-
-
 def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
     return bytes(w.MISS if t is None else int(t) for t in tiers)
 
 
 class Session:
     def __init__(self, sock: socket.socket, reader: w.FrameReader, registry: Registry,
-                 cfg: DaemonConfig) -> None:
+                 cfg: DaemonConfig, instance: bytes, local_name: str, local: bool) -> None:
         self.sock, self.reader, self.registry, self.cfg = sock, reader, registry, cfg
+        self.instance, self.local_name, self.local = instance, local_name, local
         self.hosted: Hosted | None = None
         self.reservations: dict[int, Reservation] = {}
         self.leases: set[int] = set()
         self._scratch = torch.empty(0, dtype=torch.uint8)
-        self.staging: Staging | None = None
+        self.staging: ShmSegment | None = None
+        self.agent_key = b""
         self.bytes_in = self.bytes_out = 0
 
     # ------------------------------------------------------------ plumbing
@@ -108,17 +88,38 @@ class Session:
         if grant is None:
             raise w.RemoteError(w.ErrorCode.AUTH, "bad or missing token (pass token= to the "
                                 "client; the daemon reads its tokens from --token-file)")
+        hosted = self.registry.open(namespace_of(msg), grant)
         self.close_ops()
-        self.hosted = self.registry.open(namespace_of(msg), grant)
-        shm = self.hosted.shm
-        agent = self.hosted.agent if msg.agent else None
+        self._drop_agent_key()
+        self.hosted = hosted
+        agent = hosted.agent if msg.agent else None
+        if agent is not None:
+            self.agent_key = hosted.agent_key(msg.agent_key)
+        dram = hosted.dram
         self.reply(w.Op.HELLO, w.HelloOk(
-            node_id=self.cfg.node_id, block_bytes=self.hosted.ns.block_bytes,
-            shm_path=shm.path if shm else "", shm_dev=shm.dev if shm else 0,
-            shm_ino=shm.ino if shm else 0, shm_slots=shm.num_slots if shm else 0,
-            max_payload_bytes=self.cfg.max_payload_bytes, shm_dir=shm.directory if shm else "",
+            node_id=self.cfg.node_id, block_bytes=hosted.ns.block_bytes,
+            max_payload_bytes=self.cfg.max_payload_bytes, instance=self.instance,
+            local_socket=self.local_name, arena_id=dram.arena_id if dram else b"",
+            shm_slots=dram.num_slots if dram else 0,
             agent_meta=agent.metadata if agent else b"",
-            agent_region=agent.region_id if agent else -1))
+            agent_region=agent.region_id if agent else -1, agent_key=self.agent_key))
+
+    def _same_host(self, op: str) -> None:
+        if not self.local:
+            raise w.RemoteError(w.ErrorCode.PROTOCOL, f"{op} is only served on the daemon's "
+                                "local socket (same-host clients)")
+
+    def share(self, msg: w.Share, payload_bytes: int) -> None:
+        self._same_host("SHARE")
+        dram = self.hosted.dram
+        if dram is None:
+            raise w.RemoteError(w.ErrorCode.NAMESPACE, "this namespace has no DRAM tier")
+        fds = dram.share_fds()
+        try:
+            w.send_frame_fds(self.sock, w.ShareOk(arena_id=dram.arena_id,
+                                                  num_slots=dram.num_slots), w.Op.SHARE, fds)
+        finally:
+            w.close_fds(fds)
 
     def check_payload(self, n: int, payload_bytes: int) -> None:
         bb = self.hosted.ns.block_bytes
@@ -143,14 +144,17 @@ class Session:
         self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in res.statuses)))
 
     def stage(self, msg: w.Stage, payload_bytes: int) -> None:
+        self._same_host("STAGE")
         if not 0 < msg.nbytes <= MAX_STAGE_BYTES:
             raise w.RemoteError(w.ErrorCode.PROTOCOL, f"a staging segment is 1 to "
                                 f"{MAX_STAGE_BYTES} bytes, not {msg.nbytes}")
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
-        self.staging = Staging(msg.nbytes)
-        self.reply(w.Op.STAGE, w.StageOk(path=self.staging.path, nbytes=msg.nbytes))
+        self.close()
+        self.staging = ShmSegment.anonymous(msg.nbytes, "kvtier-stage")
+        fd = self.staging.share_fd(writable=True)
+        try:
+            w.send_frame_fds(self.sock, w.StageOk(nbytes=msg.nbytes), w.Op.STAGE, [fd])
+        finally:
+            os.close(fd)
 
     def _put_staged(self, hashes: list[bytes], payload_bytes: int) -> None:
         """Blocks the client copied into our staging segment: reserve, copy, commit."""
@@ -158,10 +162,10 @@ class Session:
         if payload_bytes:
             self.drain(payload_bytes)
             raise w.RemoteError(w.ErrorCode.PROTOCOL, "a staged PUT carries no payload")
-        if self.staging is None or n * bb > self.staging.nbytes:
+        if self.staging is None or n * bb > self.staging.size:
             raise w.RemoteError(w.ErrorCode.PROTOCOL, f"a staged PUT of {n} blocks needs a "
                                 f"staging segment of {n * bb} bytes (send STAGE first)")
-        rows = self.staging.rows(n, bb)
+        rows = self.staging.array[:n * bb].reshape(n, bb)
         store = self.store
         res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
         try:
@@ -301,10 +305,23 @@ class Session:
                                          open_leases=s.open_leases, tiers=rows))
 
     def close(self) -> None:
-        """The connection ended: its staging segment goes too."""
+        """The connection ended: its staging segment and agent capability go too."""
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+
+    def _drop_agent_key(self) -> None:
+        if self.agent_key and self.hosted is not None:
+            self.hosted.drop_agent_key(self.agent_key)
+        self.agent_key = b""
+
+    def end(self) -> None:
+        """Everything this connection held, given back (it closed)."""
+        try:
+            self.close_ops()
+        finally:
+            self.close()
+            self._drop_agent_key()
 
     def close_ops(self) -> None:
         """The connection ended (or re-helloed): its reservations and leases end with it."""
@@ -321,4 +338,4 @@ HANDLERS = {w.Op.HELLO: Session.hello, w.Op.PUT: Session.put, w.Op.GET: Session.
             w.Op.ABORT: Session.abort, w.Op.EXISTS: Session.exists, w.Op.MATCH: Session.match,
             w.Op.REMOVE: Session.remove, w.Op.PIN: Session.pin, w.Op.UNPIN: Session.unpin,
             w.Op.RELEASE: Session.release, w.Op.STATS: Session.stats, w.Op.TOUCH: Session.touch,
-            w.Op.STAGE: Session.stage}
+            w.Op.STAGE: Session.stage, w.Op.SHARE: Session.share}

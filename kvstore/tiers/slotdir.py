@@ -1,7 +1,8 @@
 """The DRAM arena's slot directory: lets a same-host reader copy a block with no round trip.
 
-A second small /dev/shm file next to the arena (`<arena>.dir`), written only by the store's
-process (under the store lock) and read by clients:
+A small anonymous shared-memory segment beside the arena, written only by the store's
+process (under the store lock) and mapped read-only by clients it was handed to (a sealed
+memfd: no process can map it writable, see `transfer.shm`):
 
     header (64 B)   magic "KVTDIR01" | num_slots u64 | table_size u64 | closed u64
     gen[num_slots]  int64 per slot, a sequence lock: even = holds a readable block,
@@ -17,10 +18,11 @@ belonged to another block. The table is only a hint: a stale, torn or overwritte
 fails those checks and the reader asks the daemon instead, so correctness rests on gen and
 owner alone.
 
-Liveness: the store's process holds an exclusive flock on the file for its whole life, and
-the kernel drops it when that process dies, even by SIGKILL. A reader checks it (one
-non-blocking flock call) before each batch, so a dead daemon's arena, still mapped and
-still holding valid-looking blocks, serves nothing.
+Liveness: the store's process holds an exclusive flock on the memfd for its whole life,
+and the kernel drops it when that process dies, even by SIGKILL. Readers get their own open
+file description of it (never the owner's, which would share the lock and keep it alive),
+and check the lock (one non-blocking flock call) before each batch, so a dead daemon's
+arena, still mapped and still holding valid-looking blocks, serves nothing.
 
 Ordering: the writer's stores and the reader's loads stay in program order on x86-64 (TSO),
 which the protocol relies on; `DIRECT_READS` is False on other CPUs and the clients there
@@ -38,6 +40,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore.errors import ConfigError
+from transfer.shm import ShmSegment
 
 MAGIC = b"KVTDIR01"
 HEADER = struct.Struct("<8sQQQ")
@@ -80,25 +83,20 @@ class _Views:
 class SlotDirectory:
     """The writer side, owned by a DRAM tier. Every method runs under the store's lock."""
 
-    def __init__(self, path: str, num_slots: int) -> None:
-        self.path = path
+    def __init__(self, num_slots: int) -> None:
         table_size, *_, table_off = _layout(num_slots)
-        nbytes = table_off + 8 * table_size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until we close or die
-            os.ftruncate(fd, nbytes)
-            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
+        self._seg = ShmSegment.anonymous(table_off + 8 * table_size, "kvtier-slotdir")
+        fcntl.flock(self._seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until we close or die
+        self._seg.seal_writes()  # readers are handed read-only descriptors: none can write
+        self._mm = self._seg._mm
         self._v = _Views(self._mm, num_slots)
         gen = np.frombuffer(self._mm, np.int64, num_slots, HEADER_BYTES)
         gen[:] = 1  # every slot starts free (odd)
         HEADER.pack_into(self._mm, 0, MAGIC, num_slots, table_size, 0)
-        st = os.stat(path)
-        self.dev, self.ino = st.st_dev, st.st_ino
+
+    def share_fd(self) -> int:
+        """A read-only descriptor of the directory for a reader (send it, then close it)."""
+        return self._seg.share_fd(writable=False)
 
     def publish(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         """The blocks are now readable in these slots (and will not change until unpublished)."""
@@ -135,27 +133,20 @@ class SlotDirectory:
                     break
 
     def close(self) -> None:
-        """Tell readers the store is gone (they fall back to asking the daemon), unlink."""
-        if self._mm.closed:
+        """Tell readers the store is gone (they fall back to asking the daemon)."""
+        if self._seg.fd is None:
             return
         HEADER.pack_into(self._mm, 0, MAGIC, self._v.num_slots, self._v.table_size, 1)
         self._v.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)
+        self._seg.close()  # drops our flock too
 
 
 class SlotDirectoryReader:
     """The reader side: maps a directory read-only and validates direct copies."""
 
-    def __init__(self, path: str, num_slots: int) -> None:
-        fd = os.open(path, os.O_RDONLY)
+    def __init__(self, fd: int, num_slots: int) -> None:
+        """`fd`: a read-only descriptor of the directory (`SlotDirectory.share_fd`); the
+        reader keeps it (for the liveness check) and closes it with `close`."""
         try:
             size = os.fstat(fd).st_size
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -167,7 +158,7 @@ class SlotDirectoryReader:
         if magic != MAGIC or n != num_slots or size < _layout(n)[3] + 8 * table_size:
             self._mm.close()
             os.close(fd)
-            raise ConfigError(f"{path} is not the slot directory of a {num_slots}-slot arena")
+            raise ConfigError(f"not the slot directory of a {num_slots}-slot arena")
         self._v = _Views(self._mm, num_slots)
         _, gen_off, owner_off, table_off = _layout(num_slots)  # numpy views for batches
         self._gen = np.frombuffer(self._mm, np.int64, num_slots, gen_off)
@@ -252,6 +243,3 @@ class SlotDirectoryReader:
             pass
         os.close(self._fd)
 
-
-def dir_path(arena_path: str) -> str:
-    return arena_path + ".dir"

@@ -1,38 +1,46 @@
-"""SSD tier: RocksDB (rocksdict) under a data directory, one value per block.
+"""SSD tier: block payloads in a slab file of fixed slots, a small RocksDB index beside it.
 
-Key: the 16-byte block hash. Value: the encoded block (64-byte header with namespace, shape
-and an xxh3_64 checksum, then the payload), so every read is verified and a corrupted value
-becomes a miss instead of wrong KV. Writes of a batch go in one WriteBatch. When durable
-(the default) they go through the write-ahead log, so a block whose `write_n` returned
-survives a crash of the process; without the WAL puts are ~2.5x faster but blocks still in
-the memtable at a crash are lost (never corrupted; `close` flushes them). Slots are capacity
-accounting only; on open every stored block is found again and given a slot.
+    <path>/slabs.dat   slot i at i * stride: payload | 64-byte block header | pad
+                       (kvstore.tiers.slabfile; grows by extents as slots are needed)
+    <path>/index/      RocksDB: block hash -> (slot, checksum)  (kvstore.tiers.ssdindex)
+
+Each payload byte is written once, straight from the caller's buffer, and read back with
+one preadv into the destination; the header beside it (hash, namespace, xxh3_64 checksum)
+is checked on every read, so a corrupted or misplaced block is a miss, never wrong KV.
+
+Crash consistency by ordering and verification: a block's payload and header are written
+before its index entry (WAL on when `durable`), so an entry never points at bytes that were
+not written; a slot is unindexed before it is reused, and anything left stale by a crash
+fails the header check at open and is dropped. Survives close/reopen and SIGKILL.
+
+Failures stay local: a disk with no room to grow turns allocation into None (the store
+answers NO_SPACE); a refused index write fails that call (TierIOError) and the index
+reopens or rebuilds itself; a damaged index found at open is set aside and rebuilt from
+the slab headers; deleting never raises (a stale entry is harmless, see above).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import os
+import time
 from typing import Sequence
 
 import numpy as np
 import torch
-from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
-from kvstore.errors import BlockFormatError, StoreClosedError
+from kvstore.errors import StoreClosedError, TierIOError
 from kvstore.events import TierKind
-from kvstore.keys import HASH_BYTES, Namespace
-from kvstore.layout import checksum, decode_block, encode_header
+from kvstore.keys import Namespace
 from kvstore.tiers.base import ByteBatch, FreeSlots
+from kvstore.tiers.slabfile import SlabFile
+from kvstore.tiers.ssdindex import SlotIndex, parse_entry
 from transfer.copy import copy_bytes
 
-
-def rocksdb_options() -> Options:
-    opts = Options(raw_mode=True)
-    opts.create_if_missing(True)
-    opts.set_compression_type(DBCompressionType.none())  # KV payloads barely compress
-    opts.set_write_buffer_size(128 << 20)  # fewer memtable flush stalls under big batches
-    opts.set_max_write_buffer_number(3)
-    opts.increase_parallelism(max(2, os.cpu_count() or 2))
-    return opts
+log = logging.getLogger("kvtier.ssd")
+TIER_FILE = "tier.json"  # the namespace whose blocks the directory holds (for `kvtier fsck`)
+GROW_RETRY_S = 2.0  # after the disk refused an extent, try again this much later
 
 
 class SsdTier:
@@ -40,94 +48,173 @@ class SsdTier:
     persistent = True
 
     def __init__(self, ns: Namespace, path: str, num_slots: int, durable: bool = True) -> None:
+        _set_aside_legacy(path)
         os.makedirs(path, exist_ok=True)
+        _write_tier_file(path, ns)
         self.ns, self.path, self.durable = ns, path, durable
         self.num_slots, self.slot_bytes = num_slots, ns.block_bytes
-        self._db: Rdict | None = Rdict(path, options=rocksdb_options())
-        if not durable:
-            opts = WriteOptions()
-            opts.disable_wal = True
-            self._db.set_write_options(opts)
-        self._free = FreeSlots(num_slots)
+        self.slabs = SlabFile(os.path.join(path, "slabs.dat"), ns, num_slots)
+        self.index = SlotIndex(os.path.join(path, "index"), durable, self._table)
+        self._held: dict[bytes, tuple[int, int]] = {}  # hash -> (slot, checksum): the truth
+        self._free = FreeSlots(0)
+        self._grow_failed_at: float | None = None
+        self._closed = False
         self.num_dropped_at_open = 0
+        self.num_recovered_from_slabs = 0
+        self._at_open = self.index.open()  # entries as found; `recover` checks them
 
-    def _open_db(self) -> Rdict:
-        if self._db is None:
+    def _check_open(self) -> None:
+        if self._closed:
             raise StoreClosedError(f"SSD tier at {self.path} is closed")
-        return self._db
+
+    # ------------------------------------------------------------- slots
 
     def num_free(self) -> int:
-        return len(self._free)
+        growable = self.num_slots - self.slabs.num_grown
+        if self._grow_failed_at is not None and time.monotonic() - self._grow_failed_at < GROW_RETRY_S:
+            growable = 0
+        return len(self._free) + growable
 
     def alloc_n(self, n: int) -> list[int] | None:
-        self._open_db()
+        self._check_open()
+        while len(self._free) < n:
+            if self.num_free() < n:
+                return None
+            try:
+                grown = self.slabs.grow()
+            except TierIOError as e:
+                self._grow_failed_at = time.monotonic()
+                log.warning("%s", e)
+                return None
+            self._grow_failed_at = None
+            self._free.give_back(list(reversed(grown)))
         return self._free.take(n)
 
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
-        db = self._open_db()
-        batch = WriteBatch(raw_mode=True)
         for h in hashes:
-            batch.delete(bytes(h))
-        db.write(batch)
+            self._held.pop(bytes(h), None)
+        try:
+            self.index.delete_n(hashes)
+        except TierIOError as e:  # a stale entry is dropped at the next open (header check)
+            log.warning("%s", e)
         self._free.give_back(slots)
 
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         pass  # readers on this host reach SSD blocks through the daemon only
 
+    # ------------------------------------------------------------- bytes
+
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
-        db = self._open_db()
-        batch = WriteBatch(raw_mode=True)
-        for h, src in zip(hashes, srcs):
-            payload = memoryview(src.cpu().numpy())
-            batch.put(bytes(h), b"".join((encode_header(self.ns, h, checksum(payload)), payload)))
-        db.write(batch)
+        self._check_open()
+        payloads = [_host_view(src) for src in srcs]
+        sums = self.slabs.write_n(slots, hashes, payloads)
+        self.index.put_n(hashes, slots, sums)  # after the bytes: never an entry without them
+        for h, slot, c in zip(hashes, slots, sums):
+            self._held[bytes(h)] = (slot, c)
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
-        db = self._open_db()
-        values = db.get([bytes(h) for h in hashes])
-        ok = []
-        for h, value, dst in zip(hashes, values, dsts):
-            if value is None:
-                ok.append(False)
-                continue
-            try:
-                _, payload = decode_block(self.ns, value, expect_hash=h)
-            except BlockFormatError:  # includes ChecksumError and NamespaceMismatchError
-                ok.append(False)
-                continue
-            _copy_into(dst, payload)
-            ok.append(True)
+        self._check_open()
+        on_host = [d.device.type == "cpu" for d in dsts]
+        views = [memoryview(d.numpy()) if host else memoryview(np.empty(self.slot_bytes, np.uint8))
+                 for d, host in zip(dsts, on_host)]
+        ok = self.slabs.read_n(slots, hashes, views)
+        for d, v, host, good in zip(dsts, views, on_host, ok):
+            if good and not host:
+                copy_bytes(d, np.frombuffer(v, np.uint8))
         return ok
 
-    def recover(self) -> list[tuple[bytes, int]]:
-        """Give every stored block a slot; blocks beyond capacity or with foreign keys go."""
-        db = self._open_db()
-        found, extra = [], []
-        for key in db.keys():
-            slot = self._free.take_one() if len(key) == HASH_BYTES else None
-            if slot is not None:
-                found.append((key, slot))
-            else:
-                extra.append(key)
-        if extra:
-            batch = WriteBatch(raw_mode=True)
-            for key in extra:
-                batch.delete(key)
-            db.write(batch)
-        self.num_dropped_at_open = len(extra)
-        return found
+    # ------------------------------------------------------------- open
 
-    def raw_db(self) -> Rdict:
-        """The underlying RocksDB handle (for tools and fault-injection tests)."""
-        return self._open_db()
+    def recover(self) -> list[tuple[bytes, int]]:
+        """Every intact block found at open, with its slot (and the index made to agree)."""
+        self._check_open()
+        raw, self._at_open = self._at_open, []
+        found, dropped = self._verified(raw)
+        if self.index.damaged:
+            found.update(self._adopt_from_slabs({slot for slot, _ in found.values()}))
+        self._held.update(found)
+        if self.index.damaged:
+            self.index.rebuild(self._table())
+        elif dropped:
+            try:
+                self.index.delete_n(dropped)
+            except TierIOError as e:
+                log.warning("%s", e)
+        self.num_dropped_at_open = len(dropped)
+        self.slabs.truncate_to(self.num_slots)
+        used = {slot for slot, _ in found.values()}
+        self._free.give_back([s for s in reversed(range(self.slabs.num_grown)) if s not in used])
+        return [(h, slot) for h, (slot, _) in found.items()]
+
+    def _verified(self, raw: list[tuple[bytes, bytes]]
+                  ) -> tuple[dict[bytes, tuple[int, int]], list[bytes]]:
+        """Index entries whose slot exists, is unique, and holds that block's header."""
+        cands: dict[bytes, tuple[int, int]] = {}
+        dropped, claimed = [], set()
+        for key, value in raw:
+            entry = parse_entry(key, value)
+            if (entry is None or entry[1] >= min(self.num_slots, self.slabs.num_grown)
+                    or entry[1] in claimed):
+                dropped.append(key)
+                continue
+            claimed.add(entry[1])
+            cands[entry[0]] = entry[1:]
+        on_disk = {slot: h for slot, h, _ in self.slabs.headers(sorted(claimed))}
+        found = {h: v for h, v in cands.items() if on_disk.get(v[0]) == h}
+        dropped += [h for h in cands if h not in found]
+        return found, dropped
+
+    def _adopt_from_slabs(self, used: set[int]) -> dict[bytes, tuple[int, int]]:
+        """Blocks whose headers sit in slots the (damaged) index did not cover."""
+        adopted: dict[bytes, tuple[int, int]] = {}
+        free = [s for s in range(min(self.num_slots, self.slabs.num_grown)) if s not in used]
+        for slot, h, c in self.slabs.headers(free):
+            if h is not None and h not in adopted:
+                adopted[h] = (slot, c)
+        self.num_recovered_from_slabs = len(adopted)
+        log.warning("SSD tier %s: %d blocks recovered from the slab file", self.path, len(adopted))
+        return adopted
+
+    def _table(self):
+        return [(h, slot, c) for h, (slot, c) in list(self._held.items())]
+
+    def locate(self, block_hash: bytes) -> tuple[str, int] | None:
+        """Where a stored block's payload lies on disk: (slab file, byte offset), or None."""
+        held = self._held.get(bytes(block_hash))
+        return None if held is None else (self.slabs.path, held[0] * self.slabs.stride)
+
+    def raw_db(self):
+        """The underlying RocksDB index (for tools and fault-injection tests)."""
+        return self.index.db
 
     def close(self) -> None:
-        if self._db is not None:
-            if not self.durable:
-                self._db.flush()
-            self._db.close()
-            self._db = None
+        if self._closed:
+            return
+        self._closed = True
+        self.index.close()
+        self.slabs.close()
 
 
-def _copy_into(dst: torch.Tensor, payload: memoryview) -> None:
-    copy_bytes(dst, np.frombuffer(payload, np.uint8))
+def _host_view(src) -> memoryview:
+    if isinstance(src, torch.Tensor):
+        src = src.numpy() if src.device.type == "cpu" else src.cpu().numpy()
+    return memoryview(src).cast("B")
+
+
+def _write_tier_file(path: str, ns: Namespace) -> None:
+    meta = os.path.join(path, TIER_FILE)
+    if os.path.isfile(meta):
+        return
+    with open(meta + ".tmp", "w") as f:
+        json.dump(dataclasses.asdict(ns), f)
+    os.replace(meta + ".tmp", meta)
+
+
+def _set_aside_legacy(path: str) -> None:
+    """A directory of the old layout (one RocksDB value per block) is moved aside, not read:
+    its blocks are a cache, and the new tier starts empty beside it."""
+    if os.path.isfile(os.path.join(path, "CURRENT")):
+        aside = f"{path}.legacy-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(path, aside)
+        log.warning("SSD tier %s was in the old one-value-per-block layout: moved to %s "
+                    "(remove it once unneeded); starting empty", path, aside)

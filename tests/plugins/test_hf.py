@@ -10,8 +10,8 @@ from engine_adapter.plugins.hf import KVTierGenerate, blocks_to_cache, cache_to_
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
-from kvstore.layout import HEADER_BYTES
 from kvstore.store import TieredStore
+from kvstore.testing import flip_ssd_byte
 
 DOC = ("The harbour town of Vell sits where two rivers meet. Its fishermen leave before dawn, "
        "its bakers light their ovens at four, and its lighthouse keeper, Ada Morn, has kept "
@@ -81,10 +81,7 @@ def test_a_corrupted_block_ends_the_loaded_prefix_and_output_is_unchanged(smollm
         kv.generate(first, max_new_tokens=NEW_TOKENS, do_sample=False)
         bad = 3
         key = bytes(hash_blocks(kv.ns, first[0].tolist())[bad])
-        db = store.tier(TierKind.SSD).raw_db()
-        value = bytearray(db[key])
-        value[HEADER_BYTES + 100] ^= 0xFF
-        db[key] = bytes(value)
+        flip_ssd_byte(store, key, offset=100)
         out = kv.generate(second, max_new_tokens=NEW_TOKENS, do_sample=False)
         assert kv.last.num_loaded_tokens == bad * 16
         assert torch.equal(out, plain(model, second))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
+import time
 import threading
 import urllib.request
 
@@ -21,10 +22,17 @@ from kvstore.keys import Namespace, hash_blocks
 from .conftest import NS, block_of
 
 
-def op_count(daemon, op: str) -> float:
-    text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
-    found = re.findall(rf'^kvtier_ops_total{{op="{op}",outcome="ok"}} (\S+)$', text, re.M)
-    return float(found[0]) if found else 0.0
+def op_count(daemon, op: str, expect: float | None = None) -> float:
+    """The daemon's count of `op` requests served. The daemon counts a request just after
+    sending its reply, so with `expect` this waits (a little) for that count to land."""
+    for _ in range(50):
+        text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
+        found = re.findall(rf'^kvtier_ops_total{{op="{op}",outcome="ok"}} (\S+)$', text, re.M)
+        count = float(found[0]) if found else 0.0
+        if expect is None or count >= expect:
+            return count
+        time.sleep(0.05)
+    return count
 
 
 BIG = Namespace("test-model-big", num_layers=64, num_kv_heads=1, head_dim=64)  # 256 KiB
@@ -147,7 +155,8 @@ def test_async_client_reads_dram_blocks_on_the_loop_and_the_rest_from_the_daemon
             gets = op_count(daemon, "get")
             out = np.zeros((6, NS.block_bytes), np.uint8)
             assert await c.get_n(hashes, out) == [TierKind.DRAM] * 4 + [None, None]
-            assert op_count(daemon, "get") == gets + 1, "only the two misses asked the daemon"
+            assert op_count(daemon, "get", gets + 1) == gets + 1, \
+                "only the two misses asked the daemon"
             for h, row in zip(hashes[:4], out):
                 assert np.array_equal(row, block_of(h, NS.block_bytes))
             assert await c.get(hashes[0]) == block_of(hashes[0], NS.block_bytes).tobytes()

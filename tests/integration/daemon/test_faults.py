@@ -189,10 +189,32 @@ def test_fuzzed_bytes_close_only_that_connection(daemon, junk):
         assert isinstance(hello(s), w.HelloOk)
 
 
+def local_conn(daemon) -> socket.socket:
+    """A raw connection to the daemon's local (Unix) socket, as HELLO over TCP names it."""
+    with raw_conn(daemon) as s:
+        name = hello(s).local_socket
+    u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    u.settimeout(5)
+    u.connect("\0" + name)
+    return u
+
+
+def daemon_maps(daemon, label: str) -> int:
+    """How many mappings of anonymous memory `label` the daemon process holds."""
+    with open(f"/proc/{daemon.proc.pid}/maps") as f:
+        return sum(f"memfd:{label}" in line for line in f)
+
+
 def test_staged_put_misuse_is_refused_and_the_segment_goes_with_the_connection(daemon):
     import os
     h = hash_blocks(NS, np.arange(16))
-    with raw_conn(daemon) as s:
+    with raw_conn(daemon) as s:  # over TCP there is no shared memory to hand out
+        hello(s)
+        w.send_frame(s, w.Stage(nbytes=BB), w.Op.STAGE, False)
+        frame = w.recv_frame(s, 1 << 30)
+        assert frame.op is w.Op.ERROR and "local socket" in frame.msg.message
+    before = daemon_maps(daemon, "kvtier-stage")
+    with local_conn(daemon) as s:
         hello(s)
         w.send_frame(s, w.Put(hashes=h[0], staged=True), w.Op.PUT, False)
         frame = w.recv_frame(s, 1 << 30)
@@ -200,18 +222,20 @@ def test_staged_put_misuse_is_refused_and_the_segment_goes_with_the_connection(d
         w.send_frame(s, w.Stage(nbytes=1 << 40), w.Op.STAGE, False)
         assert w.recv_frame(s, 1 << 30).op is w.Op.ERROR
         w.send_frame(s, w.Stage(nbytes=BB), w.Op.STAGE, False)
-        path = w.recv_frame(s, 1 << 30).msg.path
-        assert os.path.exists(path) and oct(os.stat(path).st_mode)[-3:] == "600"
+        frame, fds = w.FrameReader(s).frame_with_fds(0)
+        assert frame.op is w.Op.STAGE and len(fds) == 1
+        assert os.fstat(fds[0]).st_size == BB and daemon_maps(daemon, "kvtier-stage") == before + 1
+        w.close_fds(fds)
         two = hash_blocks(NS, np.arange(32) + 5)
         w.send_frame(s, w.Put(hashes=w.pack_hashes(two), staged=True), w.Op.PUT, False)
         assert "needs a staging segment" in w.recv_frame(s, 1 << 30).msg.message
         w.send_frame(s, w.Exists(hashes=h[0]), w.Op.EXISTS, False)  # still serving
         assert w.recv_frame(s, 1 << 30).msg.flags == b"\x00"
     for _ in range(50):
-        if not os.path.exists(path):
+        if daemon_maps(daemon, "kvtier-stage") == before:
             break
         time.sleep(0.05)
-    assert not os.path.exists(path), "the staging segment outlived its connection"
+    assert daemon_maps(daemon, "kvtier-stage") == before, "the segment outlived its connection"
 
 
 def test_staged_puts_reach_ssd_when_dram_is_pinned_full(make_daemon):
@@ -230,17 +254,14 @@ def test_staged_puts_reach_ssd_when_dram_is_pinned_full(make_daemon):
         assert all(np.array_equal(o, block_of(h, BB)) for h, o in zip(more, out))
 
 
-def test_a_killed_daemons_staging_segments_are_swept_at_the_next_start(make_daemon):
+def test_a_killed_daemon_leaves_nothing_in_dev_shm(make_daemon):
     import os
+    before = set(os.listdir("/dev/shm"))
     d = make_daemon()
     with Client(d.url, namespace=NS) as c:
         hs = hash_blocks(NS, np.arange(16) + 4242)
         c.put_n(hs, np.stack([block_of(h, BB) for h in hs]))  # staged: makes a segment
-        pid = d.proc.pid
-        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-stage-{pid}-")]
-        assert left
+        assert c.uses_shm and set(os.listdir("/dev/shm")) <= before
         d.kill()
-    for n in left:  # sweep_orphans leaves files younger than 10 s alone
-        os.utime(f"/dev/shm/{n}", (time.time() - 60, time.time() - 60))
+    assert set(os.listdir("/dev/shm")) <= before
     d.start()
-    assert not any(os.path.exists(f"/dev/shm/{n}") for n in left)

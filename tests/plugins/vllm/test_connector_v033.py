@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from kvstore.events import TierKind  # noqa: E402
 from kvstore.keys import hash_blocks  # noqa: E402
-from kvstore.layout import HEADER_BYTES  # noqa: E402
+from kvstore.testing import flip_ssd_byte  # noqa: E402
 
 BLOCK, LAYERS, HEADS, HEAD_DIM, NUM_BLOCKS = 32, 2, 2, 32, 64
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -188,10 +188,7 @@ def test_a_corrupt_block_is_reported_and_recomputed_by_vllm(model_dir, tmp_path)
     run_to_end(h, {"a": make_request("a", first)})
     store = h.worker.store
     key = bytes(hash_blocks(h.worker.ns, prefix)[4])
-    db = store.tier(TierKind.SSD).raw_db()
-    value = bytearray(db[key])
-    value[HEADER_BYTES + 1] ^= 0xFF
-    db[key] = bytes(value)
+    flip_ssd_byte(store, key, offset=1)
     b = make_request("b", second)
     run_to_end(h, {"b": b})
     assert h.worker.worker_side.num_loaded_blocks == 4 and h.worker.worker_side.num_failed_blocks == 5

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from engine_adapter.plugins import base as plugin_base
 from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
-from kvstore.layout import HEADER_BYTES
+from kvstore.testing import flip_ssd_byte
 
 BLOCK = 32
 PREFIX_TOKENS = 640
@@ -91,10 +91,7 @@ def test_second_prompt_loads_prefix_from_kvtier_and_matches_plain_vllm(model_dir
     store = the_store()
     bad = 5
     key = bytes(hash_blocks(store.ns, prefix)[bad])
-    db = store.tier(TierKind.SSD).raw_db()
-    value = bytearray(db[key])
-    value[HEADER_BYTES + 7] ^= 0xFF
-    db[key] = bytes(value)
+    flip_ssd_byte(store, key, offset=7)
     tokens, logprobs, _ = run(llm, second)
     assert store.stats().tier(TierKind.SSD).counters.corrupt == 1
     assert tokens == ref_tokens

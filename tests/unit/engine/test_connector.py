@@ -9,8 +9,8 @@ from engine_adapter.engine import LLMEngine
 from engine_adapter.sampling import SamplingParams
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.events import TierKind
-from kvstore.layout import HEADER_BYTES
 from kvstore.store import TieredStore
+from kvstore.testing import flip_ssd_byte
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 CFG = EngineConfig(num_blocks=64, block_tokens=4, max_num_batched_tokens=64)
@@ -62,10 +62,7 @@ def test_a_corrupt_block_ends_the_loaded_prefix_and_the_rest_is_recomputed(tiny_
     with open_store(e.ns, tmp_path) as store:
         run(tiny_model, prompts[2], store)
     with open_store(e.ns, tmp_path) as store:
-        db = store.tier(TierKind.SSD).raw_db()
-        value = bytearray(db[bytes(hashes[3])])
-        value[HEADER_BYTES + 5] ^= 0x10
-        db[bytes(hashes[3])] = bytes(value)
+        flip_ssd_byte(store, hashes[3])
         out, logits, engine = run(tiny_model, prompts[2], store)
     assert out.num_loaded_tokens == 12 and engine.connector.stats.load_misses == 6
     assert_same((out, logits), (base, base_logits))

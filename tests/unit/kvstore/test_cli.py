@@ -5,7 +5,7 @@ import torch
 
 from kvstore.cli import main
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.layout import HEADER_BYTES
+from kvstore.tiers.slabfile import stride_of
 from kvstore.tiers.ssd import SsdTier
 
 NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
@@ -29,14 +29,17 @@ def test_hash_prints_the_library_hashes(capsys):
 def test_fsck_finds_and_repairs_a_corrupted_block(tmp_path, capsys):
     tier = SsdTier(NS, str(tmp_path), 4)
     hashes = hash_blocks(NS, list(range(12)))
-    tier.write_n(tier.alloc_n(3), hashes, torch.randint(0, 255, (3, NS.block_bytes), dtype=torch.uint8))
-    db = tier.raw_db()
-    value = bytearray(db[bytes(hashes[1])])
-    value[HEADER_BYTES + 5] ^= 1
-    db[bytes(hashes[1])] = bytes(value)
+    slots = tier.alloc_n(3)
+    tier.write_n(slots, hashes, torch.randint(0, 255, (3, NS.block_bytes), dtype=torch.uint8))
     tier.close()
+    with open(tmp_path / "slabs.dat", "r+b") as f:  # one flipped payload byte of block 1
+        f.seek(slots[1] * stride_of(NS.block_bytes) + 5)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
     assert main(["fsck", str(tmp_path)]) == 1
-    assert "2 blocks ok, 1 bad" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2 blocks ok, 1 bad" in out and hashes[1].hex() in out
     assert main(["fsck", str(tmp_path), "--repair"]) == 0
     assert main(["fsck", str(tmp_path)]) == 0
     assert "2 blocks ok, 0 bad" in capsys.readouterr().out.splitlines()[-1]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 
 import numpy as np
 import pytest
@@ -19,9 +18,8 @@ NS = Namespace("slotdir-test", num_layers=1, num_kv_heads=1, head_dim=16)  # 1 K
 
 @pytest.fixture
 def pair():
-    path = f"/dev/shm/kvtier-test-{secrets.token_hex(4)}.dir"
-    writer = SlotDirectory(path, 32)
-    reader = SlotDirectoryReader(path, 32)
+    writer = SlotDirectory(32)
+    reader = SlotDirectoryReader(writer.share_fd(), 32)
     yield writer, reader
     reader.close()
     writer.close()
@@ -91,24 +89,43 @@ def test_closed_directory_finds_nothing(pair):
     writer, reader = pair
     writer.publish([1], [h(1)])
     _, gen = reader.find(h(1))
-    path = writer.path
     writer.close()
     assert reader.closed and reader.find(h(1)) is None and not reader.still_valid(1, gen)
-    assert not os.path.exists(path)
+    assert not reader.writer_alive()
 
 
 def test_reader_checks_what_it_maps(tmp_path):
-    path = f"/dev/shm/kvtier-test-{secrets.token_hex(4)}.dir"
-    writer = SlotDirectory(path, 8)
+    writer = SlotDirectory(8)
     try:
         with pytest.raises(ConfigError, match="slot directory"):
-            SlotDirectoryReader(path, 16)
+            SlotDirectoryReader(writer.share_fd(), 16)
     finally:
         writer.close()
     bogus = tmp_path / "x.dir"
     bogus.write_bytes(b"\0" * 4096)
     with pytest.raises(ConfigError):
-        SlotDirectoryReader(str(bogus), 8)
+        SlotDirectoryReader(os.open(bogus, os.O_RDONLY), 8)
+
+
+def test_a_reader_can_neither_write_nor_map_the_directory_writable():
+    import mmap
+    writer = SlotDirectory(8)
+    fd = writer.share_fd()
+    try:
+        with pytest.raises(OSError):
+            os.write(fd, b"x")
+        with pytest.raises(OSError):  # not even after reopening it read-write
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                mmap.mmap(rw, os.fstat(rw).st_size, mmap.MAP_SHARED,
+                          mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(rw)
+        with pytest.raises(OSError):  # nor shrink it under the writer
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+        writer.close()
 
 
 def _dram_store(tmp_path, dram: int, ssd: int = 0) -> TieredStore:
@@ -138,7 +155,7 @@ def test_the_store_publishes_exactly_its_readable_dram_blocks(tmp_path):
     SSD is published at its new slot; never a reserved, uncommitted block."""
     store = _dram_store(tmp_path, dram=4, ssd=16)
     d = store.tier(TierKind.DRAM).directory
-    reader = SlotDirectoryReader(d.path, 4)
+    reader = SlotDirectoryReader(d.share_fd(), 4)
     try:
         hashes = hash_blocks(NS, np.arange(10 * NS.block_tokens))
         rng = np.random.default_rng(0)
@@ -168,19 +185,18 @@ def test_the_store_publishes_exactly_its_readable_dram_blocks(tmp_path):
 
 
 def test_a_dead_writer_is_seen_at_once(tmp_path):
-    """SIGKILL leaves the file and its published blocks behind; the flock tells readers."""
+    """SIGKILL leaves published blocks mapped in every reader; the flock tells them."""
     import signal
     import subprocess
     import sys
 
-    path = f"/dev/shm/kvtier-test-{secrets.token_hex(4)}.dir"
-    code = ("import sys, time; from kvstore.tiers.slotdir import SlotDirectory; "
-            f"d = SlotDirectory({path!r}, 8); d.publish([2], [bytes(range(16))]); "
-            "print('ready', flush=True); time.sleep(60)")
+    code = ("import os, sys, time; from kvstore.tiers.slotdir import SlotDirectory; "
+            "d = SlotDirectory(8); d.publish([2], [bytes(range(16))]); "
+            "print(os.getpid(), d.share_fd(), flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout.readline().strip() == "ready"
-        reader = SlotDirectoryReader(path, 8)
+        pid, fd = child.stdout.readline().split()
+        reader = SlotDirectoryReader(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY), 8)
         assert reader.writer_alive() and reader.find(bytes(range(16)))[0] == 2
         child.send_signal(signal.SIGKILL)
         child.wait()
@@ -189,8 +205,6 @@ def test_a_dead_writer_is_seen_at_once(tmp_path):
     finally:
         child.kill()
         child.wait()
-        if os.path.exists(path):
-            os.unlink(path)
 
 
 def test_batched_lookup_agrees_with_single_lookups(pair):
@@ -218,38 +232,17 @@ def test_batched_lookup_agrees_with_single_lookups(pair):
         assert reader.still_valid_n(slots[found], gens[found]).all()
 
 
-def test_killed_and_unclosed_stores_leave_nothing_in_dev_shm(tmp_path):
-    """A store whose process exits without close() unlinks its arena at exit; one whose
-    process is SIGKILLed is swept by the next store's start (its flock is gone), while a
-    live store's files stay whatever their age."""
+def test_stores_leave_nothing_in_dev_shm_however_they_end(tmp_path):
+    """Arenas, directories and staging memory are anonymous: a store that exits without
+    close() or is SIGKILLed leaves no file behind for anyone to find or sweep."""
     import subprocess
     import sys
-    import time
 
-    from kvstore.tiers.dram import DramTier, sweep_orphans
-
-    def child(name: str, kill: bool) -> None:
-        code = (f"import os, signal; from kvstore.tiers.dram import DramTier; "
-                f"t = DramTier(4, 1024, shm_name={name!r}); print('made', flush=True); "
-                + ("os.kill(os.getpid(), signal.SIGKILL)" if kill else "pass"))
+    before = set(os.listdir("/dev/shm"))
+    for end in ("pass", "os.kill(os.getpid(), signal.SIGKILL)"):
+        code = ("import os, signal; from kvstore.tiers.dram import DramTier; "
+                f"t = DramTier(4, 1024); print('made', flush=True); {end}")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=120)
         assert "made" in done.stdout, done.stderr
-
-    unclosed, killed = (f"kvtier-test-{secrets.token_hex(4)}" for _ in range(2))
-    child(unclosed, kill=False)
-    assert not os.path.exists(f"/dev/shm/{unclosed}")
-    assert not os.path.exists(f"/dev/shm/{unclosed}.dir")
-    child(killed, kill=True)
-    live = DramTier(4, 1024, shm_name=f"kvtier-test-{secrets.token_hex(4)}")
-    try:
-        old = time.time() - 60
-        for path in (f"/dev/shm/{killed}", f"/dev/shm/{killed}.dir", live.directory.path):
-            assert os.path.exists(path)
-            os.utime(path, (old, old))
-        assert sweep_orphans() >= 2
-        assert not os.path.exists(f"/dev/shm/{killed}")
-        assert not os.path.exists(f"/dev/shm/{killed}.dir")
-        assert os.path.exists(live.directory.path), "a live store's files were swept"
-    finally:
-        live.close()
+    assert set(os.listdir("/dev/shm")) <= before

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import threading
@@ -14,6 +15,8 @@ from kvstore.events import EventKind, TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.layout import HEADER_BYTES, encode_block
 from kvstore.store import PutStatus, TieredStore
+from kvstore.tiers.slabfile import stride_of
+from kvstore.tiers.ssdindex import parse_entry
 
 NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 CHAIN = hash_blocks(NS, list(range(4 * 12)))
@@ -281,11 +284,14 @@ def test_a_corrupted_ssd_value_is_a_miss_and_is_removed(tmp_path):
     with make(tmp_path, dram=1, ssd=4) as s:
         data = blocks(3)
         s.put_n(CHAIN[:3], data)
-        db = s.tier(TierKind.SSD).raw_db()
-        key = next(bytes(h) for h in CHAIN[:3] if bytes(h) in db)
-        value = bytearray(db[key])
-        value[HEADER_BYTES + 3] ^= 0xFF
-        db[key] = bytes(value)
+        ssd = s.tier(TierKind.SSD)
+        key = next(bytes(h) for h in CHAIN[:3] if bytes(h) in ssd.raw_db())
+        slot = parse_entry(key, ssd.raw_db()[key])[1]
+        with open(tmp_path / "ssd" / "slabs.dat", "r+b") as f:  # flip a payload byte on disk
+            f.seek(slot * stride_of(NS.block_bytes) + 3)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
         tiers, out = read(s, CHAIN[:3])
         bad = CHAIN.index(key)
         assert tiers[bad] is None and all(t is not None for i, t in enumerate(tiers) if i != bad)
@@ -340,11 +346,16 @@ def test_a_second_process_reads_a_leased_block_from_the_dram_arena(tmp_path):
         s.put_n(CHAIN[:3], data)
         lease = s.acquire_n(CHAIN[2:3])
         kind, slot = lease.hits[0]
-        name = s.tier(TierKind.DRAM).shm_name
+        arena_fd, dir_fd = s.tier(TierKind.DRAM).share_fds()  # as the daemon hands them out
         code = ("import sys; from kvstore.tiers.dram import DramArenaReader; "
-                "r = DramArenaReader(sys.argv[1]); sys.stdout.buffer.write(r.read(int(sys.argv[2])))")
-        got = subprocess.run([sys.executable, "-c", code, name, str(slot)], capture_output=True,
-                             check=True).stdout
+                "r = DramArenaReader(int(sys.argv[1])); "
+                "sys.stdout.buffer.write(r.read(int(sys.argv[2])))")
+        try:
+            got = subprocess.run([sys.executable, "-c", code, str(arena_fd), str(slot)],
+                                 capture_output=True, check=True, pass_fds=(arena_fd,)).stdout
+        finally:
+            os.close(arena_fd)
+            os.close(dir_fd)
         s.release(lease.lease_id)
         assert kind is TierKind.DRAM and got == data[2].numpy().tobytes()
 

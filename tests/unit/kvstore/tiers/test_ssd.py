@@ -6,8 +6,10 @@ import textwrap
 import torch
 
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.layout import HEADER_BYTES, decode_block
+from kvstore.layout import HEADER_BYTES, decode_header
+from kvstore.tiers.slabfile import stride_of
 from kvstore.tiers.ssd import SsdTier
+from kvstore.tiers.ssdindex import parse_entry
 
 NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 HASHES = hash_blocks(NS, list(range(40)))
@@ -18,12 +20,26 @@ def _blocks(n, seed=0):
     return torch.randint(0, 256, (n, NS.block_bytes), dtype=torch.uint8, generator=g)
 
 
-def test_values_are_encoded_blocks_with_checksums(tmp_path):
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_slots_hold_the_payload_then_its_header_and_the_index_only_slots(tmp_path):
     tier = SsdTier(NS, str(tmp_path), 4)
-    tier.write_n(tier.alloc_n(2), HASHES[:2], _blocks(2))
-    value = tier.raw_db()[bytes(HASHES[1])]
-    header, payload = decode_block(NS, value, expect_hash=HASHES[1])
-    assert bytes(payload) == _blocks(2)[1].numpy().tobytes()
+    slots = tier.alloc_n(2)
+    tier.write_n(slots, HASHES[:2], _blocks(2))
+    stride = stride_of(NS.block_bytes)
+    with open(tmp_path / "slabs.dat", "rb") as f:
+        f.seek(slots[1] * stride)
+        raw = f.read(NS.block_bytes + HEADER_BYTES)
+    assert raw[:NS.block_bytes] == _blocks(2)[1].numpy().tobytes()
+    assert decode_header(raw[NS.block_bytes:]).block_hash == HASHES[1]
+    entry = parse_entry(bytes(HASHES[1]), tier.raw_db()[bytes(HASHES[1])])
+    assert entry[1] == slots[1] and len(tier.raw_db()[bytes(HASHES[1])]) == 16
     tier.close()
 
 
@@ -69,25 +85,32 @@ def test_a_flipped_byte_on_disk_fails_verification(tmp_path):
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(2)
     tier.write_n(slots, HASHES[:2], _blocks(2))
-    db = tier.raw_db()
-    value = bytearray(db[bytes(HASHES[0])])
-    value[HEADER_BYTES + 100] ^= 0x40
-    db[bytes(HASHES[0])] = bytes(value)
+    _flip(tmp_path / "slabs.dat", slots[0] * stride_of(NS.block_bytes) + 100)
     out = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)
     assert tier.read_n(slots, HASHES[:2], out) == [False, True]
     tier.close()
 
 
-def test_a_value_under_the_wrong_key_or_truncated_fails(tmp_path):
+def test_a_slot_read_under_another_hash_or_a_bad_header_fails(tmp_path):
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(2)
     tier.write_n(slots, HASHES[:2], _blocks(2))
-    db = tier.raw_db()
-    db[bytes(HASHES[1])] = db[bytes(HASHES[0])]          # misplaced value
     out = torch.zeros(1, NS.block_bytes, dtype=torch.uint8)
-    assert tier.read_n(slots[1:], HASHES[1:2], out) == [False]
-    db[bytes(HASHES[0])] = db[bytes(HASHES[0])][:-10]    # truncated value
-    assert tier.read_n(slots[:1], HASHES[:1], out) == [False]
+    assert tier.read_n(slots[:1], HASHES[1:2], out) == [False]       # misplaced
+    _flip(tmp_path / "slabs.dat", slots[1] * stride_of(NS.block_bytes) + NS.block_bytes + 2)
+    assert tier.read_n(slots[1:], HASHES[1:2], out) == [False]       # header magic broken
+    tier.close()
+
+
+def test_an_index_entry_pointing_at_another_block_is_dropped_at_open(tmp_path):
+    tier = SsdTier(NS, str(tmp_path), 4)
+    slots = tier.alloc_n(2)
+    tier.write_n(slots, HASHES[:2], _blocks(2))
+    tier.raw_db()[bytes(HASHES[5])] = tier.raw_db()[bytes(HASHES[0])]  # a stale entry
+    tier.close()
+    tier = SsdTier(NS, str(tmp_path), 4)
+    assert sorted(h for h, _ in tier.recover()) == sorted(HASHES[:2])
+    assert tier.num_dropped_at_open == 1 and bytes(HASHES[5]) not in tier.raw_db().keys()
     tier.close()
 
 
@@ -100,7 +123,7 @@ def test_reopen_with_less_capacity_drops_the_excess_and_foreign_keys(tmp_path):
     assert len(tier.recover()) == 3 and tier.num_free() == 0
     assert tier.num_dropped_at_open == 3
     tier.close()
-    assert os.path.isdir(tmp_path)
+    assert os.path.getsize(tmp_path / "slabs.dat") == 3 * stride_of(NS.block_bytes)
 
 
 def test_a_non_durable_tier_keeps_its_blocks_across_a_clean_close(tmp_path):

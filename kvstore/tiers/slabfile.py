@@ -1,0 +1,157 @@
+"""The SSD tier's payload file: fixed-size slots in one file that grows by extents.
+
+Slot i lives at byte `i * stride`:
+
+    payload (block_bytes) | block header (64 B, kvstore.layout: hash, namespace, checksum) | pad
+
+with `stride` the payload plus header rounded up to 4 KiB, so every slot starts on a page.
+Each byte of a block is written once (`pwritev` of payload + header, batched over runs of
+consecutive slots) and read back with one `preadv` straight into the caller's buffer. The
+header makes every slot self-describing: a read checks the hash and the checksum, and the
+tier's index can always be rebuilt from the file alone.
+
+The file grows on demand in extents of `extent_slots` slots, each reserved with
+`posix_fallocate` before a slot in it is handed out: a full disk shows up as "no room to
+grow" (a clean NO_SPACE for the put), never as a write that fails halfway.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from kvstore.errors import BlockFormatError, TierIOError
+from kvstore.keys import Namespace
+from kvstore.layout import HEADER_BYTES, checksum, decode_header, encode_header
+
+PAGE = 4096
+EXTENT_BYTES = 256 << 20
+IOV_BLOCKS = 300  # blocks per preadv/pwritev (3 iovecs each, under IOV_MAX = 1024)
+
+
+def stride_of(block_bytes: int) -> int:
+    return -(-(block_bytes + HEADER_BYTES) // PAGE) * PAGE
+
+
+class SlabFile:
+    def __init__(self, path: str, ns: Namespace, num_slots: int) -> None:
+        self.path, self.ns, self.num_slots = path, ns, num_slots
+        self.block_bytes = ns.block_bytes
+        self.stride = stride_of(self.block_bytes)
+        self.extent_slots = max(1, EXTENT_BYTES // self.stride)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise TierIOError(f"cannot open the SSD slab file {path}: {e}") from e
+        size = os.fstat(self.fd).st_size
+        self.num_grown = min(num_slots, size // self.stride)  # slots backed by the file
+        self._pad = np.zeros(self.stride - self.block_bytes - HEADER_BYTES, np.uint8)
+        self._scratch_pad = np.empty_like(self._pad)
+
+    def grow(self) -> range:
+        """Reserve the next extent on disk; the new slots, or an empty range when the
+        capacity is reached. Raises TierIOError when the disk has no room."""
+        start = self.num_grown
+        end = min(self.num_slots, start + self.extent_slots)
+        if end <= start:
+            return range(0)
+        try:
+            os.posix_fallocate(self.fd, start * self.stride, (end - start) * self.stride)
+        except OSError as e:
+            raise TierIOError(f"the SSD tier cannot grow {self.path} by "
+                              f"{(end - start) * self.stride >> 20} MiB: {e}") from e
+        self.num_grown = end
+        return range(start, end)
+
+    def write_n(self, slots: Sequence[int], hashes: Sequence[bytes],
+                payloads: Sequence[memoryview]) -> list[int]:
+        """Write blocks with their headers; returns each payload's checksum."""
+        sums = [checksum(p) for p in payloads]
+        headers = [encode_header(self.ns, h, c) for h, c in zip(hashes, sums)]
+        for first, idx in _runs(slots):
+            bufs = []
+            for i in idx:
+                bufs += [payloads[i], headers[i], self._pad]
+            self._io(os.pwritev, first, bufs)
+        return sums
+
+    def read_n(self, slots: Sequence[int], hashes: Sequence[bytes],
+               dsts: Sequence[memoryview]) -> list[bool]:
+        """Read blocks into `dsts`; False where the slot does not hold that block intact
+        (another hash, a bad header, a checksum mismatch, an unreadable sector)."""
+        headers = [bytearray(HEADER_BYTES) for _ in slots]
+        ok = [True] * len(slots)
+        for first, idx in _runs(slots):
+            bufs = []
+            for i in idx:
+                bufs += [dsts[i], headers[i], self._scratch_pad]
+            try:
+                self._io(os.preadv, first, bufs)
+            except TierIOError:
+                for i in idx:
+                    ok[i] = False
+        for i, (h, dst) in enumerate(zip(hashes, dsts)):
+            ok[i] = ok[i] and self._intact(headers[i], bytes(h), dst)
+        return ok
+
+    def _intact(self, header: bytes, block_hash: bytes, payload: memoryview) -> bool:
+        try:
+            hdr = decode_header(header)
+        except BlockFormatError:
+            return False
+        return (hdr.block_hash == block_hash and hdr.ns_id == self.ns.ns_id
+                and hdr.shape == self.ns.block_shape and checksum(payload) == hdr.checksum)
+
+    def headers(self, slots: Sequence[int]) -> Iterator[tuple[int, bytes | None, int]]:
+        """(slot, block hash, checksum) of the headers found in `slots` (hash None: no valid
+        header of this namespace); what recovery checks and rebuilds an index from."""
+        buf = bytearray(HEADER_BYTES)
+        for slot in slots:
+            try:
+                n = os.preadv(self.fd, [buf], slot * self.stride + self.block_bytes)
+                hdr = decode_header(buf) if n == HEADER_BYTES else None
+            except (OSError, BlockFormatError):
+                hdr = None
+            good = (hdr is not None and hdr.ns_id == self.ns.ns_id
+                    and hdr.shape == self.ns.block_shape)
+            yield slot, (hdr.block_hash if good else None), (hdr.checksum if good else 0)
+
+    def _io(self, fn, first: int, bufs: list) -> None:
+        """One pwritev/preadv of `bufs` at slot `first`, continued until every byte moved."""
+        offset = first * self.stride
+        views = [v for v in (memoryview(b).cast("B") for b in bufs) if len(v)]
+        while views:
+            try:
+                n = fn(self.fd, views[:1024], offset)
+            except OSError as e:
+                raise TierIOError(f"SSD tier I/O on {self.path} failed: {e}") from e
+            if n == 0:
+                raise TierIOError(f"SSD tier I/O on {self.path} hit the end of the file")
+            offset += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+
+    def truncate_to(self, num_slots: int) -> None:
+        """Give back disk beyond `num_slots` (a reopen with less capacity)."""
+        if os.fstat(self.fd).st_size > num_slots * self.stride:
+            os.ftruncate(self.fd, num_slots * self.stride)
+            self.num_grown = min(self.num_grown, num_slots)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(first slot, batch indices) of each run of consecutive slots, IOV_BLOCKS at most."""
+    runs: list[tuple[int, list[int]]] = []
+    for i, slot in enumerate(slots):
+        if runs and slot == runs[-1][0] + len(runs[-1][1]) and len(runs[-1][1]) < IOV_BLOCKS:
+            runs[-1][1].append(i)
+        else:
+            runs.append((slot, [i]))
+    return runs

@@ -1,0 +1,182 @@
+"""The SSD tier's index: RocksDB (rocksdict) mapping block hash -> (slot, checksum).
+
+Only these 32-byte entries live in RocksDB; payloads live in the slab file, written before
+their entry. The index is a cache of what the slab file's headers say, which is what makes
+it safe to lose:
+- at open, an index that RocksDB cannot open or iterate to the end (a corrupted SST, a
+  damaged MANIFEST) is set aside (renamed, never deleted) and rebuilt from the slab headers;
+- while running, a write RocksDB refuses (disk full, a background error) fails that call
+  only; the next call after RETRY_S reopens the database, and if it will not open cleanly,
+  writes a fresh one from the tier's own table of what it holds.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+import time
+from typing import Callable, Iterable
+
+from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
+
+from kvstore.errors import TierIOError
+from kvstore.keys import HASH_BYTES
+
+log = logging.getLogger("kvtier.ssd")
+ENTRY = struct.Struct("<QQ")  # slot, payload checksum
+RETRY_S = 1.0
+
+
+def rocksdb_options() -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.set_compression_type(DBCompressionType.none())  # 32-byte entries: nothing to gain
+    opts.set_paranoid_checks(True)
+    return opts
+
+
+class SlotIndex:
+    def __init__(self, path: str, durable: bool,
+                 entries: Callable[[], Iterable[tuple[bytes, int, int]]]) -> None:
+        """`entries`: what the tier holds now, (hash, slot, checksum); a rebuild writes it."""
+        self.path, self.durable, self._entries = path, durable, entries
+        self._db: Rdict | None = None
+        self._failed_at: float | None = None
+        self.num_errors = 0        # writes or deletes RocksDB refused
+        self.num_rebuilds = 0      # times the index was set aside and written afresh
+        self.damaged = False       # the last open found it unreadable (recovery rebuilds)
+
+    # ----------------------------------------------------------------- open / load
+
+    def open(self) -> list[tuple[bytes, bytes]]:
+        """Open the index and read every entry. On corruption the entries read before it
+        are returned with `damaged` set: the caller rebuilds from the slab headers."""
+        self.damaged = False
+        try:
+            self._db = self._open_db()
+            return self._scan()
+        except Exception as e:  # noqa: BLE001 - whatever RocksDB says, the slabs still hold
+            self.damaged = True
+            log.error("SSD index %s is damaged (%s): setting it aside and rebuilding it from "
+                      "the slab file", self.path, e)
+            self._set_aside()
+            self._db = self._open_db()
+            return []
+
+    def _open_db(self) -> Rdict:
+        db = Rdict(self.path, options=rocksdb_options())
+        if not self.durable:
+            opts = WriteOptions()
+            opts.disable_wal = True
+            db.set_write_options(opts)
+        return db
+
+    def _scan(self) -> list[tuple[bytes, bytes]]:
+        it = self._db.iter()
+        it.seek_to_first()
+        out = []
+        while it.valid():
+            out.append((it.key(), it.value()))
+            it.next()
+        it.status()  # raises if the iteration stopped on an error, not at the end
+        return out
+
+    def _set_aside(self) -> None:
+        if self._db is not None:
+            try:
+                self._db.close()
+            except Exception:  # noqa: BLE001 - it is being discarded
+                pass
+            self._db = None
+        if os.path.exists(self.path):
+            aside = f"{self.path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            os.rename(self.path, aside)
+            log.error("the damaged SSD index is kept at %s for inspection", aside)
+
+    # ----------------------------------------------------------------- writes
+
+    def put_n(self, hashes, slots, sums) -> None:
+        batch = WriteBatch(raw_mode=True)
+        for h, slot, c in zip(hashes, slots, sums):
+            batch.put(bytes(h), ENTRY.pack(slot, c))
+        self._write(batch)
+
+    def delete_n(self, hashes) -> None:
+        batch = WriteBatch(raw_mode=True)
+        for h in hashes:
+            batch.delete(bytes(h))
+        self._write(batch)
+
+    def _write(self, batch: WriteBatch) -> None:
+        if self._failed_at is not None:
+            if time.monotonic() - self._failed_at < RETRY_S:
+                raise TierIOError(f"the SSD index {self.path} is failing; retrying shortly")
+            self._recover()
+        try:
+            self._db.write(batch)
+        except Exception as e:  # noqa: BLE001 - RocksDB raises plain Exceptions
+            self._failed_at = time.monotonic()
+            self.num_errors += 1
+            raise TierIOError(f"the SSD index {self.path} refused a write: {e}") from e
+
+    def _recover(self) -> None:
+        """Reopen after a failure; a database that will not reopen cleanly is set aside and
+        written afresh from the tier's table."""
+        self._failed_at = None
+        try:
+            if self._db is not None:
+                self._db.close()
+            self._db = self._open_db()
+            self._scan()
+            log.warning("SSD index %s reopened after an error", self.path)
+            return
+        except Exception as e:  # noqa: BLE001
+            log.error("SSD index %s does not reopen cleanly (%s): rebuilding it", self.path, e)
+        try:
+            self.rebuild(self._entries())
+        except Exception as e:  # noqa: BLE001
+            self._failed_at = time.monotonic()
+            raise TierIOError(f"the SSD index {self.path} cannot be rebuilt: {e}") from e
+
+    def rebuild(self, entries: Iterable[tuple[bytes, int, int]]) -> None:
+        """Set the current index aside and write `entries` into a fresh one."""
+        self._set_aside()
+        tmp = self.path + ".new"
+        shutil.rmtree(tmp, ignore_errors=True)
+        db = Rdict(tmp, options=rocksdb_options())
+        batch = WriteBatch(raw_mode=True)
+        for h, slot, c in entries:
+            batch.put(bytes(h), ENTRY.pack(slot, c))
+        db.write(batch)
+        db.flush()
+        db.close()
+        os.rename(tmp, self.path)
+        self._db = self._open_db()
+        self.num_rebuilds += 1
+
+    # ----------------------------------------------------------------- life
+
+    @property
+    def db(self) -> Rdict:
+        return self._db
+
+    def close(self) -> None:
+        if self._db is None:
+            return
+        try:
+            if not self.durable:
+                self._db.flush()
+            self._db.close()
+        except Exception as e:  # noqa: BLE001 - a full disk at shutdown: the WAL holds it
+            log.error("closing the SSD index %s: %s (its write-ahead log keeps what was "
+                      "acknowledged)", self.path, e)
+        self._db = None
+
+
+def parse_entry(key: bytes, value: bytes) -> tuple[bytes, int, int] | None:
+    """(hash, slot, checksum) of an index entry, or None when it is not one."""
+    if len(key) != HASH_BYTES or len(value) != ENTRY.size:
+        return None
+    slot, c = ENTRY.unpack(value)
+    return key, slot, c
