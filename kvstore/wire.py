@@ -80,6 +80,7 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE = 9     # daemon shutting down, or at its connection limit
     INTERNAL = 10
     QUOTA = 11          # the tenant's namespace or byte quota is used up
+    NO_SPACE = 12       # a tier could not store the blocks (disk full, I/O error): none stored
 
 
 class ProtocolError(KVStoreError):

@@ -259,7 +259,12 @@ class Client:
         except BaseException:
             conn.call(w.Abort(reservation_id=res.reservation_id))
             raise
-        conn.call(w.Commit(reservation_id=res.reservation_id), inline)
+        try:
+            conn.call(w.Commit(reservation_id=res.reservation_id), inline)
+        except w.RemoteError as e:
+            if e.code is not w.ErrorCode.NO_SPACE:
+                raise
+            return [PutStatus.NO_SPACE if s == 0 else PUT_STATUSES[s] for s in res.statuses]
         return [PUT_STATUSES[s] for s in res.statuses]
 
     def put(self, key: bytes, value) -> PutStatus:

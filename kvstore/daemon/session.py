@@ -21,7 +21,7 @@ import torch
 from kvstore import wire as w
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.namespaces import Hosted, Registry, namespace_of
-from kvstore.errors import ReservationError
+from kvstore.errors import ReservationError, TierIOError
 from kvstore.events import TierKind
 from kvstore.store import PutStatus, Reservation
 from transfer import ShmSegment
@@ -137,11 +137,16 @@ class Session:
         res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
         try:
             self._recv_blocks(res, range(len(hashes)))
+        except TierIOError as e:  # the payload was read in full: the connection stays in step
+            return self._put_reply(store.abort_failed(res, e))
         except BaseException:
             store.abort(res.reservation_id)
             raise
         store.commit(res.reservation_id)
-        self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in res.statuses)))
+        self._put_reply(res.statuses)
+
+    def _put_reply(self, statuses) -> None:
+        self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in statuses)))
 
     def stage(self, msg: w.Stage, payload_bytes: int) -> None:
         self._same_host("STAGE")
@@ -170,12 +175,14 @@ class Session:
         res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
         try:
             store.write_reserved(res, rows)
+        except TierIOError as e:
+            return self._put_reply(store.abort_failed(res, e))
         except BaseException:
             store.abort(res.reservation_id)
             raise
         store.commit(res.reservation_id)
         self.bytes_in += n * bb
-        self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in res.statuses)))
+        self._put_reply(res.statuses)
 
     def _recv_blocks(self, res: Reservation, indices: Sequence[int]) -> None:
         """Receive blocks `indices` of a reservation: DRAM slots in place, the rest via
@@ -249,6 +256,9 @@ class Session:
             self.store.commit(res.reservation_id)
         except ReservationError as e:
             raise w.RemoteError(w.ErrorCode.RESERVATION, str(e)) from e
+        except TierIOError as e:
+            self.store.abort_failed(res, e)
+            raise w.RemoteError(w.ErrorCode.NO_SPACE, f"nothing stored: {e}") from e
         except BaseException:
             self._abort(res.reservation_id)
             raise
