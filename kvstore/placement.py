@@ -107,8 +107,10 @@ class Placement:
             if want == 0:
                 break
             self.make_room(i, want)
-            slots = tier.alloc_n(min(want, tier.num_free())) or []
-            out.extend((i, s) for s in slots)
+            slots = tier.alloc_n(min(want, tier.num_free()))
+            if slots is None:  # it could not grow as it expected (disk full): what it has
+                slots = tier.alloc_n(min(want, tier.num_free()))
+            out.extend((i, s) for s in slots or ())
         return out
 
     def make_room(self, i: int, n: int) -> None:

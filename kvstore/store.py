@@ -72,15 +72,15 @@ class TieredStore:
         self.ns, self.config = ns, config
         self._lock = threading.Lock()
         tiers: list[Tier] = []
-        try:
+        try:  # a store that fails to open holds nothing afterwards (memory, descriptors)
             for cfg in config.tiers:
                 tiers.append(make_tier(ns, cfg))
+            self._p = Placement(tiers, config.node_id, config.event_buffer, ns.block_bytes)
+            self._p.recover()
         except BaseException:
             for tier in tiers:
                 tier.close()
             raise
-        self._p = Placement(tiers, config.node_id, config.event_buffer, ns.block_bytes)
-        self._p.recover()
         self._reservations: dict[int, tuple[float, list[Entry]]] = {}  # id -> (deadline, entries)
         self._leases: dict[int, tuple[float, list[Entry]]] = {}
         self._ids = itertools.count(1)

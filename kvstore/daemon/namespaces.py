@@ -159,11 +159,15 @@ class Registry:
             store = TieredStore(ns, StoreConfig(tiers, reservation_timeout_s=self.cfg.reservation_timeout_s,
                                                 node_id=self.cfg.node_id, background_interval_s=0.5))
             agent = self._export(ns, store)
-        except BaseException:
+        except BaseException as e:
             if store is not None:
                 store.close(flush=False)
             if not existed:  # a namespace that never came to be leaves nothing behind
                 shutil.rmtree(directory, ignore_errors=True)
+            if isinstance(e, Exception) and not isinstance(e, RemoteError):
+                log.error("cannot open namespace %016x: %s", ns.ns_id, e)
+                raise RemoteError(ErrorCode.UNAVAILABLE, f"the daemon could not open this "
+                                  f"namespace's store ({e}); retry later") from e
             raise
         sizes = {t.kind: t.capacity_blocks * ns.block_bytes for t in tiers}
         return Hosted(ns, store, self.cfg.quota_for(ns.tenant), sizes, agent=agent)

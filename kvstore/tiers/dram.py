@@ -35,8 +35,13 @@ class DramTier(ArenaTier):
         _META.pack_into(self._seg._mm, 0, _META_MAGIC, num_slots, slot_bytes, self.arena_id)
         arena = torch.frombuffer(self._seg._mm, dtype=torch.uint8)[META_BYTES:]
         super().__init__(TierKind.DRAM, arena.view(num_slots, slot_bytes))
+        try:
+            self.directory = SlotDirectory(num_slots)
+        except BaseException:  # out of descriptors, say: the arena goes too
+            self.arena = None
+            self._seg.close()
+            raise
         self._pinned = _cuda_pin(self.arena)
-        self.directory = SlotDirectory(num_slots)
 
     def share_fds(self) -> tuple[int, int]:
         """(arena, slot directory) descriptors for a same-host client of this namespace:

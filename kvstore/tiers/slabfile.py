@@ -16,6 +16,7 @@ grow" (a clean NO_SPACE for the put), never as a write that fails halfway.
 """
 from __future__ import annotations
 
+import errno
 import os
 from typing import Iterator, Sequence
 
@@ -27,6 +28,7 @@ from kvstore.layout import HEADER_BYTES, checksum, decode_header, encode_header
 
 PAGE = 4096
 EXTENT_BYTES = 256 << 20
+INDEX_HEADROOM = 1 << 20  # disk the slab file never takes: the index must still write
 IOV_BLOCKS = 300  # blocks per preadv/pwritev (3 iovecs each, under IOV_MAX = 1024)
 
 
@@ -49,20 +51,28 @@ class SlabFile:
         self._pad = np.zeros(self.stride - self.block_bytes - HEADER_BYTES, np.uint8)
         self._scratch_pad = np.empty_like(self._pad)
 
-    def grow(self) -> range:
-        """Reserve the next extent on disk; the new slots, or an empty range when the
-        capacity is reached. Raises TierIOError when the disk has no room."""
+    def grow(self, min_slots: int = 1) -> range:
+        """Reserve the next extent on disk (smaller ones, down to `min_slots`, when the
+        disk has less room); the new slots, or an empty range at capacity. Raises
+        TierIOError when not even `min_slots` fit."""
         start = self.num_grown
-        end = min(self.num_slots, start + self.extent_slots)
-        if end <= start:
+        n = min(self.num_slots, start + max(self.extent_slots, min_slots)) - start
+        st = os.statvfs(self.path)
+        n = min(n, max(0, st.f_bavail * st.f_frsize - INDEX_HEADROOM) // self.stride)
+        error = None if n else OSError(errno.ENOSPC, "no room left beside the index's "
+                                       f"{INDEX_HEADROOM >> 10} KiB")
+        while n >= min(min_slots, self.num_slots - start) and n > 0:
+            try:
+                os.posix_fallocate(self.fd, start * self.stride, n * self.stride)
+            except OSError as e:
+                error, n = e, n // 2
+                continue
+            self.num_grown = start + n
+            return range(start, start + n)
+        if error is None:
             return range(0)
-        try:
-            os.posix_fallocate(self.fd, start * self.stride, (end - start) * self.stride)
-        except OSError as e:
-            raise TierIOError(f"the SSD tier cannot grow {self.path} by "
-                              f"{(end - start) * self.stride >> 20} MiB: {e}") from e
-        self.num_grown = end
-        return range(start, end)
+        raise TierIOError(f"the SSD tier cannot grow {self.path} by {min_slots} slots "
+                          f"({min_slots * self.stride >> 10} KiB): {error}") from error
 
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes],
                 payloads: Sequence[memoryview]) -> list[int]:

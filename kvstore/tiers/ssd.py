@@ -55,13 +55,18 @@ class SsdTier:
         self.num_slots, self.slot_bytes = num_slots, ns.block_bytes
         self.slabs = SlabFile(os.path.join(path, "slabs.dat"), ns, num_slots)
         self.index = SlotIndex(os.path.join(path, "index"), durable, self._table)
+        try:
+            self._at_open = self.index.open()  # entries as found; `recover` checks them
+        except BaseException:
+            self.slabs.close()
+            raise
         self._held: dict[bytes, tuple[int, int]] = {}  # hash -> (slot, checksum): the truth
         self._free = FreeSlots(0)
         self._grow_failed_at: float | None = None
         self._closed = False
         self.num_dropped_at_open = 0
         self.num_recovered_from_slabs = 0
-        self._at_open = self.index.open()  # entries as found; `recover` checks them
+        _warn_if_bigger_than_disk(path, num_slots * self.slabs.stride)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -81,7 +86,7 @@ class SsdTier:
             if self.num_free() < n:
                 return None
             try:
-                grown = self.slabs.grow()
+                grown = self.slabs.grow(n - len(self._free))
             except TierIOError as e:
                 self._grow_failed_at = time.monotonic()
                 log.warning("%s", e)
@@ -133,8 +138,9 @@ class SsdTier:
         if self.index.damaged:
             found.update(self._adopt_from_slabs({slot for slot, _ in found.values()}))
         self._held.update(found)
-        if self.index.damaged:
-            self.index.rebuild(self._table())
+        if self.index.damaged and self._held:  # the fresh index gets what the slabs showed
+            hashes, slots, sums = zip(*self._table())
+            self.index.put_n(hashes, slots, sums)
         elif dropped:
             try:
                 self.index.delete_n(dropped)
@@ -199,6 +205,15 @@ def _host_view(src) -> memoryview:
     if isinstance(src, torch.Tensor):
         src = src.numpy() if src.device.type == "cpu" else src.cpu().numpy()
     return memoryview(src).cast("B")
+
+
+def _warn_if_bigger_than_disk(path: str, nbytes: int) -> None:
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        log.warning("the SSD tier at %s may grow to %d MiB but its disk has %d MiB free: "
+                    "once the disk is full, puts that need SSD are answered NO_SPACE",
+                    path, nbytes >> 20, free >> 20)
 
 
 def _write_tier_file(path: str, ns: Namespace) -> None:

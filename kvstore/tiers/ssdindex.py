@@ -33,6 +33,10 @@ def rocksdb_options() -> Options:
     opts.create_if_missing(True)
     opts.set_compression_type(DBCompressionType.none())  # 32-byte entries: nothing to gain
     opts.set_paranoid_checks(True)
+    # RocksDB preallocates its WAL at ~1.1x the write buffer and its MANIFEST at 4 MiB: on
+    # a nearly full disk that alone fails writes. The index is small; so are these.
+    opts.set_write_buffer_size(64 << 10)  # ~2,000 entries: a flush per ~1 GB of 512 KiB blocks
+    opts.set_manifest_preallocation_size(64 << 10)
     return opts
 
 
@@ -56,7 +60,10 @@ class SlotIndex:
         try:
             self._db = self._open_db()
             return self._scan()
-        except Exception as e:  # noqa: BLE001 - whatever RocksDB says, the slabs still hold
+        except Exception as e:  # noqa: BLE001 - RocksDB raises plain Exceptions
+            if "Corruption" not in str(e):  # e.g. out of descriptors: not the index's fault
+                self.close()
+                raise TierIOError(f"cannot open the SSD index {self.path}: {e}") from e
             self.damaged = True
             log.error("SSD index %s is damaged (%s): setting it aside and rebuilding it from "
                       "the slab file", self.path, e)
@@ -74,13 +81,16 @@ class SlotIndex:
 
     def _scan(self) -> list[tuple[bytes, bytes]]:
         it = self._db.iter()
-        it.seek_to_first()
-        out = []
-        while it.valid():
-            out.append((it.key(), it.value()))
-            it.next()
-        it.status()  # raises if the iteration stopped on an error, not at the end
-        return out
+        try:
+            it.seek_to_first()
+            out = []
+            while it.valid():
+                out.append((it.key(), it.value()))
+                it.next()
+            it.status()  # raises if the iteration stopped on an error, not at the end
+            return out
+        finally:
+            del it  # an iterator keeps the database (and its LOCK) open past close()
 
     def _set_aside(self) -> None:
         if self._db is not None:
@@ -90,7 +100,9 @@ class SlotIndex:
                 pass
             self._db = None
         if os.path.exists(self.path):
-            aside = f"{self.path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            stamp = time.strftime('%Y%m%d-%H%M%S')
+            aside = next(p for p in (f"{self.path}.damaged-{stamp}-{i}" for i in range(1000))
+                         if not os.path.exists(p))
             os.rename(self.path, aside)
             log.error("the damaged SSD index is kept at %s for inspection", aside)
 

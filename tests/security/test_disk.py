@@ -1,0 +1,161 @@
+"""A full disk and a damaged one, for real: a small tmpfs as the data dir, flipped bytes in
+the slab file and in RocksDB's SST files. A put that could not store says NO_SPACE (never a
+later phantom EXISTS), the daemon recovers once space returns and stops cleanly on a full
+disk; corruption is a miss or a rebuilt index, never an outage or wrong bytes."""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvstore import Client
+from kvstore.events import TierKind
+from kvstore.keys import hash_blocks
+from kvstore.store import PutStatus
+from kvstore.tiers.slabfile import stride_of
+
+from .conftest import NS, ROOT, block_of, metric, wait_for
+
+BB = NS.block_bytes
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs mounted for this test (needs root, as CI has)."""
+    if os.geteuid() != 0:
+        pytest.fail("mounting a small tmpfs needs root (CI runs as root)")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(mnt, leave_bytes: int) -> str:
+    """Fill the disk but `leave_bytes`; returns the filler's path (delete it to make room)."""
+    filler = os.path.join(mnt, "filler")
+    st = os.statvfs(mnt)
+    size = st.f_bavail * st.f_frsize - leave_bytes
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(size, 0))
+    return filler
+
+
+def blocks(hs):
+    return np.stack([block_of(h, BB) for h in hs])
+
+
+def test_a_full_disk_is_no_space_never_exists_and_recovers(make_daemon, small_disk):
+    d = make_daemon("--token-file", _tokens(small_disk), "--dram-size", "0",
+                    data_dir=str(small_disk / "data"), ssd_size="64MiB")
+    with Client(d.url, "admin-secret", NS, use_shm=False) as c:
+        assert wait_for(lambda: "but its disk has" in d.output()), "no warning at start"
+        filler = fill(small_disk, (1 << 20) + (256 << 10))  # 1 MiB kept for the index:
+        # 32 slots of 8 KiB left for blocks
+        first = hash_blocks(NS, np.arange(8 * 16))
+        assert c.put_n(first, blocks(first)) == [PutStatus.STORED] * 8, d.output()
+        more = hash_blocks(NS, np.arange(64 * 16) + 10 ** 6)
+        statuses = c.put_n(more, blocks(more))
+        lost = [h for h, st in zip(more, statuses) if st is PutStatus.NO_SPACE]
+        assert lost, "the disk never filled"
+        assert set(statuses) <= {PutStatus.STORED, PutStatus.NO_SPACE}
+        again = c.put_n(lost, blocks(lost))  # the retry a client makes: still not stored
+        assert PutStatus.EXISTS not in again
+        lost = [h for h, st in zip(lost, again) if st is PutStatus.NO_SPACE]
+        assert lost and c.contains_n(lost) == [False] * len(lost)
+        out = np.zeros((len(lost), BB), np.uint8)
+        assert c.get_n(lost, out) == [None] * len(lost)
+        held = [h for h in first + more if c.contains_n([h])[0]]  # the rest were evicted (LRU)
+        got = np.zeros((len(held), BB), np.uint8)  # whatever it holds, it holds intact
+        assert held and c.get_n(held, got) == [TierKind.SSD] * len(held)
+        assert np.array_equal(got, blocks(held))
+        os.unlink(filler)  # room again: puts are stored (after the tier's retry pause)
+        assert wait_for(lambda: c.put_n(lost, blocks(lost)) == [PutStatus.STORED] * len(lost),
+                        timeout_s=20, step_s=0.5)
+        assert c.get_n(lost, out) == [TierKind.SSD] * len(lost)
+        assert np.array_equal(out, blocks(lost))
+    assert d.proc.poll() is None
+
+
+def test_a_full_disk_under_the_index_and_a_clean_stop(make_daemon, small_disk):
+    d = make_daemon("--token-file", _tokens(small_disk), "--dram-size", "16KiB",
+                    data_dir=str(small_disk / "data"), ssd_size="1MiB")
+    with Client(d.url, "admin-secret", NS, use_shm=False) as c:
+        warm = hash_blocks(NS, np.arange(40 * 16))
+        c.put_n(warm, blocks(warm))  # the slab file grows to its extent now
+        fill(small_disk, 0)  # and now not even RocksDB's log has a byte left
+        hs = hash_blocks(NS, np.arange(16 * 16) + 10 ** 7)
+        for i in range(0, 16, 4):
+            st = c.put_n(hs[i:i + 4], blocks(hs[i:i + 4]))
+            assert PutStatus.EXISTS not in st
+        stored = [h for h in hs if c.contains_n([h])[0]]
+        out = np.zeros((1, BB), np.uint8)
+        for h in stored:  # whatever it says it holds, it holds intact
+            assert c.get_n([h], out) != [None] and np.array_equal(out[0], block_of(h, BB))
+    assert metric(d, "kvtier_internal_errors_total") == 0
+    assert d.stop() == 0, d.output()  # memory tiers do not fit on the disk: logged, exit 0
+
+
+def _tokens(where) -> str:
+    path = os.path.join(os.path.dirname(where), "tokens")
+    with open(path, "w") as f:
+        f.write("admin-secret\n")
+    return path
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x55]))
+
+
+def test_a_corrupted_sst_costs_nothing_and_fsck_reports_it(make_daemon, tmp_path):
+    data = tmp_path / "data"
+    d = make_daemon("--dram-size", "0", data_dir=str(data))
+    hs = hash_blocks(NS, np.arange(300 * 16))
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        for i in range(0, 300, 50):
+            c.put_n(hs[i:i + 50], blocks(hs[i:i + 50]))
+    assert d.stop() == 0  # flushes RocksDB's memtable into an SST
+    ssd = str(data / f"{NS.ns_id:016x}" / "ssd")
+    (sst,) = glob.glob(os.path.join(ssd, "index", "*.sst"))
+    _flip(sst, os.path.getsize(sst) // 3)
+    fsck = [sys.executable, "-m", "kvstore.cli", "fsck", ssd]
+    report = subprocess.run(fsck, cwd=ROOT, capture_output=True, text=True)
+    assert report.returncode == 1 and "damaged" in report.stdout, report.stdout + report.stderr
+    d.start()  # recovery sets the index aside and rebuilds it from the slab file
+    assert "rebuilding it from the slab file" in d.output()
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        out = np.zeros((300, BB), np.uint8)
+        assert c.get_n(hs, out) == [TierKind.SSD] * 300
+        assert np.array_equal(out, blocks(hs))
+    assert d.stop() == 0
+    clean = subprocess.run(fsck, cwd=ROOT, capture_output=True, text=True)
+    assert clean.returncode == 0 and "300 blocks ok, 0 bad" in clean.stdout, clean.stdout
+
+
+def test_corruption_met_while_serving_is_a_miss_for_that_block_only(make_daemon, tmp_path):
+    data = tmp_path / "data"
+    d = make_daemon("--dram-size", "0", data_dir=str(data))
+    hs = hash_blocks(NS, np.arange(8 * 16))
+    slab = str(data / f"{NS.ns_id:016x}" / "ssd" / "slabs.dat")
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        c.put_n(hs, blocks(hs))  # a fresh SSD-only tier: block i in slot i
+        for slot in (2, 5):  # two payloads damaged on disk while the daemon runs
+            _flip(slab, slot * stride_of(BB) + 100)
+        out = np.zeros((8, BB), np.uint8)
+        tiers = c.get_n(hs, out)  # one batch: the intact blocks come back, no error
+        bad = [i for i, t in enumerate(tiers) if t is None]
+        assert bad == [2, 5]
+        for i, t in enumerate(tiers):
+            if t is not None:
+                assert np.array_equal(out[i], block_of(hs[i], BB))
+        assert c.contains_n([hs[i] for i in bad]) == [False, False]  # removed
+        assert c.remove_n(hs) == 6, "a reader count was left held"
+        assert c.stats().tier(TierKind.SSD).counters.corrupt == 2

@@ -1,0 +1,160 @@
+"""Limits before work: nothing but HELLO before a token passes, headers bounded while they
+are decoded, connections capped and timed out, every malformed field a clear ERROR frame,
+and running out of descriptors pauses the daemon instead of stopping it."""
+from __future__ import annotations
+
+import resource
+import socket
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore import Client
+from kvstore import wire as w
+from kvstore.client import ConnectError
+from kvstore.keys import hash_blocks
+
+from .conftest import NS, call, closed, hello_msg, metric, raw_conn, rss_kib, wait_for
+
+
+@pytest.fixture
+def secured(make_daemon, token_file):
+    return make_daemon("--token-file", token_file)
+
+
+def still_serving(daemon, token="admin-secret") -> None:
+    h = hash_blocks(NS, np.arange(16) + 5)[0]
+    with Client(daemon.url, token, NS, use_shm=False) as c:
+        c.put(h, np.full(NS.block_bytes, 3, np.uint8))
+        assert c.get(h) == bytes([3]) * NS.block_bytes
+
+
+@pytest.mark.parametrize("msg", [w.Stage(nbytes=64 << 20), w.Share(), w.Exists(hashes=b"x" * 16),
+                                 w.Reserve(hashes=b"x" * 16), w.Stats()])
+def test_nothing_but_hello_before_authentication(secured, msg):
+    with raw_conn(secured) as s:
+        reply = call(s, msg)
+        assert reply.op is w.Op.ERROR and "before HELLO" in reply.msg.message and closed(s)
+    still_serving(secured)
+
+
+def test_a_bad_token_closes_the_connection(secured):
+    with raw_conn(secured) as s:
+        reply = call(s, hello_msg(NS, "wrong"))
+        assert reply.msg.code == w.ErrorCode.AUTH and closed(s)
+
+
+def test_big_or_nested_headers_are_refused_before_they_are_decoded(secured):
+    before = rss_kib(secured.pid)
+    nested = b"\x81\xa1k" * 100_000  # maps inside maps
+    for _ in range(16):
+        with raw_conn(secured) as s:  # a 1 MiB header with no token: refused by its length
+            s.sendall(w.PREFIX.pack(w.MAGIC, w.PROTOCOL_VERSION, w.Op.HELLO, 1 << 20, 0))
+            reply = w.recv_frame(s, 1 << 30)
+            assert reply.msg.code == w.ErrorCode.TOO_LARGE and closed(s)
+        with raw_conn(secured) as s:  # small enough, but a map where none may be
+            body = nested[:12 << 10]
+            s.sendall(w.PREFIX.pack(w.MAGIC, w.PROTOCOL_VERSION, w.Op.HELLO, len(body), 0) + body)
+            assert w.recv_frame(s, 1 << 30).msg.code == w.ErrorCode.PROTOCOL and closed(s)
+    assert rss_kib(secured.pid) - before < 64 << 10, "pre-auth headers cost daemon memory"
+    still_serving(secured)
+
+
+@pytest.mark.parametrize("fields,needle", [
+    (dict(num_layers=2 ** 40), "num_layers"),
+    (dict(head_dim=0), "head_dim"),
+    (dict(dtype="complex128"), "dtype"),
+    (dict(model=""), "model"),
+    (dict(model="m" * 5000), "model"),
+    (dict(block_tokens=1 << 20, num_layers=4096, head_dim=4096), "block"),
+])
+def test_hello_fields_out_of_range_are_clear_errors(secured, fields, needle):
+    ns = dict(model=NS.model, num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16",
+              block_tokens=16)
+    with raw_conn(secured) as s:
+        hello = w.Hello(token="admin-secret", **{**ns, **fields})
+        reply = call(s, hello)
+        assert reply.op is w.Op.ERROR and needle in reply.msg.message, reply.msg
+        assert reply.msg.code in (w.ErrorCode.NAMESPACE, w.ErrorCode.PROTOCOL)
+    still_serving(secured)
+
+
+def test_wrong_field_types_are_protocol_errors(secured):
+    with raw_conn(secured) as s:
+        values = ["admin-secret", NS.model, "one", 1, 64, "float16", 16, "main", "", False, b""]
+        header = msgpack.packb(values, use_bin_type=True)
+        s.sendall(w.PREFIX.pack(w.MAGIC, w.PROTOCOL_VERSION, w.Op.HELLO, len(header), 0) + header)
+        reply = w.recv_frame(s, 1 << 30)
+        assert reply.msg.code == w.ErrorCode.PROTOCOL and "num_layers" in reply.msg.message
+
+
+def test_connections_are_capped_and_the_unauthenticated_ones_more_so(make_daemon, token_file):
+    d = make_daemon("--token-file", token_file, "--max-connections", "8")
+    idle = [raw_conn(d) for _ in range(2)]  # 8 // 4 = 2 may wait unauthenticated
+    try:
+        with raw_conn(d) as s:
+            reply = w.recv_frame(s, 1 << 30)
+            assert reply.msg.code == w.ErrorCode.UNAVAILABLE and "authenticate" in reply.msg.message
+        for s in idle:
+            s.close()
+        authed = []
+        for _ in range(8):
+            s = raw_conn(d)
+            assert call(s, hello_msg(NS, "admin-secret")).op is w.Op.HELLO
+            authed.append(s)
+        with raw_conn(d) as s:
+            assert "connection limit" in w.recv_frame(s, 1 << 30).msg.message
+        for s in authed:
+            s.close()
+        assert wait_for(lambda: _serves(d))
+    finally:
+        for s in idle:
+            s.close()
+
+
+def _serves(d) -> bool:
+    try:
+        still_serving(d)
+        return True
+    except ConnectError:
+        return False
+    except w.RemoteError as e:  # a store it could not open for want of descriptors
+        assert e.code is w.ErrorCode.UNAVAILABLE, e
+        return False
+
+
+def test_silent_connections_are_closed(make_daemon, token_file):
+    d = make_daemon("--token-file", token_file, "--hello-timeout", "1", "--idle-timeout", "1")
+    with raw_conn(d, timeout=10) as s:  # never says HELLO
+        assert closed(s)
+    with raw_conn(d, timeout=10) as s:  # authenticated, then silent
+        call(s, hello_msg(NS, "admin-secret"))
+        assert closed(s)
+    with Client(d.url, "admin-secret", NS, use_shm=False) as c:  # pooled: reconnects
+        h = hash_blocks(NS, np.arange(16))[0]
+        c.put(h, np.zeros(NS.block_bytes, np.uint8))
+        import time
+        time.sleep(1.5)
+        assert c.contains_n([h]) == [True]
+
+
+def test_out_of_descriptors_pauses_accepting_and_recovers(make_daemon, token_file):
+    def few_fds():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+    d = make_daemon("--token-file", token_file, preexec_fn=few_fds)
+    held = []
+    try:
+        for _ in range(120):  # more than the daemon can hold open
+            s = socket.create_connection(("127.0.0.1", d.port), timeout=5)
+            held.append(s)
+            w.send_frame(s, hello_msg(NS, "admin-secret"), w.Op.HELLO, False)
+        assert wait_for(lambda: "Too many open files" in d.output(), timeout_s=30), \
+            "the test never ran the daemon out of descriptors: " + d.output()[-3000:]
+        assert d.proc.poll() is None
+    finally:
+        for s in held:
+            s.close()
+    assert wait_for(lambda: _serves(d), timeout_s=20), d.output()[-4000:]
+    assert d.get_json("/healthz")["status"] == "ok"
+    assert metric(d, "kvtier_accept_errors_total") > 0

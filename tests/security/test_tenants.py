@@ -1,0 +1,102 @@
+"""Tenants cannot starve each other, and no namespace can keep the daemon from starting:
+per-tenant namespace and byte quotas, nothing left behind by a refused namespace, and a
+namespace found broken at start set aside while the others are served."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from kvstore import Client
+from kvstore import wire as w
+from kvstore.events import TierKind
+from kvstore.keys import Namespace, hash_blocks
+
+from .conftest import ALICE, BOB, block_of, call, hello_msg, metric, raw_conn
+
+
+def ns_of(tenant: str, i: int, **kw) -> Namespace:
+    return Namespace(f"model-{i}", num_layers=1, num_kv_heads=1, head_dim=64, tenant=tenant, **kw)
+
+
+def hello_code(d, ns: Namespace, token: str) -> int:
+    with raw_conn(d) as s:
+        reply = call(s, hello_msg(ns, token))
+        return reply.msg.code if reply.op is w.Op.ERROR else 0
+
+
+def test_namespace_limits_are_per_tenant(make_daemon, token_file):
+    d = make_daemon("--token-file", token_file, "--max-namespaces", "2",
+                    "--max-namespaces-total", "3")
+    assert hello_code(d, ns_of("alice", 1), "alice-secret") == 0
+    assert hello_code(d, ns_of("alice", 2), "alice-secret") == 0
+    assert hello_code(d, ns_of("alice", 3), "alice-secret") == w.ErrorCode.QUOTA
+    assert hello_code(d, ns_of("bob", 1), "bob-secret") == 0, "alice starved bob"
+    assert hello_code(d, ns_of("bob", 2), "bob-secret") == w.ErrorCode.QUOTA  # the total
+    assert hello_code(d, ns_of("alice", 1), "alice-secret") == 0  # an open one stays open
+
+
+def test_memory_and_disk_quotas_are_per_tenant(make_daemon, token_file):
+    d = make_daemon("--token-file", token_file, "--tenant-memory", "64KiB",
+                    "--tenant-disk", "160KiB", dram_size="48KiB", ssd_size="96KiB")
+    tiers = []
+    for i in range(2):
+        with Client(d.url, "alice-secret", ns_of("alice", i)) as c:
+            tiers.append({t.kind: t.capacity_blocks for t in c.stats().tiers})
+    assert tiers[0] == {TierKind.DRAM: 12, TierKind.SSD: 24}
+    assert tiers[1] == {TierKind.DRAM: 4, TierKind.SSD: 16}     # what was left of 64K / 160K
+    assert hello_code(d, ns_of("alice", 2), "alice-secret") == w.ErrorCode.QUOTA
+    with Client(d.url, "bob-secret", ns_of("bob", 0)) as c:     # bob has his own budget
+        assert {t.kind: t.capacity_blocks for t in c.stats().tiers} == tiers[0]
+
+
+def test_a_refused_namespace_leaves_nothing_and_the_daemon_restarts(make_daemon, token_file,
+                                                                   tmp_path):
+    data = tmp_path / "data"
+    d = make_daemon("--token-file", token_file, dram_size="8KiB", ssd_size="8KiB",
+                    data_dir=str(data))
+    huge = Namespace("huge", num_layers=64, num_kv_heads=8, head_dim=128, tenant="alice")
+    assert hello_code(d, huge, "alice-secret") == w.ErrorCode.NAMESPACE
+    assert os.listdir(data) == [] if data.exists() else True
+    assert d.stop() == 0
+    d.start()  # the same data dir: nothing there blocks the start
+    assert d.get_json("/healthz")["status"] == "ok"
+
+
+def test_a_broken_namespace_at_start_is_set_aside_and_the_rest_served(make_daemon, token_file,
+                                                                     tmp_path):
+    data = tmp_path / "data"
+    d = make_daemon("--token-file", token_file, data_dir=str(data))
+    hs = hash_blocks(ALICE, np.arange(4 * 16))
+    with Client(d.url, "alice-secret", ALICE, use_shm=False) as c:
+        c.put_n(hs, np.stack([block_of(h, ALICE.block_bytes) for h in hs]))
+    with Client(d.url, "bob-secret", BOB, use_shm=False) as c:
+        c.put_n(hs[:1], [block_of(hs[0], BOB.block_bytes)])
+    assert d.stop() == 0
+    bob_dir = data / f"{BOB.ns_id:016x}"
+    (bob_dir / "namespace.json").write_text("{not json")
+    junk = data / "0123456789abcdef"
+    junk.mkdir()
+    (junk / "namespace.json").write_text(json.dumps({"model": "x", "num_layers": 2 ** 40,
+                                                     "num_kv_heads": 1, "head_dim": 1}))
+    d.start()
+    health = d.get_json("/healthz")
+    assert health["status"] == "ok" and health["namespaces_failed"] == 2
+    assert metric(d, "kvtier_namespaces_failed") == 2
+    assert set(d.get_json("/stats", "admin-secret")["namespaces_failed"]) == {
+        bob_dir.name, junk.name}
+    assert "not opened" in d.output()
+    with Client(d.url, "alice-secret", ALICE, use_shm=False) as c:  # alice's blocks are served
+        out = np.zeros((4, ALICE.block_bytes), np.uint8)
+        assert c.get_n(hs, out) == [TierKind.SSD] * 4
+    assert (bob_dir / "ssd").exists(), "a broken namespace's files were touched"
+
+
+@pytest.mark.parametrize("token", ["", "alice-secret"])
+def test_admin_views_need_an_admin_token(make_daemon, token_file, token):
+    d = make_daemon("--token-file", token_file)
+    import urllib.error
+    with pytest.raises(urllib.error.HTTPError):
+        d.get_json("/metrics", token)
