@@ -98,6 +98,41 @@ def test_a_full_disk_under_the_index_and_a_clean_stop(make_daemon, small_disk):
             assert c.get_n([h], out) != [None] and np.array_equal(out[0], block_of(h, BB))
     assert metric(d, "kvtier_internal_errors_total") == 0
     assert d.stop() == 0, d.output()  # memory tiers do not fit on the disk: logged, exit 0
+    os.unlink(os.path.join(small_disk, "filler"))
+    d.start()  # room again: everything acknowledged is there, and puts work
+    with Client(d.url, "admin-secret", NS, use_shm=False) as c:
+        out = np.zeros((len(stored), BB), np.uint8)
+        assert None not in c.get_n(stored, out) and np.array_equal(out, blocks(stored))
+        assert c.put_n(hs, blocks(hs)).count(PutStatus.NO_SPACE) == 0
+
+
+def test_the_index_refuses_writes_on_a_full_disk_and_recovers_by_itself(small_disk):
+    """RocksDB in its error state after ENOSPC: the tier reopens it once there is room,
+    with no restart (in-process, on the real tmpfs)."""
+    import time
+
+    import torch
+
+    from kvstore.errors import TierIOError
+    from kvstore.tiers.ssd import SsdTier
+    tier = SsdTier(NS, str(small_disk / "ssd"), 64)
+    tier.recover()
+    hs = hash_blocks(NS, np.arange(40 * 16))
+    data = torch.from_numpy(blocks(hs))
+    slots = tier.alloc_n(40)  # the slab file holds room for them already
+    filler = fill(small_disk, 0)
+    with pytest.raises(TierIOError):
+        for i in range(0, 40, 4):  # the index's log runs out of room
+            tier.write_n(slots[i:i + 4], hs[i:i + 4], data[i:i + 4])
+    os.unlink(filler)
+    time.sleep(1.1)  # the index waits a moment before reopening
+    tier.write_n(slots, hs, data)
+    out = torch.zeros_like(data)
+    assert tier.read_n(slots, hs, out) == [True] * 40 and torch.equal(out, data)
+    tier.close()
+    tier = SsdTier(NS, str(small_disk / "ssd"), 64)
+    assert sorted(h for h, _ in tier.recover()) == sorted(hs)
+    tier.close()
 
 
 def _tokens(where) -> str:
