@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .copy import copy_bytes
 from .errors import Fault, TransferError
 from .shm import ShmSegment, map_path
 from .types import MemKind
@@ -191,4 +192,4 @@ def host_views(regions: dict[int, Region], ids: np.ndarray, offsets: np.ndarray,
 
 def finish_staged(finish: list) -> None:
     for device_slice, stage in finish:
-        device_slice.copy_(_torch().from_numpy(stage))
+        copy_bytes(device_slice, stage)

@@ -69,6 +69,17 @@ def build_config(args: argparse.Namespace) -> DaemonConfig:
         raise ConfigError(f"bad configuration: {e}") from e
 
 
+def _own_threads() -> None:
+    """The daemon computes nothing: one torch/OpenMP thread, so no thread pool spins on
+    the cores the engines need (its copies are single-threaded memcpy anyway)."""
+    import torch
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already fixed by an earlier parallel op in this process
+
+
 def _not_dumpable() -> None:
     """No process of our uid but root may read our memory or descriptors (/proc/PID/mem,
     /proc/PID/fd, ptrace): every tenant's KV lives here, and descriptors handed to one
@@ -87,6 +98,7 @@ def _default_gpu_bytes() -> int:
 
 def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
+    _own_threads()
     from kvstore.tuning import tune_malloc_for_large_blocks
     tune_malloc_for_large_blocks()  # block-sized buffers reuse the heap instead of fresh mmaps
     logging.basicConfig(level=cfg.log_level.upper(),
