@@ -1,7 +1,9 @@
 """Put / get throughput of each store tier against a baseline measured in the same run.
 
-GPU and DRAM tiers are compared with a plain memcpy (torch `copy_`) of the same bytes; the
-SSD tier with a plain sequential file write / read of the same bytes in the same directory.
+GPU and DRAM tiers are compared with a plain memcpy (single-threaded, numpy) of the same
+bytes; the SSD tier with a plain sequential file write / read of the same bytes in the same
+directory, warm (from the page cache) and cold (both files written back and dropped from
+the page cache with fdatasync + POSIX_FADV_DONTNEED before every read).
 On a machine without CUDA the GPU tier runs on a CPU tensor (and says so). Also reports
 block-hashing throughput against one xxh3_128 pass over the same token bytes.
 
@@ -81,18 +83,43 @@ class TierCase:
             got = self.store.get_n(self.hashes[i:i + self.batch], self.dst[i:i + self.batch])
             assert None not in got, "benchmark blocks must all hit"
 
+    def drop_cache(self) -> None:
+        """Written back and out of the page cache: the next get reads the disk."""
+        drop_page_cache(self.store.tier(TierKind.SSD).slabs.path)
+
+
+def drop_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cold_time(fn, drop, reps: int) -> float:
+    """Median time of fn() with the page cache dropped (untimed) before each run."""
+    times = []
+    for _ in range(reps):
+        drop()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
     def close(self) -> None:
         self.store.close(flush=False)
 
 
 def memcpy_gbps(nbytes: int, reps: int) -> float:
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return nbytes / median_time(lambda: dst.copy_(src), reps) / 1e9
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return nbytes / median_time(lambda: np.copyto(dst, src), reps) / 1e9
 
 
-def file_gbps(nbytes: int, chunk: int, workdir: str, reps: int) -> tuple[float, float]:
-    """Plain sequential write (no fsync, like RocksDB's WAL) and read of the same bytes."""
+def file_gbps(nbytes: int, chunk: int, workdir: str, reps: int) -> tuple[float, float, float]:
+    """Plain sequential write (no fsync, like the tier's) and read of the same bytes, warm
+    and cold."""
     path = os.path.join(workdir, "plain-file.bin")
     data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
     out = bytearray(nbytes)
@@ -110,22 +137,27 @@ def file_gbps(nbytes: int, chunk: int, workdir: str, reps: int) -> tuple[float, 
 
     w = nbytes / median_time(write, reps) / 1e9
     r = nbytes / median_time(read, reps) / 1e9
+    cold = nbytes / cold_time(read, lambda: drop_page_cache(path), reps) / 1e9
     os.unlink(path)
-    return w, r
+    return w, r, cold
 
 
 def tier_rows(kind: TierKind, label: str, size_name: str, ns: Namespace, n: int, reps: int,
-              workdir: str, baselines: tuple[str, float, float], durable: bool = True) -> list[Row]:
-    base_name, base_put, base_get = baselines
+              workdir: str, baselines: tuple, durable: bool = True) -> list[Row]:
+    base_name, base_put, base_get, *base_cold = baselines
     rows = []
     for mode, batch in (("single", 1), ("batched x16", 16)):
         case = TierCase(kind, ns, n, batch, workdir, durable)
         nbytes = n * ns.block_bytes
         put = nbytes / median_time(case.put, reps) / 1e9
         get = nbytes / median_time(case.get, reps) / 1e9
-        case.close()
         rows.append(Row(f"{label} put {size_name} {mode}", "GB/s", put, base_name, base_put))
         rows.append(Row(f"{label} get {size_name} {mode}", "GB/s", get, base_name, base_get))
+        if base_cold:
+            cold = nbytes / cold_time(case.get, case.drop_cache, reps) / 1e9
+            rows.append(Row(f"{label} cold get {size_name} {mode}", "GB/s", cold,
+                            f"{base_name} (cold)", base_cold[0]))
+        case.close()
     return rows
 
 
@@ -164,13 +196,13 @@ def main(argv: list[str] | None = None) -> None:
             ns = namespace_for(size)
             n = max(16, (args.mib * MiB) // size)
             copy = memcpy_gbps(n * size, reps)
-            fw, fr = file_gbps(n * size, size, workdir, reps)
-            print(f"{size_name}: memcpy {copy:.2f} GB/s, file write {fw:.2f} / read {fr:.2f} GB/s",
-                  file=sys.stderr)
+            fw, fr, fc = file_gbps(n * size, size, workdir, reps)
+            print(f"{size_name}: memcpy {copy:.2f} GB/s, file write {fw:.2f} / read {fr:.2f} "
+                  f"/ cold read {fc:.2f} GB/s", file=sys.stderr)
             for kind, label in ((TierKind.GPU, gpu_label), (TierKind.DRAM, "dram")):
                 rows += tier_rows(kind, label, size_name, ns, n, reps, workdir, ("memcpy", copy, copy))
             rows += tier_rows(TierKind.SSD, "ssd", size_name, ns, n, reps, workdir,
-                              ("plain file", fw, fr))
+                              ("plain file", fw, fr, fc))
             rows += tier_rows(TierKind.SSD, "ssd(no WAL)", size_name, ns, n, reps, workdir,
                               ("plain file", fw, fr), durable=False)
     finally:

@@ -137,3 +137,10 @@ def num_full_blocks(ns: Namespace, num_tokens: int) -> int:
 
 def hex_hashes(hashes: Iterable[bytes]) -> list[str]:
     return [h.hex() for h in hashes]
+
+
+def check_hashes(hashes: Sequence[bytes]) -> None:
+    """Every block hash is HASH_BYTES long (a clear error for anything else)."""
+    for h in hashes:
+        if len(h) != HASH_BYTES:
+            raise ValueError(f"block hashes are {HASH_BYTES} bytes; got one of {len(h)} bytes")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import enum
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from kvstore.errors import TierIOError
 from kvstore.events import EventKind, KVEvent
@@ -45,6 +45,15 @@ def group_by_tier(entries: Sequence[Entry]) -> list[tuple[int, list[Entry]]]:
     for e in entries:
         groups.setdefault(e.tier, []).append(e)
     return sorted(groups.items())
+
+
+class Move(NamedTuple):
+    """Blocks of tier `src` on their way to reserved slots of tier `dst`."""
+
+    src: int
+    dst: int
+    entries: list[Entry]
+    dst_slots: list[int]
 
 
 class Placement:
@@ -99,14 +108,17 @@ class Placement:
 
     # -------------------------------------------------------------- allocation
 
-    def allocate(self, n: int) -> list[tuple[int, int]]:
-        """Up to n (tier, slot) pairs, fastest tier first, evicting LRU blocks downwards."""
+    def allocate(self, n: int, demote: bool = True) -> list[tuple[int, int]]:
+        """Up to n (tier, slot) pairs, fastest tier first, evicting LRU blocks downwards.
+        With demote=False only the last tier evicts (by dropping: no bytes move here); the
+        others give what is free, the caller having made room with `plan_room` first."""
         out: list[tuple[int, int]] = []
         for i, tier in enumerate(self.tiers):
             want = n - len(out)
             if want == 0:
                 break
-            self.make_room(i, want)
+            if demote or i + 1 == len(self.tiers):
+                self.make_room(i, want)
             slots = tier.alloc_n(min(want, tier.num_free()))
             if slots is None:  # it could not grow as it expected (disk full): what it has
                 slots = tier.alloc_n(min(want, tier.num_free()))
@@ -142,9 +154,10 @@ class Placement:
         self.drop(victims[k:])
 
     def demote_to(self, src: int, dst: int, group: list[Entry]) -> int:
-        """Copy blocks from tier src into free slots of tier dst (a lower, slower tier).
-        Returns how many moved: none when dst cannot take them (its disk is full, a write
-        failed); the caller drops the rest."""
+        """Copy blocks from tier src into free slots of tier dst (a lower, slower tier),
+        here and now (under the lock: `evict_n`, `flush_to_last`; puts and the background
+        pass use the two-phase `plan_room`). Returns how many moved: none when dst cannot
+        take them (its disk is full, a write failed); the caller drops the rest."""
         if not group:
             return 0
         slots = self.tiers[dst].alloc_n(len(group))
@@ -157,17 +170,7 @@ class Placement:
         except TierIOError:
             self.tiers[dst].free_n(slots, hashes)
             return 0
-        src_tier.free_n([e.slot for e in group], hashes)
-        for e, slot in zip(group, slots):
-            e.tier, e.slot = dst, slot
-        self.tiers[dst].publish_n(slots, hashes)
-        self.counters[src].demotions_out += len(group)
-        self.counters[dst].demotions_in += len(group)
-        self.counters[dst].bytes_in += len(group) * self.block_bytes
-        self.emit(EventKind.REMOVED, src, hashes)
-        self.emit(EventKind.STORED, dst, hashes)
-        for e in group:  # still newer than what the lower tier held: its MRU end, in order
-            self.make_evictable(e)
+        self._switch(src, dst, list(zip(group, slots)))
         return len(group)
 
     def flush_to_last(self, chunk: int = 256) -> int:
@@ -188,10 +191,85 @@ class Placement:
                 missed += len(part) - self.demote_to(i, last, part)
         return missed
 
+    # -------------------------------------------------------------- two-phase moves
+
+    def plan_room(self, i: int, n: int) -> list["Move"]:
+        """Phase one of making n slots free in tier i (under the lock): victims chosen,
+        destination slots in tier i + 1 reserved (the last tier makes room by dropping);
+        each victim counts a reader, so it stays readable at its slot and nothing else
+        moves or removes it. Run the moves outside the lock, then `commit_moves`."""
+        need = n - self.tiers[i].num_free()
+        if need <= 0 or i + 1 == len(self.tiers):
+            if need > 0:
+                self.make_room(i, n)
+            return []
+        victims = self.pick_victims(i, need)
+        if not victims:
+            return []
+        dst = i + 1
+        if dst + 1 == len(self.tiers):
+            self.make_room(dst, len(victims))
+        k = min(len(victims), self.tiers[dst].num_free())
+        slots = (self.tiers[dst].alloc_n(k) if k else None) or []
+        self.drop(victims[len(slots):])  # no room below (a full disk): dropped, as ever
+        moving = victims[:len(slots)]
+        for e in moving:
+            e.readers += 1
+        return [Move(i, dst, moving, slots)] if moving else []
+
+    def run_moves(self, moves: list["Move"]) -> list[bool]:
+        """Phase two, outside the lock: copy each move's blocks. Whether each succeeded."""
+        done = []
+        for m in moves:
+            src = self.tiers[m.src]
+            try:
+                self.tiers[m.dst].write_n(m.dst_slots, [e.hash for e in m.entries],
+                                          [src.slot_view(e.slot) for e in m.entries])
+                done.append(True)
+            except TierIOError:
+                done.append(False)
+        return done
+
+    def commit_moves(self, moves: list["Move"], done: list[bool]) -> None:
+        """Phase three (under the lock): moved blocks switch to their new slots. A block a
+        reader took meanwhile (it is reading the old slot), or whose copy failed, stays."""
+        for m, ok in zip(moves, done):
+            go, stay, give_back = [], [], []
+            for e, slot in zip(m.entries, m.dst_slots):
+                e.readers -= 1
+                if ok and e.readers == 0 and self.entries.get(e.hash) is e:
+                    go.append((e, slot))
+                else:
+                    stay.append(e)
+                    give_back.append((slot, e.hash))
+            if give_back:
+                self.tiers[m.dst].free_n([s for s, _ in give_back], [h for _, h in give_back])
+            for e in stay:
+                if self.entries.get(e.hash) is e:
+                    self.make_evictable(e)
+            self._switch(m.src, m.dst, go)
+
+    def _switch(self, src: int, dst: int, moved: list[tuple[Entry, int]]) -> None:
+        if not moved:
+            return
+        hashes = [e.hash for e, _ in moved]
+        self.tiers[src].free_n([e.slot for e, _ in moved], hashes)
+        for e, slot in moved:
+            e.tier, e.slot = dst, slot
+        self.tiers[dst].publish_n([slot for _, slot in moved], hashes)
+        self.counters[src].demotions_out += len(moved)
+        self.counters[dst].demotions_in += len(moved)
+        self.counters[dst].bytes_in += len(moved) * self.block_bytes
+        self.emit(EventKind.REMOVED, src, hashes)
+        self.emit(EventKind.STORED, dst, hashes)
+        for e, _ in moved:
+            self.make_evictable(e)
+
     def promote(self, group: list[Entry], rows: list) -> None:
-        """Move blocks (leased by the caller alone) into the fastest tier, writing them from
-        `rows`, the copies the caller just read."""
-        self.make_room(0, len(group))
+        """Move blocks (leased by the caller alone) into free slots of the fastest tier,
+        writing them from `rows`, the copies the caller just read. Nothing is evicted for
+        it (that would write a lower tier under the lock): the background pass keeps the
+        tier below its high watermark, so there is room."""
         k = min(len(group), self.tiers[0].num_free())
         if k == 0:
             return

@@ -20,33 +20,19 @@ import threading
 import time
 from typing import NamedTuple, Sequence
 
+from kvstore.api import MatchResult, PutStatus, leading_hits  # noqa: F401 - re-exported
 from kvstore.buffers import byte_rows, select_rows
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.errors import ReservationError, StoreClosedError, TierIOError
 from kvstore.events import EventKind, KVEvent, TierKind
-from kvstore.keys import HASH_BYTES, Namespace
+from kvstore.keys import Namespace, check_hashes
 from kvstore.layout import decode_block
-from kvstore.placement import Entry, Placement, State, group_by_tier, visible
+from kvstore.placement import Entry, Move, Placement, State, group_by_tier, visible
+from kvstore.reads import NO_SLOT, Lease, Reads  # noqa: F401 - re-exported
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier
 
 log = logging.getLogger("kvtier.store")
-
-class PutStatus(enum.Enum):
-    STORED = "stored"        # committed by this call
-    EXISTS = "exists"        # already present (content-addressed: a no-op success)
-    NO_SPACE = "no_space"    # every tier is full of pinned / leased / reserved blocks
-
-
-class MatchResult(NamedTuple):
-    num_blocks: int                 # length of the longest stored prefix
-    tiers: tuple[TierKind, ...]     # the tier of each of those blocks
-
-
-class Lease(NamedTuple):
-    lease_id: int
-    hits: tuple[tuple[TierKind, int] | None, ...]  # (tier, slot) per requested hash; None = miss
-
 
 class Reservation(NamedTuple):
     reservation_id: int
@@ -67,7 +53,7 @@ def make_tier(ns: Namespace, cfg: TierConfig) -> Tier:
     return SsdTier(ns, cfg.path, cfg.capacity_blocks, durable=cfg.durable)
 
 
-class TieredStore:
+class TieredStore(Reads):
     def __init__(self, ns: Namespace, config: StoreConfig) -> None:
         self.ns, self.config = ns, config
         self._lock = threading.Lock()
@@ -129,16 +115,25 @@ class TieredStore:
     def reserve_n(self, hashes: Sequence[bytes], timeout_s: float | None = None) -> Reservation:
         """Phase one of a put: a slot for each new hash, invisible until `commit`. A
         reservation not committed within `timeout_s` (default from the config) is reclaimed."""
-        _check_hashes(hashes)
+        check_hashes(hashes)
         keys = [bytes(h) for h in hashes]
         timeout = self.config.reservation_timeout_s if timeout_s is None else timeout_s
+        with self._lock:  # the batch's stored blocks are held: making room never takes them
+            self._check_open()
+            mine = self._hold(dict.fromkeys(keys))
+            fresh = mine.count(None)
+        try:
+            self._make_room_in(0, fresh)
+        finally:
+            with self._lock:
+                self._unhold([e for e in mine if e is not None])
         with self._lock:
             self._check_open()
             p = self._p
             known = {h for h in keys if h in p.entries}
             p.touch([p.entries[h] for h in keys if h in known])  # don't evict them for this put
             fresh = [h for h in dict.fromkeys(keys) if h not in known]
-            where = dict(zip(fresh, p.allocate(len(fresh))))
+            where = dict(zip(fresh, p.allocate(len(fresh), demote=False)))
             statuses, slots, new = [], [], []
             for h in keys:
                 place = where.pop(h, None)
@@ -195,86 +190,6 @@ class TieredStore:
 
     # ---------------------------------------------------------------- reads
 
-    def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
-        """Copy each stored block into its destination (one writable buffer of all blocks, or
-        one per block). Returns per block the tier it was found in, or None for a miss
-        (absent, or found corrupted, in which case it is removed)."""
-        rows = byte_rows(dsts, len(hashes), self.ns.block_bytes, writable=True)
-        _check_hashes(hashes)
-        with self._lock:
-            self._check_open()
-            held = self._hold(hashes)
-        try:
-            ok = self._read_held(held, rows)
-        except BaseException:
-            with self._lock:  # nothing may stay held: every reader count goes back
-                self._unhold([e for e in held if e is not None])
-            raise
-        with self._lock:
-            return self._finish_read(held, ok, rows)
-
-    def _hold(self, hashes: Sequence[bytes]) -> list[Entry | None]:
-        held = []
-        for h in hashes:
-            e = self._p.entries.get(bytes(h))
-            if visible(e):
-                e.readers += 1
-                self._p.hold(e)
-                held.append(e)
-            else:
-                held.append(None)
-        return held
-
-    def _read_held(self, held: list[Entry | None], rows) -> list[bool]:
-        ok = [False] * len(held)
-        by_tier: dict[int, list[int]] = {}
-        for i, e in enumerate(held):
-            if e is not None:
-                by_tier.setdefault(e.tier, []).append(i)
-        for tier_idx, idx in by_tier.items():
-            try:
-                got = self._p.tiers[tier_idx].read_n([held[i].slot for i in idx],
-                                                     [held[i].hash for i in idx],
-                                                     select_rows(rows, idx))
-            except TierIOError as e:  # the tier's blocks of this batch are misses, no more
-                log.warning("a read of %d blocks failed: %s", len(idx), e)
-                got = [False] * len(idx)
-            for i, good in zip(idx, got):
-                ok[i] = good
-        return ok
-
-    def _finish_read(self, held: list[Entry | None], ok: list[bool], rows) -> list[TierKind | None]:
-        p = self._p
-        out: list[TierKind | None] = []
-        corrupt, promote, promote_rows = [], [], []
-        for i, (e, good) in enumerate(zip(held, ok)):
-            if e is None or not good:
-                self._num_misses += 1
-                out.append(None)
-                if e is not None:
-                    e.readers -= 1
-                    corrupt.append(e)
-                continue
-            out.append(p.tiers[e.tier].kind)
-            p.counters[e.tier].hits += 1
-            p.counters[e.tier].bytes_out += self.ns.block_bytes
-            if e.tier > 0 and e.readers == 1 and self.config.promote_on_hit and not self._closed:
-                promote.append(e)
-                promote_rows.append(rows[i])
-        p.drop([e for e in corrupt if p.entries.get(e.hash) is e], corrupt=True)
-        if promote:
-            p.promote(promote, promote_rows)
-        dropped = {id(e) for e in corrupt}
-        self._unhold([e for e in held if e is not None and id(e) not in dropped])
-        return out
-
-    def _unhold(self, entries: list[Entry]) -> None:
-        for e in reversed(entries):  # the batch's tail becomes the older end of the LRU
-            if self._p.entries.get(e.hash) is not e:
-                continue  # removed meanwhile (found corrupted by another reader)
-            e.readers -= 1
-            self._p.make_evictable(e)
-
     def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
         with self._lock:
             self._check_open()
@@ -293,51 +208,6 @@ class TieredStore:
             return MatchResult(len(tiers), tuple(tiers))
 
     # ---------------------------------------------------------------- leases and pins
-
-    def acquire_n(self, hashes: Sequence[bytes], ttl_s: float = 30.0) -> Lease:
-        """Hold blocks for zero-copy reading (e.g. another process mapping the DRAM arena):
-        they cannot move or be evicted until `release(lease_id)` or until `ttl_s` passes."""
-        _check_hashes(hashes)
-        with self._lock:
-            self._check_open()
-            held = self._hold(hashes)
-            self._count_reads(held)
-            lid = next(self._ids)
-            self._leases[lid] = (time.monotonic() + ttl_s, [e for e in held if e is not None])
-            kinds = [None if e is None else (self._p.tiers[e.tier].kind, e.slot) for e in held]
-            return Lease(lid, tuple(kinds))
-
-    def touch_n(self, hashes: Sequence[bytes]) -> int:
-        """Count reads made outside the store (a same-host reader copying published DRAM
-        slots itself) as hits, and mark those blocks recently used. Returns how many of
-        them are still stored (the others were evicted or removed since; not counted)."""
-        _check_hashes(hashes)
-        with self._lock:
-            self._check_open()
-            p, found = self._p, []
-            for h in hashes:
-                e = p.entries.get(bytes(h))
-                if visible(e):
-                    found.append(e)
-                    p.counters[e.tier].hits += 1
-                    p.counters[e.tier].bytes_out += self.ns.block_bytes
-            p.touch(found)
-            return len(found)
-
-    def _count_reads(self, held: list[Entry | None]) -> None:
-        """Count a lease's hits and misses like a get's (its reader copies the bytes)."""
-        for e in held:
-            if e is None:
-                self._num_misses += 1
-            else:
-                self._p.counters[e.tier].hits += 1
-                self._p.counters[e.tier].bytes_out += self.ns.block_bytes
-
-    def release(self, lease_id: int) -> None:
-        """End a lease (unknown or expired ids are ignored: the lease is already over)."""
-        with self._lock:
-            _, entries = self._leases.pop(lease_id, (0.0, []))
-            self._unhold(entries)
 
     def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
         """Keep blocks from eviction: hard (ttl_s None; counted, until `unpin_n`) or soft
@@ -420,9 +290,45 @@ class TieredStore:
             for lid in [l for l, (dl, _) in self._leases.items() if dl < now]:
                 self._unhold(self._leases.pop(lid)[1])
             self._p.expire_soft_pins(now)
-            for i, (tier, cfg) in enumerate(zip(self._p.tiers, self.config.tiers)):
-                if tier.num_slots - tier.num_free() > cfg.high_watermark * tier.num_slots:
-                    self._p.make_room(i, tier.num_slots - int(cfg.low_watermark * tier.num_slots))
+        self._make_room(self._over_watermarks)
+
+    def _over_watermarks(self, p: Placement) -> list[Move]:
+        moves = []
+        for i, (tier, cfg) in enumerate(zip(p.tiers, self.config.tiers)):
+            if tier.num_slots - tier.num_free() > cfg.high_watermark * tier.num_slots:
+                moves += p.plan_room(i, tier.num_slots - int(cfg.low_watermark * tier.num_slots))
+        return moves
+
+    def _make_room_in(self, i: int, n: int) -> None:
+        """Best effort: n free slots in tier i, the way a put wants them (two-phase, lower
+        tiers first so a middle tier's victims have somewhere to go)."""
+        with self._lock:
+            if self._closed or i + 1 >= len(self._p.tiers):
+                return
+            need = n - self._p.tiers[i].num_free()
+            cascade = (need > 0 and i + 2 < len(self._p.tiers)
+                       and self._p.tiers[i + 1].num_free() < need)
+        if need <= 0:
+            return
+        if cascade:
+            self._make_room_in(i + 1, need)
+        self._make_room(lambda p: p.plan_room(i, n))
+
+    def _make_room(self, plan) -> None:
+        """Demotion in three steps, so no tier is written under the lock: `plan(placement)`
+        picks victims and reserves their new slots (locked), the copies run unlocked, the
+        moves commit (locked). Meanwhile the victims stay readable where they were."""
+        with self._lock:
+            if self._closed:
+                return
+            moves = plan(self._p)
+        if not moves:
+            return
+        done = self._p.run_moves(moves)
+        with self._lock:
+            if self._closed:
+                return  # the tiers are gone, and the moves with them
+            self._p.commit_moves(moves, done)
 
     def _background(self) -> None:
         """`maintain()` on a timer; an error is logged and counted (`stats().background_errors`)
@@ -508,9 +414,3 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_hashes(hashes: Sequence[bytes]) -> None:
-    for h in hashes:
-        if len(h) != HASH_BYTES:
-            raise ValueError(f"block hashes are {HASH_BYTES} bytes; got one of {len(h)} bytes")

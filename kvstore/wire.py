@@ -254,15 +254,17 @@ class PutOk(Message):
 @_msg(Op.GET)
 class Get(HashesMessage):
     hashes: bytes = b""
-    shm: bool = False         # the client can copy DRAM slots itself
+    shm: bool = False         # the client can copy DRAM slots itself (arena or agent)
     release: tuple[int, ...] = ()  # leases the client is done with (saves a round trip)
+    prefix: bool = False      # only the longest stored prefix (a miss ends the read)
 
 
 @_msg(Op.GET, reply=True)
 class GetOk(Message):
     tiers: bytes = b""        # TierKind per block, MISS when absent
-    lease_id: int = 0         # nonzero: `slots` are leased DRAM slots, release when copied
-    slots: bytes = b""        # int64 per block when lease_id != 0; else hits follow inline
+    lease_id: int = 0         # nonzero: some `slots` are leased; RELEASE it once copied
+    slots: bytes = b""        # (shm requests) int64 per block: its leased DRAM slot, or
+    # NO_SLOT; the hits with NO_SLOT follow inline, in order. Without shm: every hit inline.
 
 
 @_msg(Op.RESERVE)

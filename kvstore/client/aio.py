@@ -86,6 +86,9 @@ class AsyncClient:
 
     get_n_into = get_n
 
+    async def get_prefix_n(self, hashes: Sequence[bytes], dsts) -> MatchResult:
+        return await self._call("get_prefix_n", hashes, dsts)
+
     async def get_into(self, key: bytes, buffer) -> TierKind | None:
         return (await self.get_n([key], [buffer]))[0]
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvstore import wire as w
-from kvstore.buffers import byte_rows
+from kvstore.buffers import byte_rows, select_rows
 from kvstore.client.conn import Connection, LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
@@ -24,7 +24,7 @@ from kvstore.client.shm import ArenaMap, map_arena
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats, TierCounters, TierStats
-from kvstore.store import MatchResult, PutStatus
+from kvstore.store import MatchResult, PutStatus, leading_hits
 from transfer import BackendKind, TransferError
 from transfer.copy import copy_bytes
 
@@ -297,18 +297,22 @@ class Client:
                 tiers[i] = t
         return tiers
 
-    def _direct_reads(self, arena: ArenaMap, hashes: Sequence[bytes],
-                      rows) -> tuple[list[TierKind | None], list[int]]:
-        """Copy every block the slot directory shows in a DRAM slot; (tiers, indices left
-        for the daemon). Each copy is kept only if its slot's generation did not move."""
+    def _direct_reads(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
+                      prefix: bool = False) -> tuple[list[TierKind | None], list[int]]:
+        """Copy every block the slot directory shows in a DRAM slot (with `prefix`: up to
+        the first that it does not); (tiers, indices left for the daemon). Each copy is
+        kept only if its slot's generation did not move."""
         d, src = arena.directory, arena.array
         dst = rows.numpy() if isinstance(rows, torch.Tensor) and rows.device.type == "cpu" \
             else None
         if len(hashes) > VECTOR_READS:
-            return self._direct_reads_n(arena, hashes, rows, dst)
+            return self._direct_reads_n(arena, hashes, rows, dst, prefix)
         tiers: list[TierKind | None] = [None] * len(hashes)
         missed, touched = [], []
         for i, h in enumerate(hashes):
+            if prefix and missed:
+                missed.append(i)
+                continue
             h = bytes(h)
             found = d.find(h)
             if found is None:
@@ -330,12 +334,15 @@ class Client:
         return tiers, missed
 
     def _direct_reads_n(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
-                        dst: np.ndarray | None) -> tuple[list[TierKind | None], list[int]]:
+                        dst: np.ndarray | None, prefix: bool = False
+                        ) -> tuple[list[TierKind | None], list[int]]:
         """`_direct_reads` for a batch: one vectorised directory lookup, one gather copy
         into a single destination buffer, one generation check."""
         d, src = arena.directory, arena.array
         packed = w.pack_hashes(hashes)
         slots, gens = d.find_n(packed)
+        if prefix:
+            slots[_first_false(slots >= 0):] = -1
         found = np.flatnonzero(slots >= 0)
         if dst is not None and len(found) == len(hashes):
             # mode="clip": slots are in range already; the default "raise" buffers `out`
@@ -346,6 +353,8 @@ class Client:
                 _copy(rows[i], arena.rows[int(slots[i])])
         ok = np.zeros(len(hashes), bool)
         ok[found] = d.still_valid_n(slots[found], gens[found])
+        if prefix:
+            ok[_first_false(ok):] = False
         tiers: list[TierKind | None] = [TierKind.DRAM if k else None for k in ok.tolist()]
         missed = np.flatnonzero(~ok).tolist()
         if len(missed) < len(hashes):
@@ -373,29 +382,58 @@ class Client:
 
     get_n_into = get_n
 
-    def _get_n(self, conn: Connection, packed: bytes, rows) -> list[TierKind | None]:
+    def _get_n(self, conn: Connection, packed: bytes, rows,
+               prefix: bool = False) -> list[TierKind | None]:
+        """One GET: leased DRAM slots are copied here (arena or transfer agent), the other
+        hits arrive inline after the reply."""
         arena, agent = self._movers(conn)
         release, conn.pending_release = tuple(conn.pending_release), []
-        reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release,
+        reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release, prefix=prefix,
                                                shm=arena is not None or agent is not None))
         tiers = _tiers(reply.tiers)
         hits = [i for i, t in enumerate(tiers) if t is not None]
+        slots = np.frombuffer(reply.slots, "<i8") if reply.slots else None
+        if slots is not None and len(slots) != len(tiers):
+            raise w.ProtocolError(f"GET reply names {len(slots)} slots for {len(tiers)} blocks")
+        leased = [] if slots is None else [i for i in hits if slots[i] != w.NO_SLOT]
+        inline = [i for i in hits if slots is None or slots[i] == w.NO_SLOT]
+        if payload_bytes != len(inline) * self.block_bytes:
+            raise w.ProtocolError(f"GET reply carries {payload_bytes} bytes for "
+                                  f"{len(inline)} inline hits")
+        for i in inline:
+            _recv_row(conn, rows[i])
         if reply.lease_id:
-            slots = np.frombuffer(reply.slots, "<i8")
             try:
                 if arena is not None:
-                    for i in hits:
+                    for i in leased:
                         _copy(rows[i], arena.rows[int(slots[i])])
                 else:
-                    agent.read([int(slots[i]) for i in hits], [rows[i] for i in hits])
+                    agent.read([int(slots[i]) for i in leased], [rows[i] for i in leased])
             finally:
                 conn.pending_release.append(reply.lease_id)
-            return tiers
-        if payload_bytes != len(hits) * self.block_bytes:
-            raise w.ProtocolError(f"GET reply carries {payload_bytes} bytes for {len(hits)} hits")
-        for i in hits:
-            _recv_row(conn, rows[i])
         return tiers
+
+    def get_prefix_n(self, hashes: Sequence[bytes], dsts) -> MatchResult:
+        """`match_prefix` and `get_n` in one round trip (none at all for a prefix the slot
+        directory shows in DRAM on the daemon's host): the longest stored prefix of
+        `hashes`, its blocks copied into the first destinations."""
+        rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
+        if not len(hashes):
+            return MatchResult(0, ())
+        tiers: list[TierKind | None] = []
+        arena = self._arena
+        if arena is not None and arena.directory is not None and arena.directory.writer_alive():
+            tiers, missed = self._direct_reads(arena, hashes, rows, prefix=True)
+            tiers = tiers[:missed[0]] if missed else tiers
+            batch = self._due_touches()
+            if batch:
+                self._send_touches(batch)
+        start = len(tiers)
+        if start < len(hashes):
+            tiers += self._run(self._get_n, w.pack_hashes(hashes[start:]),
+                               select_rows(rows, range(start, len(hashes))), True)
+        n = leading_hits(tiers)
+        return MatchResult(n, tuple(tiers[:n]))
 
     def get_into(self, key: bytes, buffer) -> TierKind | None:
         return self.get_n([key], [buffer])[0]
@@ -491,6 +529,12 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _first_false(mask: np.ndarray) -> int:
+    """Index of the first False in a bool array (its length when there is none)."""
+    off = np.flatnonzero(~mask)
+    return int(off[0]) if off.size else len(mask)
 
 
 def _iter_rows(rows):

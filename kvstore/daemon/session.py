@@ -205,34 +205,32 @@ class Session:
                                           [res.hashes[i] for i in idx], [scratch[k] for k in ks])
 
     def get(self, msg: w.Get, payload_bytes: int) -> None:
+        """One store visit per hash: DRAM blocks are leased, the rest copied (and
+        promoted). A client that maps the arena (`shm`) gets the leased slots and only the
+        other blocks inline; any other client gets every block inline."""
         store, hashes = self.store, msg.hash_list
         self.release_n(msg.release)
-        lease = store.acquire_n(hashes, ttl_s=self.cfg.lease_ttl_s)
-        hits = [h for h in lease.hits if h is not None]
-        arena = self.dram_rows()
-        if arena is None or any(kind is not TierKind.DRAM for kind, _ in hits):
-            store.release(lease.lease_id)
-            return self._get_copied(hashes)
+        bb, arena = self.hosted.ns.block_bytes, self.dram_rows()
+        rows = self.scratch(len(hashes) * bb).view(-1, bb)
+        lease = store.fetch_n(hashes, rows, ttl_s=self.cfg.lease_ttl_s,
+                              lease_tier=TierKind.DRAM if arena is not None else None,
+                              prefix=msg.prefix)
         tiers = tier_bytes([None if h is None else h[0] for h in lease.hits])
-        self.hosted.count_lease_hits(len(hits))
+        slots = [w.NO_SLOT if h is None else h[1] for h in lease.hits]
+        hits = [i for i, h in enumerate(lease.hits) if h is not None]
+        self.hosted.count_lease_hits(sum(slots[i] != w.NO_SLOT for i in hits))
         if msg.shm:
-            self.leases.add(lease.lease_id)
-            slots = np.array([w.NO_SLOT if h is None else h[1] for h in lease.hits], "<i8")
-            return self.reply(w.Op.GET, w.GetOk(tiers=tiers, lease_id=lease.lease_id,
-                                                slots=slots.tobytes()))
+            if lease.lease_id:
+                self.leases.add(lease.lease_id)
+            return self.reply(w.Op.GET, w.GetOk(
+                tiers=tiers, lease_id=lease.lease_id, slots=np.array(slots, "<i8").tobytes()),
+                [rows[i].numpy() for i in hits if slots[i] == w.NO_SLOT])
         try:
             self.reply(w.Op.GET, w.GetOk(tiers=tiers),
-                       [arena[slot].numpy() for _, slot in hits])
+                       [(arena[slots[i]] if slots[i] != w.NO_SLOT else rows[i]).numpy()
+                        for i in hits])
         finally:
             store.release(lease.lease_id)
-
-    def _get_copied(self, hashes: list[bytes]) -> None:
-        """Blocks outside DRAM (SSD, GPU): the store copies them out (and promotes them)."""
-        bb = self.hosted.ns.block_bytes
-        rows = self.scratch(len(hashes) * bb).view(-1, bb)
-        found = self.store.get_n(hashes, rows)
-        payload = [rows[i].numpy() for i, t in enumerate(found) if t is not None]
-        self.reply(w.Op.GET, w.GetOk(tiers=tier_bytes(found)), payload)
 
     def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:
         res = self.store.reserve_n(msg.hash_list, timeout_s=self.cfg.reservation_timeout_s)

@@ -16,7 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.events import EventKind
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.store import PutStatus, TieredStore
+from kvstore.events import TierKind
+from kvstore.store import NO_SLOT, PutStatus, TieredStore
 
 NS = Namespace("prop", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=2)
 POOL = hash_blocks(NS, list(range(2 * 24)))
@@ -81,6 +82,42 @@ class StoreMachine(RuleBasedStateMachine):
         self._follow_events()
 
     @rule(hashes=keys)
+    def get_prefix(self, hashes):
+        before = set(self.present)
+        out = torch.zeros(len(hashes), NS.block_bytes, dtype=torch.uint8)
+        m = self.store.get_prefix_n(hashes, out)
+        n = 0
+        while n < len(hashes) and hashes[n] in before:
+            n += 1
+        assert m.num_blocks == n and len(m.tiers) == n
+        for h, row in zip(hashes[:n], out[:n]):
+            assert np.array_equal(row.numpy(), CONTENT[h]), "wrong bytes in the prefix"
+        self._follow_events()
+
+    @rule(hashes=keys, prefix=st.booleans())
+    def fetch(self, hashes, prefix):
+        """Leased DRAM slots and copied rows both hold the right bytes; one visit each."""
+        before = set(self.present)
+        rows = torch.zeros(len(hashes), NS.block_bytes, dtype=torch.uint8)
+        lease = self.store.fetch_n(hashes, rows, prefix=prefix)
+        arena = self.store.tier(TierKind.DRAM).arena
+        try:
+            stop = False
+            for h, hit, copied, row in zip(hashes, lease.hits, lease.copied, rows):
+                stop = stop or (prefix and h not in before)
+                assert (hit is not None) == (h in before and not stop)
+                if hit is None:
+                    continue
+                assert hit[1] != NO_SLOT or copied, "a hit neither leased nor copied"
+                if hit[1] != NO_SLOT:
+                    assert np.array_equal(arena[hit[1]].numpy(), CONTENT[h])
+                if copied:
+                    assert np.array_equal(row.numpy(), CONTENT[h])
+        finally:
+            self.store.release(lease.lease_id)
+        self._follow_events()
+
+    @rule(hashes=keys)
     def match(self, hashes):
         m = self.store.match_prefix(hashes)
         n = 0
@@ -134,6 +171,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.present, self.pins, self.next_seq = set(), collections.Counter(), 0
         self._follow_events()
         assert must_survive <= self.present <= before
+
+    @invariant()
+    def no_reader_is_left_holding_a_block(self):
+        assert all(e.readers == 0 for e in self.store._p.entries.values())
 
     @invariant()
     def slots_are_accounted(self):

@@ -97,3 +97,40 @@ def test_async_client_same_surface(daemon):
             assert await c.remove(hs[5])
             assert (await c.stats()).block_bytes == BB
     asyncio.run(main())
+
+
+def test_get_prefix_n_reads_the_stored_prefix_in_one_visit(client):
+    hs = chain(140 + PATHS.index(client.test_path), 10)
+    client.put_n(hs[:4] + hs[5:], [block_of(h, BB) for h in hs[:4] + hs[5:]])  # a hole at 4
+    dst = np.full((10, BB), 9, np.uint8)
+    m = client.get_prefix_n(hs, dst)
+    assert m.num_blocks == 4 and len(m.tiers) == 4
+    assert all(np.array_equal(dst[i], block_of(hs[i], BB)) for i in range(4))
+    assert (dst[4:] == 9).all(), "blocks past the prefix were written"
+    assert client.get_prefix_n(chain(99, 3), np.zeros((3, BB), np.uint8)).num_blocks == 0
+
+
+def test_a_same_host_ssd_hit_comes_through_its_promoted_dram_slot(make_daemon):
+    """One store visit per hash, counted once; the SSD block reaches a same-host client
+    through the DRAM slot it was promoted into, not inline over the socket."""
+    import re
+    import urllib.request
+    d = make_daemon("--dram-size", "16KiB")  # 4 DRAM slots
+    hs = chain(77, 12)
+    with Client(d.url, namespace=NS, staged_put_bytes=0) as c:
+        c.put_n(hs, np.stack([block_of(h, BB) for h in hs]))  # 8 demoted to SSD
+        on_ssd = [h for h in hs if c.match_prefix([h]).tiers == (TierKind.SSD,)]
+        assert len(on_ssd) >= 4
+        want = on_ssd[:2]
+
+        def out_bytes() -> float:
+            text = urllib.request.urlopen(d.http + "/metrics", timeout=5).read().decode()
+            return float(re.search(r'kvtier_net_bytes_total{direction="out"} (\S+)',
+                                   text).group(1))
+        hits, before = c.stats().hits, out_bytes()
+        dst = np.zeros((2, BB), np.uint8)
+        assert c.get_n(want, dst) == [TierKind.SSD] * 2
+        assert all(np.array_equal(o, block_of(h, BB)) for o, h in zip(dst, want))
+        assert out_bytes() == before, "the promoted blocks were sent inline"
+        assert c.stats().hits == hits + 2, "a block was counted twice"
+        assert [c.match_prefix([h]).tiers for h in want] == [(TierKind.DRAM,)] * 2

@@ -426,3 +426,39 @@ def test_snapshot_then_events_rebuild_the_content(tmp_path):
             for h in e.block_hashes:
                 (live.add if e.kind is EventKind.STORED else live.discard)((e.tier, h))
         assert {h for _, h in live} == set(s.list_hashes())
+
+
+def test_demotion_copies_outside_the_store_lock(tmp_path):
+    """While a put's victims are being written to SSD, every other call on the store goes
+    on: the SSD write of a demotion runs with the lock released (two-phase)."""
+    from kvstore.tiers.ssd import SsdTier
+    entered, release = threading.Event(), threading.Event()
+
+    class GatedSsd(SsdTier):  # the real SSD tier, its writes held at a gate by the test
+        def write_n(self, slots, hashes, srcs):
+            entered.set()
+            assert release.wait(30)
+            super().write_n(slots, hashes, srcs)
+
+    s = make(tmp_path, dram=2, ssd=8)
+    gated = GatedSsd(NS, str(tmp_path / "gated"), 8)
+    s._p.tiers[1].close()
+    s._p.tiers[1] = gated
+    try:
+        data = blocks(3)
+        s.put_n(CHAIN[:2], data[:2])  # DRAM full
+        putter = threading.Thread(target=s.put_n, args=(CHAIN[2:3], data[2:3]))
+        putter.start()
+        assert entered.wait(30), "the put never demoted"
+        out = torch.zeros(1, NS.block_bytes, dtype=torch.uint8)
+        victim_or_not = s.get_n(CHAIN[:2], torch.zeros(2, NS.block_bytes, dtype=torch.uint8))
+        assert victim_or_not == [TierKind.DRAM] * 2  # the victim is still readable where it was
+        assert s.contains_n(CHAIN[:3]) == [True, True, False]
+        release.set()
+        putter.join(30)
+        assert s.get_n(CHAIN[2:3], out) == [TierKind.DRAM] and torch.equal(out[0], data[2])
+        tiers = s.match_prefix(CHAIN[:3]).tiers
+        assert sorted(tiers) == [TierKind.DRAM, TierKind.DRAM, TierKind.SSD]
+    finally:
+        release.set()
+        s.close()

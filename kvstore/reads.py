@@ -1,0 +1,233 @@
+"""The read side of `TieredStore`: copies, leases, touches, and promotion on a hit.
+
+Every read visits each hash once, in three steps: hold (under the store lock: a reader count
+on each block, so nothing can move or evict it), copy (outside the lock, from the tiers into
+the caller's rows; blocks a caller will copy itself from a leased slot are skipped), settle
+(under the lock: hits and misses counted once, corrupted blocks dropped, readers released
+or kept for a lease). A hit in a lower tier is promoted afterwards from the bytes just read:
+room is made in the fastest tier with the same two-phase demotion puts use, so no tier is
+written under the lock but the destination of the promotion itself (a memory tier).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple, Sequence
+
+from kvstore.api import MatchResult, leading_hits
+from kvstore.buffers import byte_rows, select_rows
+from kvstore.errors import TierIOError
+from kvstore.events import TierKind
+from kvstore.keys import check_hashes
+from kvstore.placement import Entry, visible
+
+log = logging.getLogger("kvtier.store")
+NO_SLOT = -1  # fetch_n: a hit whose bytes were copied, not leased
+
+
+class Lease(NamedTuple):
+    lease_id: int
+    hits: tuple[tuple[TierKind, int] | None, ...]  # (tier, slot) per requested hash; None = miss
+    copied: tuple[bool, ...] = ()  # fetch_n: the block's bytes are in the caller's row
+
+
+class Reads:
+    """Mixin of TieredStore (its lock `_lock`, placement `_p`, config, leases)."""
+
+    def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
+        """Copy each stored block into its destination (one writable buffer of all blocks, or
+        one per block). Returns per block the tier it was found in, or None for a miss
+        (absent, or found corrupted, in which case it is removed)."""
+        rows = byte_rows(dsts, len(hashes), self.ns.block_bytes, writable=True)
+        return self._read(hashes, rows)[1]
+
+    def get_prefix_n(self, hashes: Sequence[bytes], dsts) -> MatchResult:
+        """`match_prefix` and `get_n` in one visit: the longest stored prefix of `hashes`,
+        its blocks copied into the first destinations (the rest are left untouched). A
+        block found corrupted ends the prefix there."""
+        rows = byte_rows(dsts, len(hashes), self.ns.block_bytes, writable=True)
+        tiers = self._read(hashes, rows, prefix=True)[1]
+        n = leading_hits(tiers)
+        return MatchResult(n, tuple(tiers[:n]))
+
+    def fetch_n(self, hashes: Sequence[bytes], rows, ttl_s: float = 30.0,
+                lease_tier: TierKind | None = TierKind.DRAM, prefix: bool = False):
+        """One visit per hash for a reader that can copy slots of `lease_tier` itself (a
+        same-host client mapping the DRAM arena): blocks there are leased (copy them, then
+        `release`); the others are copied into their `rows` (and promoted where configured;
+        one promoted into `lease_tier` is leased at its new slot too). Hits and misses are
+        counted once. With `prefix`, only the longest stored prefix is read.
+        `hits[i]` is (tier found in, leased slot or NO_SLOT) or None; `copied[i]` says the
+        block's bytes are in `rows[i]`. `lease_id` is 0 when nothing is leased."""
+        rows = byte_rows(rows, len(hashes), self.ns.block_bytes, writable=True)
+        held, tiers, kept, copied = self._read(hashes, rows, prefix, lease_tier)
+        with self._lock:
+            lid = 0
+            if kept:
+                lid = next(self._ids)
+                self._leases[lid] = (time.monotonic() + ttl_s, kept)
+            leased = {id(e) for e in kept}
+            hits = tuple(None if t is None else (t, e.slot if id(e) in leased else NO_SLOT)
+                         for t, e in zip(tiers, held))
+        return Lease(lid, hits, tuple(copied))
+
+    # ------------------------------------------------------------------ the three steps
+
+    def _read(self, hashes: Sequence[bytes], rows, prefix: bool = False,
+              lease_tier: TierKind | None = None):
+        """Hold, copy what will not be leased, settle, promote. Returns (the entry held per
+        hash, the tier each was found in or None, the entries kept held for a lease, per
+        hash whether its bytes were copied into its row)."""
+        check_hashes(hashes)
+        with self._lock:
+            self._check_open()
+            held = self._hold(hashes, prefix)
+            lt = self._tier_index(lease_tier)
+        to_read = [None if e is None or e.tier == lt else e for e in held]
+        try:
+            ok = self._read_held(to_read, rows)
+        except BaseException:
+            with self._lock:  # nothing may stay held: every reader count goes back
+                self._unhold([e for e in held if e is not None])
+            raise
+        ok = [good or (e is not None and e.tier == lt) for e, good in zip(held, ok)]
+        with self._lock:
+            tiers, live = self._settle(held, ok, prefix)
+        self._promote([(e, rows[i]) for i, e in enumerate(held)
+                       if e is not None and tiers[i] is not None and to_read[i] is not None])
+        with self._lock:
+            kept = [e for e, t in live if t is not None and e.tier == lt]
+            self._unhold([e for e, t in live if t is None or e.tier != lt])
+        copied = [r is not None and t is not None for r, t in zip(to_read, tiers)]
+        return held, tiers, kept, copied
+
+    def _tier_index(self, kind: TierKind | None) -> int | None:
+        return next((i for i, t in enumerate(self._p.tiers) if t.kind is kind), None)
+
+    def _hold(self, hashes: Sequence[bytes], prefix: bool = False) -> list[Entry | None]:
+        """Reader counts on every visible block (with `prefix`: up to the first missing)."""
+        held, stop = [], False
+        for h in hashes:
+            e = None if stop else self._p.entries.get(bytes(h))
+            if visible(e):
+                e.readers += 1
+                self._p.hold(e)
+                held.append(e)
+            else:
+                held.append(None)
+                stop = prefix
+        return held
+
+    def _read_held(self, held: list[Entry | None], rows) -> list[bool]:
+        ok = [False] * len(held)
+        by_tier: dict[int, list[int]] = {}
+        for i, e in enumerate(held):
+            if e is not None:
+                by_tier.setdefault(e.tier, []).append(i)
+        for tier_idx, idx in by_tier.items():
+            try:
+                got = self._p.tiers[tier_idx].read_n([held[i].slot for i in idx],
+                                                     [held[i].hash for i in idx],
+                                                     select_rows(rows, idx))
+            except TierIOError as e:  # the tier's blocks of this batch are misses, no more
+                log.warning("a read of %d blocks failed: %s", len(idx), e)
+                got = [False] * len(idx)
+            for i, good in zip(idx, got):
+                ok[i] = good
+        return ok
+
+    def _settle(self, held: list[Entry | None], ok: list[bool],
+                prefix: bool) -> tuple[list[TierKind | None], list[tuple[Entry, object]]]:
+        """Count hits and misses, drop corrupted blocks. With `prefix`, a miss or a
+        corrupted block ends the read: what follows is reported as None, uncounted.
+        Returns (tier per hash, the (entry, tier) pairs still held)."""
+        p = self._p
+        out: list[TierKind | None] = []
+        corrupt, ended = [], False
+        for e, good in zip(held, ok):
+            if ended or e is None or not good:
+                out.append(None)
+                if not ended:
+                    self._num_misses += 1
+                    ended = prefix
+                    if e is not None:
+                        e.readers -= 1
+                        corrupt.append(e)
+                continue
+            out.append(p.tiers[e.tier].kind)
+            p.counters[e.tier].hits += 1
+            p.counters[e.tier].bytes_out += self.ns.block_bytes
+        p.drop([e for e in corrupt if p.entries.get(e.hash) is e], corrupt=True)
+        dropped = {id(e) for e in corrupt}
+        return out, [(e, t) for e, t in zip(held, out) if e is not None and id(e) not in dropped]
+
+    def _promote(self, hits: list[tuple[Entry, object]]) -> None:
+        """Blocks just read from a lower tier move up to the fastest, from the bytes read
+        (only those this reader alone holds: another may be copying the old slot)."""
+        if not self.config.promote_on_hit:
+            return
+        hits = [(e, row) for e, row in hits if e.tier > 0]
+        if not hits:
+            return
+        self._make_room_in(0, len(hits))
+        with self._lock:
+            if self._closed:
+                return
+            mine = [(e, r) for e, r in hits
+                    if self._p.entries.get(e.hash) is e and e.readers == 1 and e.tier > 0]
+            if mine:
+                self._p.promote([e for e, _ in mine], [r for _, r in mine])
+
+    def _unhold(self, entries: list[Entry]) -> None:
+        for e in reversed(entries):  # the batch's tail becomes the older end of the LRU
+            if self._p.entries.get(e.hash) is not e:
+                continue  # removed meanwhile (found corrupted by another reader)
+            e.readers -= 1
+            self._p.make_evictable(e)
+
+    # ------------------------------------------------------------------ leases
+
+    def acquire_n(self, hashes: Sequence[bytes], ttl_s: float = 30.0) -> Lease:
+        """Hold blocks for zero-copy reading (e.g. another process mapping the DRAM arena):
+        they cannot move or be evicted until `release(lease_id)` or until `ttl_s` passes."""
+        check_hashes(hashes)
+        with self._lock:
+            self._check_open()
+            held = self._hold(hashes)
+            self._count_reads(held)
+            lid = next(self._ids)
+            self._leases[lid] = (time.monotonic() + ttl_s, [e for e in held if e is not None])
+            kinds = [None if e is None else (self._p.tiers[e.tier].kind, e.slot) for e in held]
+            return Lease(lid, tuple(kinds))
+
+    def touch_n(self, hashes: Sequence[bytes]) -> int:
+        """Count reads made outside the store (a same-host reader copying published DRAM
+        slots itself) as hits, and mark those blocks recently used. Returns how many of
+        them are still stored (the others were evicted or removed since; not counted)."""
+        check_hashes(hashes)
+        with self._lock:
+            self._check_open()
+            p, found = self._p, []
+            for h in hashes:
+                e = p.entries.get(bytes(h))
+                if visible(e):
+                    found.append(e)
+                    p.counters[e.tier].hits += 1
+                    p.counters[e.tier].bytes_out += self.ns.block_bytes
+            p.touch(found)
+            return len(found)
+
+    def _count_reads(self, held: list[Entry | None]) -> None:
+        """Count a lease's hits and misses like a get's (its reader copies the bytes)."""
+        for e in held:
+            if e is None:
+                self._num_misses += 1
+            else:
+                self._p.counters[e.tier].hits += 1
+                self._p.counters[e.tier].bytes_out += self.ns.block_bytes
+
+    def release(self, lease_id: int) -> None:
+        """End a lease (unknown or expired ids are ignored: the lease is already over)."""
+        with self._lock:
+            _, entries = self._leases.pop(lease_id, (0.0, []))
+            self._unhold(entries)
