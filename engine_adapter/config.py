@@ -1,6 +1,7 @@
 """Frozen, validated configs: the model's architecture and the engine's knobs."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -80,6 +81,13 @@ class ModelConfig:
         )
 
 
+class OversizePolicy(enum.Enum):
+    """What the engine does with a request whose prompt + max_tokens can outgrow the cache."""
+
+    REFUSE = "refuse"      # InvalidRequestError at submission: it could never finish
+    TRUNCATE = "truncate"  # accepted if its prompt fits; ends with `length` when it fills the cache
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's paged cache and batching limits."""
@@ -94,6 +102,10 @@ class EngineConfig:
     device: str = "cpu"
     tenant: str = ""                       # salts block hashes: tenants never share blocks
     save_queue_batches: int = 64           # pending store saves before new ones are dropped
+    oversize_policy: OversizePolicy = OversizePolicy.REFUSE   # or its value, "truncate"
+    # Later requests that may be admitted ahead of a waiting one whose blocks are not free
+    # yet; past that, admission waits for it, so a large request is never starved (0: FCFS).
+    max_admission_skips: int = 8
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -103,8 +115,15 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{f.name} must be > 0, got {v}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")
+        if self.max_admission_skips < 0:
+            raise ValueError(f"EngineConfig.max_admission_skips must be >= 0, got {self.max_admission_skips}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        try:
+            object.__setattr__(self, "oversize_policy", OversizePolicy(self.oversize_policy))
+        except ValueError:
+            raise ValueError(f"EngineConfig.oversize_policy must be one of "
+                             f"{[p.value for p in OversizePolicy]}, got {self.oversize_policy!r}") from None
 
     def model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings
