@@ -31,6 +31,8 @@ def block_of(h: bytes, nbytes: int) -> np.ndarray:
 
 
 class Daemon:
+    python = sys.executable   # the interpreter that runs `kvtier serve`
+
     def __init__(self, data_dir: str, *extra: str) -> None:
         self.data_dir, self.extra = data_dir, extra
         self.port, self.http_port = free_port(), free_port()
@@ -45,7 +47,7 @@ class Daemon:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout_s: float = 30.0) -> "Daemon":
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port),
+        cmd = [self.python, "-m", "kvstore.cli", "serve", "--port", str(self.port),
                "--http-port", str(self.http_port), "--data-dir", self.data_dir,
                "--dram-size", "256KiB", "--ssd-size", "16MiB", "--log-level", "warning",
                *self.extra]
