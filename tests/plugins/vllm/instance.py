@@ -9,6 +9,19 @@ import sys
 BLOCK = 32
 
 
+def write_random_llama(path: str) -> str:
+    """A small Llama with real random weights (fp32, seeded): `load_format="dummy"` would
+    give near-uniform logits that do not depend on the KV at all."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    return path
+
+
 def make_llm(model_dir: str, extra: dict | None = None):
     """`vllm.LLM` on the random-weight model, vLLM's own prefix cache off (a prefix can
     only come back through kvtier); `extra`: the connector's config, None for plain vLLM."""
@@ -23,6 +36,12 @@ def make_llm(model_dir: str, extra: dict | None = None):
                max_model_len=1024, max_num_seqs=4, enable_prefix_caching=False,
                kv_transfer_config=kv, seed=0, enforce_eager=True,
                gpu_memory_utilization=0.1, kv_cache_memory_bytes=256 << 20)
+
+
+def close_llm(llm) -> None:
+    """Shut the engine down as vLLM does at exit: its worker's KV connector is process-global
+    in vLLM and stays behind a dropped `LLM`, where a later `LLM` of the process would find it."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def run(llm, prompt: list[int], max_tokens: int) -> dict:
@@ -41,6 +60,7 @@ def run(llm, prompt: list[int], max_tokens: int) -> dict:
 def main(args: dict) -> None:
     llm = make_llm(args["model"], args["extra"])
     outputs = [run(llm, p, args["max_tokens"]) for p in args["prompts"]]
+    close_llm(llm)
     print("RESULT " + json.dumps({"outputs": outputs}), flush=True)
 
 

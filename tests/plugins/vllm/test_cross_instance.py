@@ -23,14 +23,7 @@ PREFIX, ANSWER = 640, 40   # the first answer crosses a block boundary: 660 + 40
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    path = tmp_path_factory.mktemp("llama")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    return str(path)
+    return instance.write_random_llama(str(tmp_path_factory.mktemp("llama")))
 
 
 def prompts():
@@ -54,15 +47,18 @@ def test_a_second_engine_process_loads_what_the_first_computed(model_dir, kvtier
 
     plain = instance.make_llm(model_dir)
     want = [instance.run(plain, p, 8) for p in (second, turn2)]
-    del plain
+    instance.close_llm(plain)
 
     monkeypatch.delenv("KVTIER_TOKEN", raising=False)   # this one has it in its config only
     llm = instance.make_llm(model_dir, {"kvtier_url": kvtier_daemon.url, "kvtier_token": kvtier_daemon.token})
-    loader = worker_connector().worker_side.loader
-    got = instance.run(llm, second, 8)
-    assert got["cached"] == PREFIX // BLOCK * BLOCK              # the shared prefix came from the daemon
-    assert loader.num_layer_waits >= 2                          # vLLM waited on each layer's load
-    got2 = instance.run(llm, turn2, 8)
+    try:
+        loader = worker_connector().worker_side.loader
+        got = instance.run(llm, second, 8)
+        assert got["cached"] == PREFIX // BLOCK * BLOCK          # the shared prefix came from the daemon
+        assert loader.num_layer_waits >= 2                      # vLLM waited on each layer's load
+        got2 = instance.run(llm, turn2, 8)
+    finally:
+        instance.close_llm(llm)
     # the first instance's decode blocks too: 20 prompt blocks + 1 filled while answering
     assert got2["cached"] == (len(first) + ANSWER - 1) // BLOCK * BLOCK > len(first) // BLOCK * BLOCK
     for g, w in zip((got, got2), want):
