@@ -48,7 +48,11 @@ def kvtier_daemon(tmp_path_factory):
     try:
         yield d
     finally:
+        died = d.proc.poll()
         d.close()
+        if died is not None:   # it should have lived through the module: say how it ended
+            output = d.proc.stdout.read() if d.proc.stdout else ""
+            pytest.fail(f"kvtier serve exited during the module with code {died}:\n{output[-3000:]}")
 
 
 @pytest.fixture(scope="session")

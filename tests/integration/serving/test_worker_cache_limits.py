@@ -5,7 +5,6 @@ alone, and the worker keeps serving. Each path must end: the tests carry timeout
 from __future__ import annotations
 
 import http.client
-import os
 import struct
 import subprocess
 import sys
