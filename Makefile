@@ -83,13 +83,16 @@ $(SGLANG)/.installed-stamp: $(REQS)/sglang0523-cpu-reqs.txt $(REQS)/kvtier-runti
 
 test-plugins: test-vllm test-vllmcpu test-sglang
 
-test-vllm: $(VLLM033)/.installed-stamp
+# $(STAMP): the cross-instance tests run their `kvtier serve` in .venv (an engine venv holds
+# only kvtier's client side)
+test-vllm: $(STAMP) $(VLLM033)/.installed-stamp
 	$(ENGINE_ENV) $(VLLM033)/bin/python -m pytest -p no:cacheprovider tests/plugins/vllm/test_connector_v033.py
 
-test-vllmcpu: $(VLLMCPU)/.installed-stamp
-	$(ENGINE_ENV) $(VLLMCPU)/bin/python -m pytest -p no:cacheprovider tests/plugins/vllm/test_e2e_vllmcpu.py
+test-vllmcpu: $(STAMP) $(VLLMCPU)/.installed-stamp
+	$(ENGINE_ENV) $(VLLMCPU)/bin/python -m pytest -p no:cacheprovider tests/plugins/vllm/test_e2e_vllmcpu.py \
+		tests/plugins/vllm/test_cross_instance.py
 
-test-sglang: $(SGLANG)/.installed-stamp
+test-sglang: $(STAMP) $(SGLANG)/.installed-stamp
 	$(SGLANG)/bin/python -m pytest -p no:cacheprovider tests/plugins/sglang
 
 # Mooncake Store, the baseline bench/mooncake_peer.py measures for bench/store_service.py, in

@@ -1,6 +1,7 @@
 """Frozen, validated configs: the model's architecture and the engine's knobs."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -18,9 +19,13 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-architecture model: RMSNorm, RoPE, GQA, SwiGLU, optional q/k/v biases (Qwen2)."""
+    """A Llama-architecture model: RMSNorm, RoPE, GQA, a gated MLP; optional biases (Llama's
+    attention_bias / mlp_bias, Qwen2's q/k/v), sliding-window attention on some layers."""
 
     vocab_size: int
     hidden_size: int
@@ -34,8 +39,13 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False           # q/k/v projection biases
     name: str = "llama"
+    o_proj_bias: bool = False
+    mlp_bias: bool = False                 # gate/up/down projection biases
+    hidden_act: str = "silu"               # the gate's activation: SUPPORTED_ACTIVATIONS
+    sliding_window: int | None = None      # a query sees this many keys, itself included...
+    sliding_layers: tuple[int, ...] = ()   # ...on these layers (the others see everything)
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -47,37 +57,34 @@ class ModelConfig:
                                  f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
         if self.head_dim % 2:
             raise ModelLoadError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ModelLoadError(f"hidden_act {self.hidden_act!r} is not implemented "
+                                 f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))  # JSON gives lists
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelLoadError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers) or \
+                (self.sliding_layers and self.sliding_window is None):
+            raise ModelLoadError(f"sliding_layers {self.sliding_layers} need a sliding_window and "
+                                 f"layer indices in [0, {self.num_layers})")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None for full attention."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @classmethod
     def from_hf(cls, hf: Any, name: str | None = None) -> "ModelConfig":
-        """From a transformers config object or its dict (Llama, Qwen2 and kin)."""
-        d = hf if isinstance(hf, dict) else hf.to_dict()
-        kind = d.get("model_type", "llama")
-        if kind not in ("llama", "qwen2", "mistral"):
-            raise ModelLoadError(f"model_type {kind!r} is not a Llama-architecture model "
-                                 "(supported: llama, qwen2, mistral)")
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ModelLoadError(f"rope_type {rope_type!r} is not supported (default, llama3)")
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                                  float(rope["high_freq_factor"]),
-                                  int(rope["original_max_position_embeddings"]))
-        heads = d["num_attention_heads"]
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)), rope_theta=float(theta),
-            rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", kind == "qwen2")),
-            name=name or d.get("_name_or_path") or kind,
-        )
+        """From a transformers config object or its dict (Llama, Mistral, Qwen2); a field
+        whose math is not implemented raises ModelLoadError naming it (`hf_config`)."""
+        from engine_adapter.hf_config import model_config_from_hf
+        return model_config_from_hf(hf, name)
+
+
+class OversizePolicy(enum.Enum):
+    """What the engine does with a request whose prompt + max_tokens can outgrow the cache."""
+
+    REFUSE = "refuse"      # InvalidRequestError at submission: it could never finish
+    TRUNCATE = "truncate"  # accepted if its prompt fits; ends with `length` when it fills the cache
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,10 @@ class EngineConfig:
     device: str = "cpu"
     tenant: str = ""                       # salts block hashes: tenants never share blocks
     save_queue_batches: int = 64           # pending store saves before new ones are dropped
+    oversize_policy: OversizePolicy = OversizePolicy.REFUSE   # or its value, "truncate"
+    # Later requests that may be admitted ahead of a waiting one whose blocks are not free
+    # yet; past that, admission waits for it, so a large request is never starved (0: FCFS).
+    max_admission_skips: int = 8
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -103,8 +114,15 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{f.name} must be > 0, got {v}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")
+        if self.max_admission_skips < 0:
+            raise ValueError(f"EngineConfig.max_admission_skips must be >= 0, got {self.max_admission_skips}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        try:
+            object.__setattr__(self, "oversize_policy", OversizePolicy(self.oversize_policy))
+        except ValueError:
+            raise ValueError(f"EngineConfig.oversize_policy must be one of "
+                             f"{[p.value for p in OversizePolicy]}, got {self.oversize_policy!r}") from None
 
     def model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from engine_adapter.block_pool import BlockPool
-from engine_adapter.config import EngineConfig
+from engine_adapter.config import EngineConfig, OversizePolicy
 from engine_adapter.connector import KVStoreLike, StoreConnector
 from engine_adapter.errors import InvalidRequestError
 from engine_adapter.model import LlamaForCausalLM
@@ -68,7 +68,7 @@ class LLMEngine:
         InvalidRequestError for one that cannot be served, leaving the others untouched."""
         params = _as_params(params)
         ids = self.tokenize(prompt)
-        self._validate(ids, params)
+        self._validate(ids, params, len(output_token_ids))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -79,18 +79,33 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, ids: list[int], params: SamplingParams, num_outputs: int = 0) -> None:
         vocab = self.model.config.vocab_size
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens; this model's context "
                                       f"is {self.max_model_len} (leave room for one output token)")
-        if cdiv(len(ids) + 1, self.config.block_tokens) > self.config.num_blocks:
-            raise InvalidRequestError(f"the prompt needs more KV blocks than the cache has "
-                                      f"({self.config.num_blocks}); raise EngineConfig.num_blocks")
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})")
+        self._check_fits_cache(len(ids), len(ids) + num_outputs, params)
+
+    def _check_fits_cache(self, num_prompt: int, num_tokens: int, params: SamplingParams) -> None:
+        """Refuse what could never finish: every token but the last sampled one needs K/V."""
+        bt, num_blocks = self.config.block_tokens, self.config.num_blocks
+        if cdiv(num_tokens, bt) > num_blocks:
+            raise InvalidRequestError(f"the prompt needs {cdiv(num_tokens, bt)} KV blocks; the cache "
+                                      f"has {num_blocks}: raise EngineConfig.num_blocks")
+        if self.config.oversize_policy is OversizePolicy.TRUNCATE:
+            return
+        final = min(num_prompt + params.max_tokens, self.max_model_len)
+        if cdiv(final - 1, bt) > num_blocks:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{cdiv(final - 1, bt)} KV blocks of {bt} tokens; the cache has {num_blocks}: "
+                f"lower max_tokens to {num_blocks * bt + 1 - num_prompt} or less, raise "
+                "EngineConfig.num_blocks, or set EngineConfig.oversize_policy='truncate' to "
+                "end such requests with finish_reason 'length' when the cache is full")
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -106,8 +121,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        exhausted = self.scheduler.take_exhausted()   # filled the cache (TRUNCATE): ended
+        for r in exhausted:
+            self.requests.pop(r.request_id, None)
         if not batch:
-            return []
+            assert exhausted or not self.scheduler.has_unfinished, "no request could be scheduled"
+            return [RequestOutput.of(r) for r in exhausted]
         rows = [i for i, s in enumerate(batch)
                 if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
         logits = self.runner.execute(batch, rows)
@@ -124,7 +143,8 @@ class LLMEngine:
             self._append_token(r, tok)
             if r.finished:
                 self.requests.pop(r.request_id, None)
-        return [RequestOutput.of(s.request) for s in batch if s.request in reqs or s.request.finished]
+        return [RequestOutput.of(r) for r in exhausted] + [
+            RequestOutput.of(s.request) for s in batch if s.request in reqs or s.request.finished]
 
     def _commit_full_blocks(self, req: Request) -> None:
         """Register newly computed full blocks in the prefix cache and save them to the store."""

@@ -43,26 +43,67 @@ def random_model(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Lla
     return model.to(DTYPES[dtype]).eval()
 
 
+class _Weights:
+    """A checkpoint's tensors by name (`model.` prefix dropped), recording which were taken."""
+
+    # derived buffers some checkpoints carry: recomputed from the config, never loaded
+    IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], model_name: str) -> None:
+        self.w = {k.removeprefix("model."): v for k, v in weights.items()}
+        self.used: set[str] = set()
+        self.model_name = model_name
+
+    def take(self, *names: str) -> torch.Tensor:
+        """The named tensors concatenated along dim 0 (fused projections)."""
+        missing = [n for n in names if n not in self.w]
+        if missing:
+            raise ModelLoadError(f"weights do not fit {self.model_name}: missing {missing}")
+        self.used.update(names)
+        return torch.cat([self.w[n] for n in names]) if len(names) > 1 else self.w[names[0]]
+
+    def check_all_used(self) -> None:
+        left = sorted(k for k in set(self.w) - self.used if not k.endswith(self.IGNORED_SUFFIXES))
+        if left:
+            raise ModelLoadError(
+                f"{len(left)} weights of the checkpoint are not used by {self.model_name} "
+                f"(its config does not declare what they are for, so the logits would be "
+                f"wrong): {left[:6]}{' ...' if len(left) > 6 else ''}")
+
+
+def _layer_weights(cfg: ModelConfig, w: _Weights, i: int) -> dict[str, torch.Tensor]:
+    """Our fused parameters of layer i from Hugging Face's per-projection names."""
+    p, attn, mlp = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+    out = {p + n: w.take(p + n) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+    out[attn + "qkv_proj.weight"] = w.take(*(f"{attn}{x}_proj.weight" for x in "qkv"))
+    out[attn + "o_proj.weight"] = w.take(attn + "o_proj.weight")
+    out[mlp + "gate_up_proj.weight"] = w.take(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+    out[mlp + "down_proj.weight"] = w.take(mlp + "down_proj.weight")
+    if cfg.attention_bias:
+        out[attn + "qkv_proj.bias"] = w.take(*(f"{attn}{x}_proj.bias" for x in "qkv"))
+    if cfg.o_proj_bias:
+        out[attn + "o_proj.bias"] = w.take(attn + "o_proj.bias")
+    if cfg.mlp_bias:
+        out[mlp + "gate_up_proj.bias"] = w.take(mlp + "gate_proj.bias", mlp + "up_proj.bias")
+        out[mlp + "down_proj.bias"] = w.take(mlp + "down_proj.bias")
+    return out
+
+
 def from_state_dict(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
                     dtype: str = "float32") -> LlamaForCausalLM:
-    """From Hugging Face Llama/Qwen2 parameter names (`model.layers.0.self_attn.q_proj.weight`...)."""
-    w = {k.removeprefix("model."): v for k, v in weights.items()}
-    model = LlamaForCausalLM(cfg)
-    ours: dict[str, torch.Tensor] = {"embed_tokens.weight": w["embed_tokens.weight"],
-                                     "norm.weight": w["norm.weight"]}
-    ours["lm_head.weight"] = w["embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
+    """From Hugging Face Llama/Mistral/Qwen2 parameter names (`model.layers.0.self_attn.q_proj.weight`
+    ...). A missing weight, or one the config gives no use for, raises ModelLoadError."""
+    w = _Weights(weights, cfg.name)
+    ours = {"embed_tokens.weight": w.take("embed_tokens.weight"), "norm.weight": w.take("norm.weight")}
+    if cfg.tie_word_embeddings:
+        w.used.add("lm_head.weight")   # tied: transformers too uses the embedding, whatever is stored
+        ours["lm_head.weight"] = ours["embed_tokens.weight"]
+    else:
+        ours["lm_head.weight"] = w.take("lm_head.weight")
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                     "self_attn.o_proj.weight", "mlp.down_proj.weight"):
-            ours[p + name] = w[p + name]
-        ours[p + "self_attn.qkv_proj.weight"] = torch.cat(
-            [w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        if cfg.attention_bias:
-            ours[p + "self_attn.qkv_proj.bias"] = torch.cat(
-                [w[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
-        ours[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        ours.update(_layer_weights(cfg, w, i))
+    w.check_all_used()
+    model = LlamaForCausalLM(cfg)
     try:
         model.load_state_dict(ours, strict=True)
     except RuntimeError as e:
@@ -71,7 +112,7 @@ def from_state_dict(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
 
 
 def from_transformers(hf_model: Any, dtype: str = "float32", name: str | None = None) -> LlamaForCausalLM:
-    """From a loaded transformers `LlamaForCausalLM` / `Qwen2ForCausalLM` (weights copied)."""
+    """From a loaded transformers Llama / Mistral / Qwen2 causal LM (weights copied)."""
     cfg = ModelConfig.from_hf(hf_model.config, name=name)
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     return from_state_dict(cfg, state, dtype)
@@ -84,12 +125,22 @@ def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"no *.safetensors in {path!r}")
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    cfg = ModelConfig.from_hf(_hf_config(path), name=os.path.basename(os.path.normpath(path)))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(file))
     return from_state_dict(cfg, {k: v.float() for k, v in weights.items()}, dtype)
+
+
+def _hf_config(path: str) -> Any:
+    """The directory's config as transformers reads it (its defaults filled in, old field
+    names mapped) when transformers is installed, else config.json as written."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    return AutoConfig.from_pretrained(path)
 
 
 def load_hf_gguf(path: str | None = None, gguf_file: str | None = None):

@@ -6,6 +6,7 @@ says where each token's K/V goes and which cached context each sequence attends 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -14,6 +15,15 @@ from torch import nn
 
 import kernels
 from engine_adapter.config import ModelConfig
+
+
+# hidden_act -> the function, as transformers' ACT2FN computes it
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,                                      # exact (erf)
+    "gelu_pytorch_tanh": functools.partial(nn.functional.gelu, approximate="tanh"),
+    "relu": nn.functional.relu,
+}
 
 
 class AttentionMetadata(NamedTuple):
@@ -65,10 +75,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer, self.cfg = layer, cfg
+        self.window = cfg.window_of(layer)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         t, cfg = x.shape[0], self.cfg
@@ -80,11 +91,11 @@ class Attention(nn.Module):
         kernels.write_kv_to_cache(k, v, cache, meta.slot_mapping, check_values=False)
         if meta.max_query_len == 1:
             o = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens,
-                                               check_values=False)
+                                               sliding_window=self.window, check_values=False)
         else:
             o = kernels.paged_prefill_attention(q, cache, meta.block_tables, meta.cu_seqlens_q,
                                                 meta.seq_lens, max_query_len=meta.max_query_len,
-                                                check_values=False)
+                                                sliding_window=self.window, check_values=False)
         return self.o_proj(o.reshape(t, self.q_size))  # [T, H*D] -> [T, hidden]
 
 
@@ -92,12 +103,13 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
 
 class FinishReason(enum.Enum):
     STOP = "stop"          # EOS, a stop token or a stop string
-    LENGTH = "length"      # max_tokens or the context limit
+    LENGTH = "length"      # max_tokens, the context limit, or a full KV cache (TRUNCATE)
     ABORT = "abort"
 
 
@@ -46,6 +46,7 @@ class Request:
         self.num_local_hit_tokens = 0    # prefix found in the engine's own paged cache
         self.num_loaded_tokens = 0       # prefix loaded from the store
         self.num_model_tokens = 0        # tokens the model actually ran a forward pass over
+        self.num_skips = 0               # later requests admitted ahead of it while it waited
         self.text = ""
         # incremental detokenization: text is emitted for tokens before read_offset; decoding
         # restarts at prefix_offset (the previous emitted run) for context

@@ -3,9 +3,22 @@
 Each step every running request gets its next tokens (one for a decode, a chunk for a
 prefill), then waiting requests are admitted while the token budget, the sequence limit and
 free blocks allow. Admission finds the longest cached prefix: first in the engine's own
-paged cache, then in the store (loaded into fresh blocks). When a running request needs a
-block and none is free, the most recently admitted request is preempted (its blocks freed,
-recomputed later, most of them probably from the prefix cache).
+paged cache, then in the store (loaded into fresh blocks).
+
+Why every path ends (no input can hang the loop):
+- A request never needs more blocks than the cache has: the engine refuses one whose
+  prompt + max_tokens cannot fit (`OversizePolicy.REFUSE`), or, under `TRUNCATE`, a request
+  that has filled the whole cache is finished with `length` here (`exhausted`).
+- When a running request needs a block and none is free, the newest running request gives
+  its blocks back (preempted, recomputed later, mostly from the prefix cache). That is
+  another request whenever a newer one runs; the growing request steps back only for
+  older ones, never when it runs alone (then every block not free is its own, and it fits).
+  The oldest running request is never preempted, so it always progresses: two requests
+  can never take turns evicting each other.
+- A waiting request whose blocks are not free does not block the queue: later ones may be
+  admitted ahead of it, but at most `max_admission_skips` of them. Then admission waits for
+  it; the running requests finish (the oldest always progresses) and free the blocks it
+  needs, which always suffice because it fits the empty cache.
 """
 from __future__ import annotations
 
@@ -15,7 +28,7 @@ from typing import NamedTuple
 from engine_adapter.block_pool import BlockPool
 from engine_adapter.config import EngineConfig
 from engine_adapter.connector import StoreConnector
-from engine_adapter.request import Request, RequestStatus
+from engine_adapter.request import FinishReason, Request, RequestStatus
 
 
 class ScheduledRequest(NamedTuple):
@@ -33,6 +46,7 @@ class Scheduler:
         self.bt = config.block_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.exhausted: list[Request] = []   # finished here (filled the cache), not yet reported
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -41,42 +55,57 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_exhausted(self) -> list[Request]:
+        """Requests finished with `length` by the scheduler since the last call."""
+        done, self.exhausted = self.exhausted, []
+        return done
+
     def schedule(self) -> list[ScheduledRequest]:
-        budget = self.config.max_num_batched_tokens
         out: list[ScheduledRequest] = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._admit_waiting(out, budget)
+        return out
+
+    # ---------------------------------------------------------------- running
+
+    def _schedule_running(self, out: list[ScheduledRequest], budget: int) -> int:
         for req in list(self.running):
             if req not in self.running:
-                continue  # preempted by an earlier request of this loop
+                continue  # preempted by an earlier (older) request of this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
                 continue
             out.append(ScheduledRequest(req, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            n = self._admit(self.waiting[0], budget)
-            if n is None:
-                break
-            req = self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.append(ScheduledRequest(req, n))
-            budget -= n
-        return out
+        return budget
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Blocks for `num_tokens`, preempting later requests if needed; False if req itself
-        was preempted."""
+        """Blocks for `num_tokens`, preempting newer requests if needed; False if req was
+        preempted (it is the newest) or finished (it filled the whole cache)."""
+        if self._outgrows_cache(num_tokens):
+            self._exhaust(req)
+            return False
         need = cdiv(num_tokens, self.bt) - len(req.blocks)
         while need > 0:
             new = self.pool.allocate_n(need)
             if new is not None:
                 req.blocks.extend(new)
                 return True
+            # alone, every used block is req's own and it fits (checked above): never here
+            assert len(self.running) > 1, f"{req.request_id} cannot grow while running alone"
             victim = self.running[-1]
             self.preempt(victim)
             if victim is req:
                 return False
         return True
+
+    def _outgrows_cache(self, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.bt) > self.config.num_blocks
+
+    def _exhaust(self, req: Request) -> None:
+        req.finish_reason = FinishReason.LENGTH
+        self.finish(req)
+        self.exhausted.append(req)
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -96,6 +125,32 @@ class Scheduler:
             self.waiting.remove(req)
         self.free(req)
         req.status = RequestStatus.FINISHED
+
+    # ---------------------------------------------------------------- waiting
+
+    def _admit_waiting(self, out: list[ScheduledRequest], budget: int) -> None:
+        """FCFS with bounded skipping: a request whose blocks are not free is passed over by
+        at most `max_admission_skips` later ones; then admission stops until it fits."""
+        limit = self.config.max_admission_skips
+        passed: list[Request] = []   # earlier requests still waiting for blocks
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs \
+                    or any(p.num_skips >= limit for p in passed) or len(passed) > limit:
+                return
+            if self._outgrows_cache(req.num_tokens):
+                self._exhaust(req)   # preempted with a cache's worth of tokens (TRUNCATE)
+                continue
+            n = self._admit(req, budget)
+            if n is None:
+                passed.append(req)
+                continue
+            for p in passed:
+                p.num_skips += 1
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.append(ScheduledRequest(req, n))
+            budget -= n
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Give `req` its cached prefix and blocks for its first chunk; the chunk's size, or

@@ -15,15 +15,19 @@ Ops (one backend chosen at import by `KVTIER_KERNELS=ref|triton|auto`, see `disp
         key/value [num_tokens, num_kv_heads, head_dim]; slot_mapping [num_tokens],
         slot = block_id * block_tokens + offset, -1 = padding (skipped).
     paged_decode_attention(query, layer_cache, block_tables, seq_lens, scale=None,
-                           *, num_splits=None, out=None) -> [batch, num_heads, head_dim]
+                           *, num_splits=None, out=None, sliding_window=None)
+                                                                -> [batch, num_heads, head_dim]
         query [batch, num_heads, head_dim], one new token per sequence; block_tables
         [batch, max_blocks]; seq_lens [batch] >= 1 (context incl. the new token, whose K/V
         must already be written); num_splits None = auto split-K, 1 = none.
     paged_prefill_attention(query, layer_cache, block_tables, cu_seqlens_q, seq_lens,
-                            scale=None, *, max_query_len=None, out=None) -> like query
+                            scale=None, *, max_query_len=None, out=None, sliding_window=None)
+                                                                -> like query
         query [total_q, num_heads, head_dim] packs each sequence's new tokens at rows
         cu_seqlens_q[b]:cu_seqlens_q[b+1]; they are the last q_len of seq_lens[b] context
         tokens (cached prefix + new), causal. Write their K/V first.
+    sliding_window W (both attention ops): a query at position p sees only keys in
+        (p - W, p], W keys itself included (Mistral / Qwen2); None = the whole context.
     gather_blocks(kv_cache, block_ids, out=None) -> [n, num_layers, 2, bt, Hkv, D]
     scatter_blocks(staging, kv_cache, block_ids)                          in place
 

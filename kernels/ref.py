@@ -84,21 +84,26 @@ def gather_dense(
 def paged_decode_attention(
     query: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float | None = None, *, num_splits: int | None = 1, out: torch.Tensor | None = None,
-    check_values: bool = True,
+    check_values: bool = True, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence over its paged context; returns `[batch, heads, D]`.
 
     `num_splits` > 1 computes the same result split-K style (partial softmax per chunk of
     the context, then a log-sum-exp merge) — the reference for the flash-decoding kernel.
-    None means 1 here.
+    None means 1 here. `sliding_window` W: the query (at position seq_len - 1) sees only the
+    last W keys, itself included.
     """
-    dims = validate.check_decode(query, layer_cache, block_tables, seq_lens, scale, num_splits, out, check_values)
+    dims = validate.check_decode(query, layer_cache, block_tables, seq_lens, scale, num_splits, out, check_values,
+                                 sliding_window)
     batch, num_heads, head_dim = query.shape
     hkv, g = dims.layer.num_kv_heads, dims.group
     k, v = gather_dense(layer_cache, block_tables, int(seq_lens.max()) if batch else 1)  # [Hkv, B, T, D]
     # a sequence's G query heads play the role of G query rows over its own K/V
     q = query.view(batch, hkv, g, head_dim).transpose(0, 1).float()  # [Hkv, B, G, D]
-    visible = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[:, None]  # [B, T]
+    pos = torch.arange(k.shape[2], device=query.device)[None, :]  # [1, T]
+    visible = pos < seq_lens[:, None]  # [B, T]
+    if dims.window is not None:
+        visible &= pos >= seq_lens[:, None] - dims.window
     if (num_splits or 1) == 1:
         result = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=visible[None, :, None, :],
                                                 scale=dims.scale)  # [Hkv, B, G, D]
@@ -131,43 +136,51 @@ def _split_k_softmax_v(scores: torch.Tensor, v: torch.Tensor, num_splits: int) -
 def paged_prefill_attention(
     query: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor, scale: float | None = None, *, max_query_len: int | None = None,
-    out: torch.Tensor | None = None, check_values: bool = True,
+    out: torch.Tensor | None = None, check_values: bool = True, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed chunk of new query tokens over each sequence's context.
 
     query `[total_q, heads, D]` packs sequence b's new tokens at rows
     cu_seqlens_q[b]:cu_seqlens_q[b+1]; they sit at the last q_len positions of its context
     of seq_lens[b] tokens, whose K/V (new tokens included) must already be in the cache.
-    Returns `[total_q, heads, D]`.
+    Returns `[total_q, heads, D]`. With `sliding_window` W a query at position p sees keys
+    in (p - W, p]: W keys, itself included (transformers' sliding-window mask).
 
     One fused attention call per sequence (torch's SDPA, flash-style on CPU): no padded
     batch, and no `[q_len, context]` score matrix in memory. `max_query_len` is accepted
     for the kernels' common signature; the reference does not need it.
     """
-    dims = validate.check_prefill(query, layer_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, check_values)
+    dims = validate.check_prefill(query, layer_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, check_values,
+                                  sliding_window)
     res = query.new_empty(query.shape) if out is None else out
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         start, end = cu[b], cu[b + 1]
         if end > start:
-            res[start:end] = _prefill_one(query[start:end], layer_cache, block_tables[b:b + 1], seq_len, dims.scale)
+            res[start:end] = _prefill_one(query[start:end], layer_cache, block_tables[b:b + 1], seq_len,
+                                          dims.scale, dims.window)
     return res
 
 
 def _prefill_one(query: torch.Tensor, layer_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None) -> torch.Tensor:
     """One sequence: query `[q_len, H, D]` at the last q_len of its seq_len positions."""
     q_len = query.shape[0]
+    if window is not None and window >= seq_len:
+        window = None  # every query sees its whole causal context anyway
     k, v = gather_dense(layer_cache, table, seq_len)  # [Hkv, 1, T, D]
     # 4-D on purpose: torch's fused CPU kernel only takes [batch, heads, L, D]; 3-D inputs
     # fall back to the math path, which builds the whole score matrix (~6x slower at 2k)
     k, v = k.transpose(0, 1)[:, :, :seq_len].float(), v.transpose(0, 1)[:, :, :seq_len].float()  # [1, Hkv, S, D]
     q = query.transpose(0, 1)[None].float()  # [1, H, q_len, D]
-    if q_len == seq_len:  # no cached prefix: plain causal
+    if q_len == seq_len and window is None:  # no cached prefix: plain causal
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sits at position seq_len - q_len + i and sees keys up to there
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
-        visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]  # [q_len, 1]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]  # [1, S]
+        visible = k_pos <= q_pos  # [q_len, S]
+        if window is not None:
+            visible &= k_pos > q_pos - window
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1).to(query.dtype)  # [q_len, H, D]
 

@@ -153,6 +153,14 @@ class AttnDims(NamedTuple):
     layer: LayerDims
     group: int  # query heads per KV head
     scale: float
+    window: int | None = None  # sliding window: a query sees this many keys, itself included
+
+
+def check_window(sliding_window: int | None) -> int | None:
+    _need(sliding_window is None or (isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+                                     and sliding_window >= 1), KernelInputError,
+          f"sliding_window must be None (full attention) or an int >= 1, got {sliding_window!r}")
+    return sliding_window
 
 
 def check_write_kv(
@@ -184,6 +192,7 @@ def check_write_kv(
 def check_decode(
     query: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float | None, num_splits: int | None, out: torch.Tensor | None, check_values: bool = True,
+    sliding_window: int | None = None,
 ) -> AttnDims:
     dims = check_layer_cache(layer_cache)
     group = check_query("query", query, layer_cache, dims)
@@ -194,12 +203,13 @@ def check_decode(
     check_out(out, query)
     if check_values:
         check_block_table_values(block_tables, seq_lens, dims, min_len=1)
-    return AttnDims(dims, group, check_scale(scale, dims.head_dim))
+    return AttnDims(dims, group, check_scale(scale, dims.head_dim), check_window(sliding_window))
 
 
 def check_prefill(
     query: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor, scale: float | None, out: torch.Tensor | None, check_values: bool = True,
+    sliding_window: int | None = None,
 ) -> AttnDims:
     dims = check_layer_cache(layer_cache)
     group = check_query("query", query, layer_cache, dims)
@@ -215,7 +225,7 @@ def check_prefill(
     if check_values:
         _check_cu_seqlens(cu_seqlens_q, seq_lens, query.shape[0])
         check_block_table_values(block_tables, seq_lens, dims, min_len=0)
-    return AttnDims(dims, group, check_scale(scale, dims.head_dim))
+    return AttnDims(dims, group, check_scale(scale, dims.head_dim), check_window(sliding_window))
 
 
 def _check_cu_seqlens(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> None:

@@ -42,14 +42,15 @@ def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, te
         head_dim=head_dim, dtype=dtype_name(model.dtype), block_tokens=block_tokens, tenant=tenant)
 
 
-def cache_to_blocks(cache, num_blocks: int, block_tokens: int) -> torch.Tensor:
-    """The first num_blocks blocks of a batch-1 cache -> [n, L, 2, bt, Hkv, D] contiguous."""
-    n_tok = num_blocks * block_tokens
-    k = torch.stack([layer.keys[0, :, :n_tok] for layer in cache.layers])    # [L, Hkv, T, D]
-    v = torch.stack([layer.values[0, :, :n_tok] for layer in cache.layers])
+def cache_to_blocks(cache, num_blocks: int, block_tokens: int, first_block: int = 0) -> torch.Tensor:
+    """Blocks [first_block, num_blocks) of a batch-1 cache -> [n, L, 2, bt, Hkv, D]
+    contiguous (only those blocks are copied: a save after a long loaded prefix is cheap)."""
+    lo, hi, n = first_block * block_tokens, num_blocks * block_tokens, num_blocks - first_block
+    k = torch.stack([layer.keys[0, :, lo:hi] for layer in cache.layers])      # [L, Hkv, T, D]
+    v = torch.stack([layer.values[0, :, lo:hi] for layer in cache.layers])
     kv = torch.stack((k, v), dim=1)                                           # [L, 2, Hkv, T, D]
     L, _, H, _, D = kv.shape
-    kv = kv.view(L, 2, H, num_blocks, block_tokens, D)
+    kv = kv.view(L, 2, H, n, block_tokens, D)
     return kv.permute(3, 0, 1, 4, 2, 5).contiguous()                          # [n, L, 2, bt, Hkv, D]
 
 
@@ -75,6 +76,7 @@ class KVTierGenerate:
         self.store = open_store(self.ns, store) if self.owns_store else store
         self._plain_generate = model.generate
         self.last: GenerateStats | None = None
+        self._staging = torch.empty((0, *self.ns.block_shape), dtype=model.dtype)  # grow-only
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         if input_ids is None:
@@ -100,7 +102,9 @@ class KVTierGenerate:
         hit = self.store.match_prefix(hashes).num_blocks if hashes else 0
         if hit == 0:
             return DynamicCache(config=self.model.config), 0
-        blocks = torch.empty((hit, *self.ns.block_shape), dtype=self.model.dtype)
+        if self._staging.shape[0] < hit:   # reused: fresh pages cost a first touch per call
+            self._staging = torch.empty((hit, *self.ns.block_shape), dtype=self.model.dtype)
+        blocks = self._staging[:hit]
         found = self.store.get_n(hashes[:hit], blocks)
         good = next((i for i, tier in enumerate(found) if tier is None), hit)  # a miss ends it
         if good == 0:
@@ -114,9 +118,8 @@ class KVTierGenerate:
         hashes = hash_blocks(self.ns, sequence[:num_cached])
         if len(hashes) <= num_loaded_blocks:
             return 0
-        blocks = cache_to_blocks(cache, len(hashes), self.ns.block_tokens).cpu()
-        new = slice(num_loaded_blocks, len(hashes))
-        self.store.put_n(hashes[new], blocks[new])
+        blocks = cache_to_blocks(cache, len(hashes), self.ns.block_tokens, num_loaded_blocks).cpu()
+        self.store.put_n(hashes[num_loaded_blocks:], blocks)
         return len(hashes) - num_loaded_blocks
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ One program per (sequence, KV head, split): it loads the group of query heads th
 the KV head once ([GROUP_PAD, D], padded to 16 rows for tl.dot), walks its share of the
 context BLOCK_N tokens at a time through the block table, and keeps an online softmax in
 base 2. Unsplit, it writes the output; split, it writes a normalised partial and its
-log-sum-exp, merged by `_merge_kernel`.
+log-sum-exp, merged by `_merge_kernel`. A sliding window W starts each split's walk at the
+first key the query sees (seq_len - W); a split wholly before it stays empty.
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from kernels.triton.common import LOG2E, check_runnable, dot_precision, upcast_d
 
 BLOCK_N = 32  # context tokens per inner step
 MIN_TOKENS_PER_SPLIT = 256
+NO_WINDOW = 1 << 30  # the window passed for full attention: wider than any context
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
-    scale_log2, tokens_per_split,
+    scale_log2, tokens_per_split, window,
     stride_qb, stride_qh, stride_blk, stride_kv, stride_tok, stride_head, stride_table,
     BLOCK_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -34,6 +36,7 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(seq_len, start + tokens_per_split)
+    start = tl.maximum(start, seq_len - window)  # the query sees the last `window` keys
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
@@ -85,7 +88,7 @@ def _merge_kernel(
     d = tl.arange(0, BLOCK_D)
     base = (b * num_heads + h).to(tl.int64) * NUM_SPLITS
     lse = tl.load(lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [SPLITS_PAD]
-    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    w = tl.exp2(lse - tl.max(lse, 0))  # the last token's split is never empty: the max is finite
     mask = (s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
     part = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     acc = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)  # [BLOCK_D]
@@ -105,10 +108,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: to
 def paged_decode_attention(
     query: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float | None = None, *, num_splits: int | None = None, out: torch.Tensor | None = None,
-    check_values: bool = True,
+    check_values: bool = True, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence over its paged context; returns `[batch, heads, D]`."""
-    dims = validate.check_decode(query, layer_cache, block_tables, seq_lens, scale, num_splits, out, check_values)
+    dims = validate.check_decode(query, layer_cache, block_tables, seq_lens, scale, num_splits, out, check_values,
+                                 sliding_window)
     check_runnable(query)
     batch, num_heads, head_dim = query.shape
     out = torch.empty_like(query) if out is None else out
@@ -125,7 +129,7 @@ def paged_decode_attention(
     cache = layer_cache
     _decode_kernel[(batch, dims.layer.num_kv_heads, splits)](
         query, cache, block_tables, seq_lens, out, part, lse,
-        dims.scale * LOG2E, tokens_per_split,
+        dims.scale * LOG2E, tokens_per_split, NO_WINDOW if dims.window is None else dims.window,
         query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_tables.stride(0),
         BLOCK_TOKENS=dims.layer.block_tokens, GROUP=dims.group, GROUP_PAD=max(16, next_pow2(dims.group)),

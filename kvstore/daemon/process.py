@@ -34,6 +34,7 @@ class DaemonProcess:
         self.log_level, self.env, self.cwd = log_level, env, cwd
         self.preexec_fn, self.wrap = preexec_fn, tuple(wrap)
         self.host, self.port, self.http_port = "127.0.0.1", 0, 0
+        self.python = sys.executable  # the interpreter that runs `kvtier serve`
         self.proc: subprocess.Popen | None = None
         self._lines: list[str] = []
         self._reader: threading.Thread | None = None
@@ -52,7 +53,7 @@ class DaemonProcess:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        return [*self.wrap, sys.executable, "-m", "kvstore.cli", "serve",
+        return [*self.wrap, self.python, "-m", "kvstore.cli", "serve",
                 "--port", str(self.port), "--http-port", str(self.http_port),
                 "--data-dir", self.data_dir, *self.sizes, "--log-level", self.log_level,
                 *self.extra]

@@ -1,5 +1,8 @@
 """transformers prefix offload on SmolLM2-135M: a second generate sharing a long prefix loads
-it from kvtier, computes only the rest, and yields exactly the tokens of a plain generate."""
+it from kvtier, computes only the rest, and yields exactly the tokens of a plain generate; in
+the same process, and across two processes through one `kvtier serve`."""
+import os
+
 import pytest
 import torch
 
@@ -116,3 +119,28 @@ def test_block_layout_round_trip(smollm2):
     # token 17 of the cache is token 1 of block 1; layer 5's V, head 2
     assert torch.equal(cache.layers[5].values[0, 2, 17], blocks[1, 5, 1, 1, 2])
     assert torch.equal(cache_to_blocks(cache, 3, 16), blocks)
+
+
+@pytest.mark.timeout(300)
+def test_a_second_process_loads_the_prefix_the_first_computed(smollm2, kvtier_daemon, run_instance):
+    """The child instance gets the daemon's token from $KVTIER_TOKEN, this one from its spec."""
+    model, tokenizer = smollm2
+    first, second = (prompt_ids(tokenizer, q) for q in QUESTIONS)
+    child = run_instance(os.path.join(os.path.dirname(__file__), "hf_instance.py"),
+                         {"prompt": first[0].tolist(), "new_tokens": 2, "url": kvtier_daemon.url},
+                         env={"KVTIER_TOKEN": kvtier_daemon.token})
+    assert child["stats"]["num_loaded_tokens"] == 0 and child["stats"]["num_saved_blocks"] > 0
+    kv = KVTierGenerate(model, StoreSpec(url=kvtier_daemon.url, token=kvtier_daemon.token))
+    try:
+        out = kv.generate(second, max_new_tokens=NEW_TOKENS, do_sample=False)
+    finally:
+        kv.close()
+    shared = next(i for i, (a, b) in enumerate(zip(first[0], second[0])) if a != b)
+    assert kv.last.num_loaded_tokens == shared // 16 * 16 > 200
+    assert torch.equal(out, plain(model, second))
+
+
+def test_a_wrong_daemon_token_is_refused(smollm2, kvtier_daemon):
+    model, _ = smollm2
+    with pytest.raises(Exception, match="bad or missing token"):
+        KVTierGenerate(model, StoreSpec(url=kvtier_daemon.url, token="not-the-token"))

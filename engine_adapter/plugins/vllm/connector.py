@@ -11,11 +11,15 @@ Enable it with (pinned against vLLM 0.32 / 0.33):
         kv_connector_extra_config={"kvtier_path": "/var/lib/kvtier"},  # or "kvtier_url"
     )
 
-Extra config keys: `kvtier_url` + `kvtier_token` (a `kvtier serve` daemon) or `kvtier_path`
-(an in-process store; scheduler and worker must share the process, as in vLLM's uniproc CPU
-path), `kvtier_tenant`, `kvtier_async_load` (load between scheduler steps),
-`kvtier_dram_blocks`, `kvtier_ssd_blocks`.
-Blocks are keyed by kvtier's own hash of the token ids, never by vLLM's block hash.
+Extra config keys: `kvtier_url` + `kvtier_token` (a `kvtier serve` daemon; engine instances
+pointed at one daemon share their prefixes; the token also comes from $KVTIER_TOKEN) or
+`kvtier_path` (an in-process store; scheduler and worker must share the process, as in
+vLLM's uniproc CPU path), `kvtier_tenant`, `kvtier_async_load` (load between scheduler
+steps), `kvtier_save_decode` (also save the blocks that decoding fills, so a follow-up turn
+that repeats the answer finds it), `kvtier_dram_blocks`, `kvtier_ssd_blocks`.
+Blocks are keyed by kvtier's own hash of the token ids, never by vLLM's block hash. Loads
+are layer-wise: `start_load_kv` starts them and each layer's `wait_for_layer_load` waits
+only for that layer.
 """
 from __future__ import annotations
 
@@ -53,6 +57,10 @@ def namespace_for(vllm_config: "VllmConfig", tp_rank: int = 0) -> Namespace:
                      tenant=str(extra.get("kvtier_tenant", "")))
 
 
+def _flag(extra: dict, key: str) -> bool:
+    return str(extra.get(key, "false")).lower() in ("1", "true", "yes")
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -79,14 +87,14 @@ class KVTierConnector(KVConnectorBase_V1):
             dtype = getattr(torch, self.ns.dtype)
             self.worker_side = WorkerSide(self.ns, self.store, dtype)
         else:
-            async_load = str(extra.get("kvtier_async_load", "false")).lower() in ("1", "true", "yes")
-            self.scheduler_side = SchedulerSide(self.ns, self.store, async_load)
+            self.scheduler_side = SchedulerSide(self.ns, self.store, _flag(extra, "kvtier_async_load"),
+                                                _flag(extra, "kvtier_save_decode"))
 
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.lookup(request.request_id, list(request.prompt_token_ids or ()),
-                                          num_computed_tokens)
+                                          num_computed_tokens, request.all_token_ids)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -109,18 +117,18 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
-        self.worker_side.load(meta)
+        self.worker_side.start_load(meta)
         self.worker_side.begin_step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv has written every layer before the forward pass
+        self.worker_side.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         self.worker_side.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self.worker_side.finish_saves(self._get_connector_metadata())
+            self.worker_side.finish_step(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, (self.worker_side.take_finished() or None)
@@ -129,6 +137,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.worker_side.take_load_errors()
 
     def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
         if self.store is not None:
             release_store(self.store)
             self.store = None

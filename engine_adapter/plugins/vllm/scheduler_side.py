@@ -3,7 +3,10 @@
 Per request it keeps the kvtier hashes of the prompt's full blocks, the vLLM block ids the
 request holds, how many leading blocks are known to be stored, and a pending load. Each step
 it turns that into `KVTierMetadata`: blocks to load before the forward pass, and prompt
-blocks that this step's forward pass completes, to save after it.
+blocks that this step's forward pass completes, to save after it. With `save_decode`, blocks
+that decoding fills are saved too: their hashes extend the prompt's chain from the
+request's live token list (vLLM's `Request.all_token_ids`, which already holds every token
+the step feeds to the model).
 """
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from kvstore.keys import Namespace, hash_blocks
 
 @dataclass
 class _Request:
-    hashes: list[bytes]            # prompt's full blocks, but the last token's block never loads
+    hashes: list[bytes]            # full blocks hashed so far (the prompt's, then decode's)
     num_stored: int                # leading blocks known to be in kvtier (matched or saved)
+    tokens: Sequence[int] = ()     # the request's live token list (prompt + outputs so far)
     num_local_tokens: int = 0      # vLLM's own prefix-cache hit at lookup
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None   # [first, end) blocks to load, until handed over
@@ -26,19 +30,22 @@ class _Request:
 
 
 class SchedulerSide:
-    def __init__(self, ns: Namespace, store: KVStoreLike, async_load: bool = False) -> None:
-        self.ns, self.store, self.async_load = ns, store, async_load
+    def __init__(self, ns: Namespace, store: KVStoreLike, async_load: bool = False,
+                 save_decode: bool = False) -> None:
+        self.ns, self.store, self.async_load, self.save_decode = ns, store, async_load, save_decode
         self.requests: dict[str, _Request] = {}
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
 
-    def lookup(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> tuple[int, bool]:
-        """`get_num_new_matched_tokens`: tokens past vLLM's own hit that kvtier can load."""
+    def lookup(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int,
+               tokens: Sequence[int] = ()) -> tuple[int, bool]:
+        """`get_num_new_matched_tokens`: tokens past vLLM's own hit that kvtier can load.
+        `tokens`: the request's live token list, read later for decode saves."""
         bt = self.ns.block_tokens
         hashes = hash_blocks(self.ns, prompt)
         loadable = (len(prompt) - 1) // bt   # vLLM must compute at least the last token
         hit = self.store.match_prefix(hashes[:loadable]).num_blocks if loadable else 0
-        self.requests[req_id] = _Request(hashes, hit, num_computed_tokens)
+        self.requests[req_id] = _Request(hashes, hit, tokens, num_computed_tokens)
         num_new = max(0, hit * bt - num_computed_tokens)
         return num_new, bool(num_new and self.async_load)
 
@@ -81,11 +88,22 @@ class SchedulerSide:
     def _step(self, meta: KVTierMetadata, req_id: str, req: _Request, num_done_tokens: int) -> None:
         if req.load is not None:
             self._take_load(meta, req_id, req)
-        num_full = min(num_done_tokens // self.ns.block_tokens, len(req.hashes), len(req.block_ids))
+        num_full = min(num_done_tokens // self.ns.block_tokens, len(req.block_ids))
+        if self.save_decode:
+            self._hash_decode_blocks(req, num_full)
+        num_full = min(num_full, len(req.hashes))
         if num_full > req.num_stored:
             new = slice(req.num_stored, num_full)
             meta.saves.append(BlockTransfer(req_id, tuple(req.hashes[new]), tuple(req.block_ids[new])))
             req.num_stored = num_full
+
+    def _hash_decode_blocks(self, req: _Request, num_full: int) -> None:
+        """Extend the chain over blocks whose tokens are all known (prompt + outputs)."""
+        bt = self.ns.block_tokens
+        num_full = min(num_full, len(req.tokens) // bt)
+        if num_full > len(req.hashes):
+            parent = req.hashes[-1] if req.hashes else None
+            req.hashes += hash_blocks(self.ns, list(req.tokens[len(req.hashes) * bt:num_full * bt]), parent=parent)
 
     def _take_load(self, meta: KVTierMetadata, req_id: str, req: _Request) -> None:
         first, end = req.load

@@ -20,7 +20,8 @@ def block_of(h: bytes, nbytes: int) -> np.ndarray:
 
 
 class Daemon(DaemonProcess):
-    """A `kvtier serve` of this checkout (cwd = the repository root)."""
+    """A `kvtier serve` of this checkout (cwd = the repository root). Set `python` to run it
+    under another interpreter (an engine's venv holds only kvtier's client side)."""
 
     def __init__(self, data_dir: str, *extra: str, **kw) -> None:
         super().__init__(data_dir, *extra, cwd=ROOT, **kw)

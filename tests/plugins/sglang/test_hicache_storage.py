@@ -3,48 +3,32 @@ pool and host KV pool, its `StorageBackendFactory` ("dynamic") and the cache con
 page-transfer methods (generic and direct). Runs in build/venv-sglang: `make test-sglang`."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 
 sglang = pytest.importorskip("sglang", reason="runs in build/venv-sglang (make test-sglang)")
 import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from engine_adapter.plugins.sglang import dynamic_backend_config  # noqa: E402
+from engine_adapter.plugins.sglang import KVTierHiCacheStorage  # noqa: E402
+from engine_adapter.plugins.sglang.storage import key_seed, page_hashes, shard_of  # noqa: E402
 
-PAGE, LAYERS, HEADS, DIM = 4, 3, 2, 8
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
-
-
-def make_host_pool(layout: str, seed: int = 0) -> MHATokenToKVPoolHost:
-    """A host pool as SGLang builds it from a device pool, filled with random KV."""
-    device = MHATokenToKVPool(256, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False,
-                              start_layer=0, end_layer=LAYERS)
-    host = MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
-        pin_memory=False, device="cpu", device_capacity_tokens=device.size,
-        start_layer=device.start_layer, end_layer=device.end_layer,
-        write_back_staging=device.hicache_write_back_staging)
-    gen = torch.Generator().manual_seed(seed)
-    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(torch.float16))
-    return host
+_spec = importlib.util.spec_from_file_location(
+    "sglang_pages", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_pages.py"))
+pages = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pages)
+PAGE, LAYERS, HEADS, DIM, LAYOUTS = pages.PAGE, pages.LAYERS, pages.HEADS, pages.DIM, pages.LAYOUTS
+make_host_pool, create_backend, pages_kv = pages.make_host_pool, pages.create_backend, pages.pages_kv
+ctl_set, ctl_get = pages.ctl_set, pages.ctl_get
 
 
-def storage_config(tmp_path, model="test/model", tp_rank=0, **options) -> HiCacheStorageConfig:
-    extra = dynamic_backend_config(kvtier_path=str(tmp_path / "kvtier"), **options)
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-        model_name=model, extra_config=extra)
+def storage_config(tmp_path, model="test/model", tp_rank=0, **options):
+    return pages.storage_config(model, tp_rank, kvtier_path=str(tmp_path / "kvtier"), **options)
 
 
-def create_backend(config: HiCacheStorageConfig, host_pool):
-    """What HiCacheController.attach_storage_backend does: factory, then register the pool."""
-    backend = StorageBackendFactory.create_backend("dynamic", config, host_pool)
-    backend.register_mem_pool_host(host_pool)
-    return backend
+def sglang_keys(num_pages: int, first_token: int = 0) -> list[str]:
+    return pages.sglang_keys(list(range(first_token, first_token + num_pages * PAGE)))
 
 
 @pytest.fixture
@@ -58,63 +42,6 @@ def backends():
     yield make
     for backend in made:
         backend.close()
-
-
-# ---------------------------------------------------------------- helpers
-
-from types import SimpleNamespace  # noqa: E402
-
-from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
-from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
-
-from engine_adapter.plugins.sglang import KVTierHiCacheStorage  # noqa: E402
-from engine_adapter.plugins.sglang.storage import key_seed, page_hashes, shard_of  # noqa: E402
-
-
-def sglang_keys(num_pages: int, first_token: int = 0) -> list[str]:
-    """Page keys exactly as SGLang computes them for a token sequence."""
-    tokens = list(range(first_token, first_token + num_pages * PAGE))
-    return get_hash_str(tokens, None, page_size=PAGE)
-
-
-def kv_of_token(pool, token: int) -> torch.Tensor:
-    """[2, L, H, D] of one host-pool token, per SGLang's `init_kv_buffer` dims."""
-    buf = pool.kv_buffer
-    if pool.layout == "layer_first":        # [2, L, size, H, D]
-        return buf[:, :, token]
-    if pool.layout == "page_first":         # [2, size, L, H, D]
-        return buf[:, token]
-    page, t = divmod(token, PAGE)
-    if pool.layout == "page_first_direct":  # [2, pages, L, T, H, D]
-        return buf[:, page, :, t]
-    return buf[:, page, :, t].permute(0, 2, 1, 3)  # page_head [2, pages, H, T, L, D]
-
-
-def pages_kv(pool, host_indices: torch.Tensor) -> torch.Tensor:
-    """[tokens, 2, L, H, D] of the given host-pool tokens."""
-    return torch.stack([kv_of_token(pool, int(i)) for i in host_indices])
-
-
-def controller(backend, pool) -> SimpleNamespace:
-    """The state HiCacheController's page-transfer methods read."""
-    return SimpleNamespace(storage_backend=backend, storage_host_pool=pool, page_size=PAGE)
-
-
-class _Op:
-    request_id = "test"
-
-    def is_terminated(self) -> bool:
-        return False
-
-
-def ctl_set(backend, pool, keys, idx, direct: bool) -> bool:
-    fn = HiCacheController._page_set_zero_copy if direct else HiCacheController._generic_page_set
-    return fn(controller(backend, pool), keys, idx)
-
-
-def ctl_get(backend, pool, keys, idx, direct: bool) -> int:
-    fn = HiCacheController._page_get_zero_copy if direct else HiCacheController._generic_page_get
-    return fn(controller(backend, pool), _Op(), keys, idx)
 
 
 # ---------------------------------------------------------------- tests

@@ -78,11 +78,13 @@ class Harness:
         k = (t * 0.5 + pos + layer)[:, None, None].expand(-1, HEADS, HEAD_DIM) + torch.arange(HEADS)[:, None]
         return k, -k
 
-    def step(self, requests):
+    def step(self, requests, after_start_load=None):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
         out = self.scheduler.schedule()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
+        if after_start_load is not None:
+            after_start_load(out)
         sched = {r.req_id: (r.num_computed_tokens, r.block_ids[0]) for r in out.scheduled_new_reqs}
         c = out.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
@@ -115,12 +117,12 @@ class Harness:
             kc[bids, :, offs] = k[start:end]
             vc[bids, :, offs] = v[start:end]
 
-    def check_cache(self, request, num_tokens):
+    def check_cache(self, request, num_tokens, layers=range(LAYERS)):
         blocks = req_blocks(self.scheduler, request.request_id)
         pos = torch.arange(num_tokens)
         bids, offs = torch.tensor(blocks)[pos // BLOCK], pos % BLOCK
-        for layer, name in enumerate(NAMES):
-            kc, vc = self.kc_vc(name)
+        for layer in layers:
+            kc, vc = self.kc_vc(NAMES[layer])
             k, v = self.expected_kv(layer, request.all_token_ids[:num_tokens])
             assert torch.equal(kc[bids, :, offs], k) and torch.equal(vc[bids, :, offs], v)
 
@@ -129,10 +131,10 @@ def req_blocks(scheduler, req_id):
     return scheduler.kv_cache_manager.get_block_ids(req_id)[0]
 
 
-def make_request(req_id, tokens):
+def make_request(req_id, tokens, max_tokens=2):
     from vllm import SamplingParams
     from vllm.v1.request import Request
-    return Request(req_id, tokens, SamplingParams(max_tokens=2), None)
+    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), None)
 
 
 def shared_prompts():
@@ -193,3 +195,57 @@ def test_a_corrupt_block_is_reported_and_recomputed_by_vllm(model_dir, tmp_path)
     run_to_end(h, {"b": b})
     assert h.worker.worker_side.num_loaded_blocks == 4 and h.worker.worker_side.num_failed_blocks == 5
     assert h.computed_tokens["b"] >= len(second) - 4 * BLOCK    # vLLM recomputed from block 4 on
+
+
+class GatedStore:
+    """The real store, whose reads wait until the test opens the gate."""
+
+    def __init__(self, store, gate):
+        self.store, self.gate = store, gate
+
+    def get_n(self, hashes, dsts):
+        assert self.gate.wait(60), "the gate was never opened"
+        return self.store.get_n(hashes, dsts)
+
+
+def test_loads_run_in_the_background_and_each_layer_waits_for_its_own(model_dir, tmp_path):
+    import threading
+    h = Harness(make_vllm_config(model_dir, tmp_path / "store"))
+    prefix, first, second = shared_prompts()
+    run_to_end(h, {"a": make_request("a", first)})
+    loader = h.worker.worker_side.loader
+    gate = threading.Event()
+    loader.store = GatedStore(loader.store, gate)
+    b = make_request("b", second)
+    h.scheduler.add_request(b)
+    loaded = len(prefix) // BLOCK * BLOCK
+
+    def forward(out):
+        assert out.kv_connector_metadata.loads
+        # start_load_kv returned while the fetch is held: nothing is in place yet
+        assert not any(ev.is_set() for ev in loader.ready)
+        gate.set()
+        for layer, name in enumerate(NAMES):
+            h.worker.wait_for_layer_load(name)      # what vLLM's attention layer calls
+            h.check_cache(b, loaded, layers=[layer])
+        assert loader.num_layer_waits == LAYERS
+
+    h.step({"b": b}, after_start_load=forward)
+    assert loader.num_loaded_blocks == len(prefix) // BLOCK
+    h.check_cache(b, len(second))
+
+
+def test_decode_blocks_are_saved_when_asked(model_dir, tmp_path):
+    cfg = make_vllm_config(model_dir, tmp_path / "store")
+    cfg.kv_transfer_config.kv_connector_extra_config["kvtier_save_decode"] = True
+    h = Harness(cfg)
+    prompt = shared_prompts()[0][:2 * BLOCK - 3]            # 61 tokens: one full block
+    a = make_request("a", prompt, max_tokens=12)             # decoding fills block 2 (64 tokens)
+    run_to_end(h, {"a": a})
+    hashes = hash_blocks(h.worker.ns, list(a.all_token_ids))
+    assert len(a.all_token_ids) == 73 and len(hashes) == 2
+    assert h.worker.store.contains_n(hashes) == [True, True]
+    got = torch.empty((1, *h.worker.ns.block_shape))
+    assert None not in h.worker.store.get_n(hashes[1:], got)
+    k, v = h.expected_kv(0, list(a.all_token_ids))
+    assert torch.equal(got[0, 0, 0].reshape(-1, HEADS, HEAD_DIM), k[BLOCK:2 * BLOCK])

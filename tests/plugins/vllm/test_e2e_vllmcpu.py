@@ -4,6 +4,7 @@ vLLM's own prefix cache is off, so a prefix can only come back through kvtier. T
 prompt shares a long prefix with the first: it must load that prefix from kvtier and give the
 same tokens and logprobs as a run without kvtier; a block corrupted on disk becomes a miss
 that vLLM recomputes, and the output is still the same."""
+import importlib.util
 import os
 
 import pytest
@@ -16,21 +17,18 @@ from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
 from kvstore.testing import flip_ssd_byte
 
-BLOCK = 32
+_spec = importlib.util.spec_from_file_location(
+    "vllm_instance", os.path.join(os.path.dirname(os.path.abspath(__file__)), "instance.py"))
+instance = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(instance)
+BLOCK = instance.BLOCK
 PREFIX_TOKENS = 640
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    path = tmp_path_factory.mktemp("llama")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    return str(path)
+    return instance.write_random_llama(str(tmp_path_factory.mktemp("llama")))
 
 
 def prompts():
@@ -42,28 +40,13 @@ def prompts():
 
 
 def make_llm(model_dir, store_dir=None):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-    kv = None
-    if store_dir is not None:
-        kv = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
-                              kv_connector_module_path="engine_adapter.plugins.vllm.connector",
-                              kv_load_failure_policy="recompute",
-                              kv_connector_extra_config={"kvtier_path": store_dir, "kvtier_dram_blocks": 0})
-    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK,
-               max_model_len=1024, max_num_seqs=4, enable_prefix_caching=False,
-               kv_transfer_config=kv, seed=0, enforce_eager=True,
-               gpu_memory_utilization=0.1, kv_cache_memory_bytes=256 << 20)
+    extra = None if store_dir is None else {"kvtier_path": store_dir, "kvtier_dram_blocks": 0}
+    return instance.make_llm(model_dir, extra)
 
 
 def run(llm, prompt):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=1, detokenize=False)
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-    comp = out.outputs[0]
-    logprobs = [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs)]
-    return list(comp.token_ids), logprobs, out.num_cached_tokens
+    out = instance.run(llm, prompt, NEW_TOKENS)
+    return out["tokens"], out["logprobs"], out["cached"]
 
 
 def the_store():
@@ -76,10 +59,17 @@ def test_second_prompt_loads_prefix_from_kvtier_and_matches_plain_vllm(model_dir
     plain = make_llm(model_dir)
     ref_tokens, ref_logprobs, ref_cached = run(plain, second)
     ref_tokens_first, _, _ = run(plain, first)
-    del plain
+    instance.close_llm(plain)
     assert ref_cached == 0
 
     llm = make_llm(model_dir, str(tmp_path))
+    try:
+        check_kvtier_run(llm, first, second, prefix, ref_tokens_first, ref_tokens, ref_logprobs)
+    finally:
+        instance.close_llm(llm)
+
+
+def check_kvtier_run(llm, first, second, prefix, ref_tokens_first, ref_tokens, ref_logprobs):
     tokens, _, cached = run(llm, first)
     assert cached == 0 and tokens == ref_tokens_first
     tokens, logprobs, cached = run(llm, second)

@@ -1,7 +1,8 @@
 """Our model on the paged kernels vs transformers on the same weights (fp32, all positions)."""
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 import kernels
 from engine_adapter.loader import from_hf_dir, from_transformers
@@ -18,14 +19,20 @@ CASES = [  # (family, heads, kv heads, head_dim, tied, rope)
 ]
 
 
-def make_hf(family, heads, kv_heads, head_dim, tied, rope, seed=0):
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM)}
+
+
+def make_hf(family, heads, kv_heads, head_dim, tied, rope, seed=0, **extra):
+    """A random-weight transformers model (fp32) of `family`; `extra` config fields."""
     torch.manual_seed(seed)
     kw = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
               max_position_embeddings=256, tie_word_embeddings=tied)
+    kw.update(extra)
     if rope:
         kw["rope_parameters"] = rope
-    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg_cls, model_cls = FAMILIES[family]
     hf = model_cls(cfg_cls(**kw)).eval()
     with torch.no_grad():
         for p in hf.parameters():

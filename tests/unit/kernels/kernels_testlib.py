@@ -62,31 +62,36 @@ def make_paged_case(
     return PagedCase(cache, tables.to(torch.int32), torch.tensor(seq_lens, dtype=torch.int32), keys, values)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
-    """Explicit masked softmax for one sequence: q [M, H, D] at positions q_pos [M], k/v [T, Hkv, D]."""
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: torch.Tensor,
+                    window: int | None = None) -> torch.Tensor:
+    """Explicit masked softmax for one sequence: q [M, H, D] at positions q_pos [M], k/v [T, Hkv, D];
+    with a window W, query p sees keys p - W < t <= p."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [T, H, D]
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,thd->hmt", q.float(), k) * scale  # [H, M, T]
     mask = torch.arange(k.shape[0])[None, :] > q_pos[:, None]  # [M, T]
+    if window is not None:
+        mask |= torch.arange(k.shape[0])[None, :] <= q_pos[:, None] - window
     scores = scores.masked_fill(mask[None], float("-inf"))
     return torch.einsum("hmt,thd->mhd", scores.softmax(-1), v)  # [M, H, D]
 
 
-def oracle_decode(case: PagedCase, query: torch.Tensor, scale: float) -> torch.Tensor:
+def oracle_decode(case: PagedCase, query: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     outs = []
     for b, (k, v) in enumerate(zip(case.keys, case.values)):
         pos = torch.tensor([k.shape[0] - 1])
-        outs.append(dense_attention(query[b : b + 1], k, v, scale, pos))
+        outs.append(dense_attention(query[b : b + 1], k, v, scale, pos, window))
     return torch.cat(outs).to(query.dtype)  # [B, H, D]
 
 
-def oracle_prefill(case: PagedCase, query: torch.Tensor, q_lens: list[int], scale: float) -> torch.Tensor:
+def oracle_prefill(case: PagedCase, query: torch.Tensor, q_lens: list[int], scale: float,
+                   window: int | None = None) -> torch.Tensor:
     outs, start = [], 0
     for b, (k, v) in enumerate(zip(case.keys, case.values)):
         n = k.shape[0]
         pos = torch.arange(n - q_lens[b], n)
-        outs.append(dense_attention(query[start : start + q_lens[b]], k, v, scale, pos))
+        outs.append(dense_attention(query[start : start + q_lens[b]], k, v, scale, pos, window))
         start += q_lens[b]
     return torch.cat(outs).to(query.dtype)  # [total_q, H, D]
 

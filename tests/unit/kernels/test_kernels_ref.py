@@ -133,3 +133,29 @@ def test_gather_into_preallocated_staging():
     out = torch.empty(2, 2, 2, 2, 1, 4)
     got = ref.gather_blocks(full, torch.tensor([3, 1]), out=out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(out[0], full[3])
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 39, 1000])
+def test_sliding_window_decode_and_prefill_match_dense(window):
+    """A query at p sees keys (p - W, p]: one key, part of a block, whole blocks, all."""
+    case = make_paged_case([40, 17, 3], 2, 16, 8, seed=11)
+    scale = 0.25
+    query = torch.randn(3, 4, 16)
+    args = (case.layer_cache, case.block_tables, case.seq_lens)
+    assert_close(ref.paged_decode_attention(query, *args, scale=scale, sliding_window=window),
+                 oracle_decode(case, query, scale, window))
+    assert_close(ref.paged_decode_attention(query, *args, scale=scale, sliding_window=window, num_splits=3),
+                 oracle_decode(case, query, scale, window))
+    q_lens = [40, 5, 3]  # a whole prefill, a chunk after a cached prefix, a whole short one
+    query = torch.randn(sum(q_lens), 4, 16)
+    got = ref.paged_prefill_attention(query, case.layer_cache, case.block_tables, cu_seqlens(q_lens),
+                                      case.seq_lens, scale, sliding_window=window)
+    assert_close(got, oracle_prefill(case, query, q_lens, scale, window))
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_a_bad_sliding_window_is_refused(window):
+    case = make_paged_case([4], 1, 8, 4)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ref.paged_decode_attention(torch.randn(1, 1, 8), case.layer_cache, case.block_tables,
+                                   case.seq_lens, sliding_window=window)

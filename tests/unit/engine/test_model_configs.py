@@ -1,0 +1,126 @@
+"""Every config is right or refused: biases, activations and sliding windows against
+transformers on the same random weights (fp32), and the fields and weights the model does
+not implement refused by name at load."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from engine_adapter.config import ModelConfig
+from engine_adapter.errors import ModelLoadError
+from engine_adapter.loader import from_hf_dir, from_state_dict, from_transformers
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+model_tests = _load("test_model")   # make_hf and run_chunks
+make_hf, run_chunks = model_tests.make_hf, model_tests.run_chunks
+
+# (family, extra config fields); 3 layers so Qwen2's max_window_layers splits them
+MATRIX = {
+    "llama-attention_bias": ("llama", dict(attention_bias=True)),
+    "llama-mlp_bias": ("llama", dict(mlp_bias=True)),
+    "llama-both-biases-gelu": ("llama", dict(attention_bias=True, mlp_bias=True, hidden_act="gelu")),
+    "llama-gelu": ("llama", dict(hidden_act="gelu")),
+    "llama-gelu_pytorch_tanh": ("llama", dict(hidden_act="gelu_pytorch_tanh")),
+    "llama-relu": ("llama", dict(hidden_act="relu")),
+    "mistral-sliding_window-6": ("mistral", dict(sliding_window=6)),
+    "mistral-sliding_window-20": ("mistral", dict(sliding_window=20)),
+    "qwen2-use_sliding_window": ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    "qwen2-sliding_window-off": ("qwen2", dict(use_sliding_window=False, sliding_window=3)),
+}
+
+
+def hf_model(case):
+    family, extra = MATRIX[case]
+    return make_hf(family, 4, 2, 16, False, None, seed=len(case), num_hidden_layers=3, **extra)
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_config_variant_matches_transformers(case):
+    hf = hf_model(case)
+    ours = from_transformers(hf)
+    ids = torch.randint(0, 300, (45,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    # one prefill; a cached prefix + chunk; single-token decode steps past the window
+    for chunks in ([45], [16, 29], [20, 5, 1, 1, 1, 17]):
+        torch.testing.assert_close(run_chunks(ours, ids, chunks), ref, atol=3e-5, rtol=1e-5)
+
+
+def test_the_sliding_window_is_really_applied():
+    """Same weights without the window give other logits: the matrix above can fail."""
+    hf = hf_model("mistral-sliding_window-6")
+    ours = from_transformers(hf)
+    assert ours.config.sliding_window == 6 and ours.config.sliding_layers == (0, 1, 2)
+    qwen = from_transformers(hf_model("qwen2-use_sliding_window")).config
+    assert qwen.sliding_layers == (1, 2) and qwen.window_of(0) is None and qwen.window_of(2) == 7
+    hf.config.sliding_window = None
+    ids = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = hf(ids[None]).logits[0]
+    assert (run_chunks(ours, ids, [30]) - full).abs().max() > 1e-2
+
+
+def test_a_mistral_directory_keeps_its_window(tmp_path):
+    hf = hf_model("mistral-sliding_window-6")
+    hf.save_pretrained(tmp_path)
+    ours = from_hf_dir(str(tmp_path))
+    ids = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(run_chunks(ours, ids, [13, 17]), ref, atol=3e-5, rtol=1e-5)
+
+
+def llama_dict(**fields):
+    return {"model_type": "llama", "vocab_size": 300, "hidden_size": 48, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **fields}
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(hidden_act="gelu_new"), "hidden_act"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+    (dict(partial_rotary_factor=0.25), "partial_rotary_factor"),
+    (dict(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(num_local_experts=8), "num_local_experts"),
+    (dict(model_type="mistral", layer_types=["sliding_attention", "full_attention"]), "layer_types"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, layer_types=["chunked", "full_attention"]),
+     "layer_types"),
+    (dict(model_type="gemma"), "model_type"),
+])
+def test_a_field_whose_math_is_not_implemented_is_refused_by_name(fields, named):
+    with pytest.raises(ModelLoadError, match=named):
+        ModelConfig.from_hf(llama_dict(**fields))
+
+
+def test_neutral_values_and_gguf_load():
+    cfg = ModelConfig.from_hf(llama_dict(partial_rotary_factor=1.0, num_local_experts=0,
+                                         quantization_config={"quant_method": "gguf"}))
+    assert cfg.hidden_act == "silu" and cfg.sliding_window is None
+
+
+def test_weights_the_config_has_no_use_for_are_an_error():
+    hf = hf_model("llama-attention_bias")
+    state = hf.state_dict()
+    hf.config.attention_bias = False          # the config forgets the biases the weights have
+    with pytest.raises(ModelLoadError, match=r"12 weights .* not used .*self_attn\.[kqov]_proj\.bias"):
+        from_state_dict(ModelConfig.from_hf(hf.config), state)
+    extra = {**make_hf("llama", 4, 2, 16, False, None, num_hidden_layers=3).state_dict(),
+             "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}
+    with pytest.raises(ModelLoadError, match="q_norm"):
+        from_state_dict(ModelConfig.from_hf(hf.config), extra)
+
+
+def test_missing_weights_are_named():
+    hf = hf_model("llama-mlp_bias")
+    state = {k: v for k, v in hf.state_dict().items() if not k.endswith("layers.1.mlp.up_proj.bias")}
+    with pytest.raises(ModelLoadError, match=r"missing \['layers.1.mlp.up_proj.bias'\]"):
+        from_state_dict(ModelConfig.from_hf(hf.config), state)
