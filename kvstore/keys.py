@@ -5,7 +5,9 @@ A block is `block_tokens` consecutive token ids. Its key is a 16-byte `BlockHash
     h_i = xxh3_128(h_{i-1} || tokens_i as little-endian int32 || extra)
 
 seeded by `h_{-1} = Namespace.root_hash`, itself xxh3_128 over a canonical encoding of the
-model fingerprint (name, revision, dtype, KV layout, block_tokens) and the tenant salt. Every
+model fingerprint (name, revision, dtype, KV layout, block_tokens), the tenant salt and, for a
+compressed namespace only, the block codec (so raw hashes, and their committed vectors, are
+unchanged, and raw and compressed blocks can never share a key). Every
 input is fixed-width or length-prefixed, so the recipe is deterministic across processes,
 restarts and machines; Python's `hash()` is never involved. Only full blocks are hashed.
 Tensor-parallel sharding is not in the chain: it goes next to the hash in the object key.
@@ -30,6 +32,15 @@ MAX_DIM = 1 << 16          # each of layers, kv heads, head_dim, block_tokens
 MAX_NAME_BYTES = 1024      # model, revision, dtype and tenant strings
 MAX_BLOCK_BYTES = 1 << 30  # one block of one shard
 
+# How blocks of a namespace are encoded at the store boundary (docs/compression.md). The
+# engine side encodes and decodes (kernels.codec); the store only sees `block_bytes`.
+CODECS = ("raw", "int8", "fp8_e4m3", "zstd")
+SCALE_BYTES = 2  # int8 / fp8_e4m3: one fp16 scale per (layer, K|V, token, kv head)
+ZSTD_HEADER_BYTES = 8  # zstd: u32 frame length + u32 reserved, then the frame, zero padded
+# A zstd slot holds at most 15/16 of the raw bytes: slots are fixed-size, so a bound is what
+# makes a variable-size codec move fewer bytes; a block whose frame does not fit is not stored.
+ZSTD_SLOT_NUM, ZSTD_SLOT_DEN = 15, 16
+
 DTYPE_BYTES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
     "int8": 1, "uint8": 1,
@@ -53,9 +64,10 @@ class Namespace:
     block_tokens: int = 16
     revision: str = "main"
     tenant: str = ""
+    codec: str = "raw"
 
     def __post_init__(self) -> None:
-        for name in ("model", "dtype", "revision", "tenant"):
+        for name in ("model", "dtype", "revision", "tenant", "codec"):
             value = getattr(self, name)
             if not isinstance(value, str) or len(value.encode()) > MAX_NAME_BYTES:
                 raise ValueError(f"Namespace.{name} must be a string of at most "
@@ -64,6 +76,8 @@ class Namespace:
             raise ValueError("Namespace.model must name the model (e.g. 'HuggingFaceTB/SmolLM2-135M')")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"Namespace.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.codec not in CODECS:
+            raise ValueError(f"Namespace.codec {self.codec!r} is not one of {', '.join(CODECS)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
             value = getattr(self, name)
             if type(value) is not int or not 0 < value <= MAX_DIM:
@@ -79,8 +93,14 @@ class Namespace:
         return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
 
     @property
-    def block_bytes(self) -> int:
+    def raw_block_bytes(self) -> int:
+        """One block as the model holds it: `block_shape` in `dtype`."""
         return math.prod(self.block_shape) * DTYPE_BYTES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """One stored block: the raw bytes, or the fixed encoded size of `codec`."""
+        return encoded_block_bytes(self.codec, self.block_shape, DTYPE_BYTES[self.dtype])
 
     @property
     def root_hash(self) -> BlockHash:
@@ -89,6 +109,7 @@ class Namespace:
              _field(KV_LAYOUT), struct.pack("<4I", self.num_layers, self.num_kv_heads,
                                             self.head_dim, self.block_tokens),
              _field(self.tenant)]
+            + ([] if self.codec == "raw" else [_field("codec"), _field(self.codec)])
         )
         return BlockHash(xxhash.xxh3_128_digest(fingerprint))
 
@@ -96,6 +117,19 @@ class Namespace:
     def ns_id(self) -> int:
         """A 64-bit id of the namespace, carried in block headers and storage keys."""
         return int.from_bytes(self.root_hash[:8], "little")
+
+
+def encoded_block_bytes(codec: str, block_shape: tuple[int, ...], dtype_bytes: int) -> int:
+    """Bytes of one stored block of `codec` (layouts in kvstore/layout.py)."""
+    layers, kv, tokens, heads, head_dim = block_shape
+    raw = math.prod(block_shape) * dtype_bytes
+    if codec == "raw":
+        return raw
+    if codec in ("int8", "fp8_e4m3"):
+        return layers * kv * tokens * heads * (head_dim + SCALE_BYTES)
+    if codec == "zstd":
+        return ZSTD_HEADER_BYTES + -(-raw * ZSTD_SLOT_NUM // ZSTD_SLOT_DEN)
+    raise ValueError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
 
 
 def _as_int32_bytes(token_ids: Sequence[int] | np.ndarray) -> memoryview:

@@ -1,12 +1,24 @@
 """Block payload layout and the on-wire / on-disk block format.
 
-Payload: one block of one shard, contiguous `[num_layers, 2 (K,V), block_tokens,
-num_kv_heads, head_dim]` in the model dtype, so a layer-wise loader can take a slice.
+Payload of a raw namespace: one block of one shard, contiguous `[num_layers, 2 (K,V),
+block_tokens, num_kv_heads, head_dim]` in the model dtype, so a layer-wise loader can take a
+slice. A compressed namespace (`Namespace.codec`, docs/compression.md) stores the engine's
+encoding of that block, `Namespace.block_bytes` long (the engine encodes and decodes, in
+kernels.codec; the store only moves and checksums the encoded bytes):
+
+    int8, fp8_e4m3   per layer: values [2, bt, Hkv, D] (1 byte each) | scales [2, bt, Hkv]
+                     (fp16: one per token and kv head; value = q * scale)
+    zstd             frame length u32 | reserved u32 | zstd frame of the block's bytes
+                     grouped by significance (byte i of every element, then byte i+1) |
+                     zero padding up to the slot (15/16 of the raw bytes)
 
 Encoded block = 64-byte header + payload. Header (little-endian):
 
     magic "KVTB" | version u16 | dtype code u8 | ndim u8 | ns_id u64 | shape 5 x u32 |
-    checksum u64 (xxh3_64 of the payload) | block hash 16 bytes | reserved u32
+    checksum u64 (xxh3_64 of the payload) | block hash 16 bytes | codec u32 (0 = raw)
+
+dtype and shape are the model's (what the block decodes to); the codec is in the namespace's
+root hash too, so `ns_id` already tells codecs apart and the codec field is a second check.
 
 Decoding verifies every field and the checksum; the payload comes back as a view into the
 caller's buffer (no copy).
@@ -20,7 +32,7 @@ import torch
 import xxhash
 
 from kvstore.errors import BlockFormatError, BlockSizeError, ChecksumError, NamespaceMismatchError
-from kvstore.keys import DTYPE_BYTES, HASH_BYTES, Namespace
+from kvstore.keys import CODECS, DTYPE_BYTES, HASH_BYTES, Namespace, encoded_block_bytes
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
@@ -37,6 +49,7 @@ TORCH_DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
     "int8": torch.int8, "uint8": torch.uint8,
 }
+CODEC_CODES = {name: code for code, name in enumerate(CODECS)}  # raw = 0: the old reserved field
 
 
 class BlockHeader(NamedTuple):
@@ -45,6 +58,7 @@ class BlockHeader(NamedTuple):
     shape: tuple[int, ...]
     checksum: int
     block_hash: bytes
+    codec: str = "raw"
 
 
 def checksum(payload) -> int:
@@ -66,7 +80,7 @@ def encode_header(ns: Namespace, block_hash: bytes, payload_checksum: int) -> by
     if len(block_hash) != HASH_BYTES:
         raise BlockFormatError(f"block hash must be {HASH_BYTES} bytes, got {len(block_hash)}")
     return _HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[ns.dtype], 5, ns.ns_id,
-                        *ns.block_shape, payload_checksum, block_hash, 0)
+                        *ns.block_shape, payload_checksum, block_hash, CODEC_CODES[ns.codec])
 
 
 def encode_block(ns: Namespace, block_hash: bytes, payload) -> bytes:
@@ -90,8 +104,10 @@ def decode_header(buf) -> BlockHeader:
     names = {code: name for name, code in DTYPE_CODES.items()}
     if dcode not in names or ndim != 5:
         raise BlockFormatError(f"bad dtype code {dcode} or ndim {ndim} in block header")
-    shape, (csum, bhash, _reserved) = tuple(rest[:5]), rest[5:]
-    return BlockHeader(ns_id, names[dcode], shape, csum, bhash)
+    shape, (csum, bhash, ccode) = tuple(rest[:5]), rest[5:]
+    if ccode >= len(CODECS):
+        raise BlockFormatError(f"bad codec code {ccode} in block header")
+    return BlockHeader(ns_id, names[dcode], shape, csum, bhash, CODECS[ccode])
 
 
 def decode_block(ns: Namespace, buf, expect_hash: bytes | None = None) -> tuple[BlockHeader, memoryview]:
@@ -102,10 +118,12 @@ def decode_block(ns: Namespace, buf, expect_hash: bytes | None = None) -> tuple[
     """
     view = as_memoryview(buf)
     header = decode_header(view)
-    if header.ns_id != ns.ns_id or header.dtype != ns.dtype or header.shape != ns.block_shape:
+    if (header.ns_id != ns.ns_id or header.dtype != ns.dtype or header.shape != ns.block_shape
+            or header.codec != ns.codec):
         raise NamespaceMismatchError(
-            f"block belongs to namespace {header.ns_id:#x} ({header.dtype}, {header.shape}), "
-            f"not {ns.ns_id:#x} ({ns.dtype}, {ns.block_shape})")
+            f"block belongs to namespace {header.ns_id:#x} ({header.dtype}, {header.shape}, "
+            f"codec {header.codec}), not {ns.ns_id:#x} ({ns.dtype}, {ns.block_shape}, "
+            f"codec {ns.codec})")
     payload = view[HEADER_BYTES:]
     if len(payload) != ns.block_bytes:
         raise BlockFormatError(f"encoded block carries {len(payload)} payload bytes, its header "
@@ -123,9 +141,7 @@ def verify_encoded(buf) -> BlockHeader:
     """Check an encoded block on its own (no namespace at hand): header, length, checksum."""
     view = as_memoryview(buf)
     header = decode_header(view)
-    expected = DTYPE_BYTES[header.dtype]
-    for dim in header.shape:
-        expected *= dim
+    expected = encoded_block_bytes(header.codec, header.shape, DTYPE_BYTES[header.dtype])
     if len(view) - HEADER_BYTES != expected:
         raise BlockFormatError(f"encoded block carries {len(view) - HEADER_BYTES} payload bytes, "
                                f"its header says {expected} (truncated or padded)")
@@ -137,11 +153,16 @@ def verify_encoded(buf) -> BlockHeader:
 def check_payload_size(ns: Namespace, nbytes: int) -> None:
     if nbytes != ns.block_bytes:
         raise BlockSizeError(f"block payload is {nbytes} bytes but namespace {ns.model!r} "
-                             f"blocks are {ns.block_bytes} bytes ({ns.dtype} {ns.block_shape})")
+                             f"blocks are {ns.block_bytes} bytes ({ns.dtype} {ns.block_shape}, "
+                             f"codec {ns.codec})")
 
 
 def payload_tensor(ns: Namespace, payload) -> torch.Tensor:
-    """View a payload buffer as a `[num_layers, 2, block_tokens, num_kv_heads, head_dim]` tensor."""
+    """View a raw payload buffer as a `[num_layers, 2, block_tokens, num_kv_heads, head_dim]`
+    tensor (a compressed block is only bytes to the store: the engine decodes it)."""
+    if ns.codec != "raw":
+        raise BlockSizeError(f"a {ns.codec} block is not a tensor of the model's dtype; "
+                             "decode it with kernels.decode_blocks")
     view = as_memoryview(payload)
     check_payload_size(ns, len(view))
     flat = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)

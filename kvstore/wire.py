@@ -35,7 +35,7 @@ import msgpack
 from kvstore.errors import KVStoreError
 from kvstore.keys import HASH_BYTES
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: HELLO carries the namespace's block codec
 MAGIC = b"KVTW"
 PREFIX = struct.Struct("<4sHHIQ")
 MAX_HEADER_BYTES = 1 << 20
@@ -197,6 +197,7 @@ class Hello(Message):
     tenant: str = ""
     agent: bool = False       # send the arena's transfer-agent metadata and a capability
     agent_key: bytes = b""    # a capability this client already holds (kept, not reissued)
+    codec: str = "raw"        # Namespace.codec: blocks of each codec are a namespace apart
 
 
 @_msg(Op.HELLO, reply=True)

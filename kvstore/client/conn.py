@@ -77,7 +77,7 @@ class Connection:
         hello = w.Hello(token=token, model=ns.model, num_layers=ns.num_layers,
                         num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, dtype=ns.dtype,
                         block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant,
-                        agent=want_agent, agent_key=agent_key)
+                        agent=want_agent, agent_key=agent_key, codec=ns.codec)
         try:
             self.info: w.HelloOk = self.call(hello)[0]
         except BaseException:

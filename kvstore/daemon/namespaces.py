@@ -103,7 +103,8 @@ class Hosted:
 def namespace_of(hello: Hello) -> Namespace:
     try:
         return Namespace(hello.model, hello.num_layers, hello.num_kv_heads, hello.head_dim,
-                         hello.dtype, hello.block_tokens, hello.revision, hello.tenant)
+                         hello.dtype, hello.block_tokens, hello.revision, hello.tenant,
+                         hello.codec)
     except ValueError as e:
         raise RemoteError(ErrorCode.NAMESPACE, str(e)) from e
 

@@ -95,3 +95,37 @@ def test_block_shape_and_bytes():
     ns = Namespace("m", num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16")
     assert ns.block_shape == (30, 2, 16, 3, 64)
     assert ns.block_bytes == 30 * 2 * 16 * 3 * 64 * 2
+
+
+def test_raw_is_the_default_codec_and_leaves_the_hash_as_it_was():
+    assert NS.codec == "raw"
+    assert Namespace(**{**NS.__dict__, "codec": "raw"}).root_hash == NS.root_hash
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "zstd"])
+def test_a_codec_separates_hashes_from_raw_and_from_each_other(codec):
+    other = Namespace(**{**NS.__dict__, "codec": codec})
+    roots = {Namespace(**{**NS.__dict__, "codec": c}).root_hash for c in ("raw", "int8", "fp8_e4m3", "zstd")}
+    assert len(roots) == 4
+    assert hash_blocks(other, list(range(16)))[0] != hash_blocks(NS, list(range(16)))[0]
+
+
+def test_committed_vectors_cover_every_codec():
+    doc = json.loads(VECTORS.read_text())
+    assert {c["namespace"].get("codec", "raw") for c in doc["cases"]} == {"raw", "int8", "fp8_e4m3", "zstd"}
+
+
+def test_unknown_codec_is_refused_by_name():
+    with pytest.raises(ValueError, match="codec 'int4' is not one of raw, int8, fp8_e4m3, zstd"):
+        Namespace(**{**NS.__dict__, "codec": "int4"})
+
+
+def test_encoded_block_bytes_per_codec():
+    ns = dict(model="m", num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
+    raw = Namespace(**ns).block_bytes
+    assert raw == 30 * 2 * 16 * 3 * 64 * 4
+    for codec in ("int8", "fp8_e4m3"):  # 1-byte values + an fp16 scale per token and head
+        enc = Namespace(**ns, codec=codec)
+        assert enc.block_bytes == 30 * 2 * 16 * 3 * (64 + 2) and enc.raw_block_bytes == raw
+        assert enc.block_bytes / raw <= 0.26
+    assert Namespace(**ns, codec="zstd").block_bytes == 8 + raw * 15 // 16

@@ -60,3 +60,23 @@ def test_wrong_hash_and_wrong_size():
 def test_header_decodes_alone():
     header = decode_header(encode_block(NS, H, _payload())[:HEADER_BYTES])
     assert header.ns_id == NS.ns_id
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "zstd"])
+def test_a_compressed_block_records_its_codec_and_another_codec_is_refused(codec):
+    ns = Namespace(**{**NS.__dict__, "codec": codec})
+    h = hash_blocks(ns, list(range(4)))[0]
+    blob = encode_block(ns, h, np.arange(ns.block_bytes, dtype=np.uint64).astype(np.uint8))
+    header, payload = decode_block(ns, blob, expect_hash=h)
+    assert header.codec == codec and len(payload) == ns.block_bytes
+    assert decode_header(blob[:HEADER_BYTES]).codec == codec
+    for other in ("raw", "int8", "fp8_e4m3", "zstd"):
+        if other != codec:
+            with pytest.raises(NamespaceMismatchError, match=f"codec {codec}"):
+                decode_block(Namespace(**{**NS.__dict__, "codec": other}), blob)
+
+
+def test_a_compressed_payload_is_not_viewed_as_model_values():
+    ns = Namespace(**{**NS.__dict__, "codec": "int8"})
+    with pytest.raises(BlockSizeError, match="decode it"):
+        payload_tensor(ns, bytes(ns.block_bytes))
