@@ -30,6 +30,11 @@ Ops (one backend chosen at import by `KVTIER_KERNELS=ref|triton|auto`, see `disp
         (p - W, p], W keys itself included (Mistral / Qwen2); None = the whole context.
     gather_blocks(kv_cache, block_ids, out=None) -> [n, num_layers, 2, bt, Hkv, D]
     scatter_blocks(staging, kv_cache, block_ids)                          in place
+    encode_blocks(blocks, codec, out=None) -> uint8 [n, codec_encoded_bytes(block shape)]
+        blocks [n, num_layers, 2, bt, Hkv, D] contiguous; codec "int8" or "fp8_e4m3"
+        (per token and kv head fp16 scales; layout and rounding in `kernels.codec`)
+    decode_blocks(encoded, codec, kv_cache, block_ids)                    in place
+        block i of `encoded` dequantized into kv_cache[block_ids[i]]
 
 Every op checks its inputs first and raises a `KernelInputError` (ValueError; the dtype
 error is also a TypeError) before any kernel runs. `check_values=False` skips the checks
@@ -58,6 +63,8 @@ from __future__ import annotations
 
 from kernels import dispatch as _dispatch
 from kernels.cache import allocate_kv_cache, block_bytes, kv_cache_shape, layer_view
+from kernels.codec import CODECS as QUANT_CODECS
+from kernels.codec import encoded_bytes as codec_encoded_bytes
 from kernels.errors import (
     KernelBackendError,
     KernelDeviceError,
@@ -75,6 +82,8 @@ paged_decode_attention = _backend.paged_decode_attention
 paged_prefill_attention = _backend.paged_prefill_attention
 gather_blocks = _backend.gather_blocks
 scatter_blocks = _backend.scatter_blocks
+encode_blocks = _backend.encode_blocks
+decode_blocks = _backend.decode_blocks
 
 __all__ = [
     "BACKEND",
@@ -83,6 +92,10 @@ __all__ = [
     "paged_prefill_attention",
     "gather_blocks",
     "scatter_blocks",
+    "encode_blocks",
+    "decode_blocks",
+    "QUANT_CODECS",
+    "codec_encoded_bytes",
     "allocate_kv_cache",
     "kv_cache_shape",
     "layer_view",

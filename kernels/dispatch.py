@@ -17,7 +17,8 @@ from kernels.errors import KernelBackendError
 
 ENV_VAR = "KVTIER_KERNELS"
 CHOICES = ("ref", "triton", "auto")
-OPS = ("write_kv_to_cache", "paged_decode_attention", "paged_prefill_attention", "gather_blocks", "scatter_blocks")
+OPS = ("write_kv_to_cache", "paged_decode_attention", "paged_prefill_attention", "gather_blocks", "scatter_blocks",
+       "encode_blocks", "decode_blocks")
 
 
 def triton_interpreting() -> bool:

@@ -1,0 +1,148 @@
+"""The int8 / fp8_e4m3 block codecs: the reference's bounds and layout, and the Triton
+kernels bit-for-bit against it (tiny shapes: on CPU they run interpreted)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import codec as ref
+from kernels.errors import KernelInputError, KernelShapeError
+
+SHAPE = (2, 2, 4, 3, 16)  # [L, 2, bt, Hkv, D]
+CODECS = ["int8", "fp8_e4m3"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _blocks(n=3, shape=SHAPE, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((n, *shape), generator=g) * torch.rand((n, *shape[:-1], 1), generator=g) * 8
+    x[0, 0, 0, 0, 0] = 0.0                    # a zero vector codes as zeros
+    x[0, 0, 1, 0, 0, 0] = 40.0                # one outlier sets only its own row's scale
+    return x.to(dtype)
+
+
+def _roundtrip(x, codec, ids=None):
+    enc = ref.encode_blocks(x, codec)
+    out = torch.full_like(x, float("nan"))
+    ids = torch.arange(x.shape[0]) if ids is None else ids
+    ref.decode_blocks(enc, codec, out, ids)
+    return enc, out
+
+
+def test_encoded_size_is_one_byte_a_value_plus_an_fp16_scale_a_row():
+    enc = ref.encode_blocks(_blocks(), "int8")
+    assert enc.shape == (3, 2 * 2 * 4 * 3 * (16 + 2)) == (3, ref.encoded_bytes(SHAPE)) and enc.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_error_is_at_most_half_a_step_of_each_rows_own_scale(dtype):
+    x = _blocks(dtype=dtype)
+    enc, out = _roundtrip(x, "int8")
+    values, scales = ref.encoded_views(enc, SHAPE)
+    amax = x.float().abs().amax(-1)
+    assert torch.equal(scales, (amax / 127).clamp(ref.SCALE_MIN, 65504).half())
+    step = scales.float().unsqueeze(-1)
+    slack = 0 if dtype == torch.float32 else out.float().abs() * 2 ** -7  # output rounding
+    assert ((out.float() - x.float()).abs() <= step / 2 * (1 + 1e-6) + slack).all()
+    assert values.abs().max() <= 127 and torch.equal(out[0, 0, 0, 0, 0], torch.zeros(16, dtype=dtype))
+
+
+def test_int8_rounds_half_to_even_against_the_stored_scale():
+    x = torch.zeros((1, *SHAPE))
+    x[0, 0, 0, 0, 0, :3] = torch.tensor([127.0, 2.5, 3.5])  # scale exactly 1.0
+    values, _ = ref.encoded_views(ref.encode_blocks(x, "int8"), SHAPE)
+    assert values[0, 0, 0, 0, 0, :3].tolist() == [127, 2, 4]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_decodes_exactly_what_torchs_own_fp8_conversion_gives(dtype):
+    x = _blocks(dtype=dtype)
+    enc, out = _roundtrip(x, "fp8_e4m3")
+    values, scales = ref.encoded_views(enc, SHAPE)
+    expect = values.view(torch.float8_e4m3fn).float() * scales.float().unsqueeze(-1)
+    assert torch.equal(out, expect.to(dtype))
+    rel = (out.float() - x.float()).abs() / x.float().abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    assert rel.max() <= 2 ** -4 + 2 ** -7  # 3 mantissa bits: half an ulp of 448 is 16/448
+
+
+def test_fp8_bit_decoder_covers_every_byte():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
+    codes = codes[(codes != 127) & (codes != -1)]  # the two NaN codes are never emitted
+    got = torch.empty(codes.shape)
+    ref._fp8_bits_to_f32(codes, got)
+    assert torch.equal(got * ref.FP8_DECODE_BIAS, codes.view(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("codec,limit", [("int8", 127 * 65504.0), ("fp8_e4m3", 448 * 128.0)])
+def test_huge_values_saturate_instead_of_turning_inf(codec, limit):
+    x = torch.ones((1, *SHAPE))
+    x[0, 0, 0, 0, 0, 0] = 1e9
+    _, out = _roundtrip(x, codec)
+    assert torch.isfinite(out).all() and out[0, 0, 0, 0, 0, 0] == pytest.approx(limit, rel=0.01)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_decode_writes_block_i_into_cache_block_ids_i_and_nothing_else(codec):
+    x = _blocks(n=3)
+    enc = ref.encode_blocks(x, codec)
+    cache = torch.full((6, *SHAPE), 7.0)
+    ids = torch.tensor([4, 0, 1])  # one run of two plus a lone block
+    ref.decode_blocks(enc, codec, cache, ids)
+    _, whole = _roundtrip(x, codec)
+    assert torch.equal(cache[ids], whole)
+    assert (cache[[2, 3, 5]] == 7.0).all()
+
+
+def test_bad_inputs_raise_kernel_errors():
+    x = _blocks()
+    with pytest.raises(KernelInputError, match="not a quantizing codec"):
+        ref.encode_blocks(x, "zstd")
+    with pytest.raises(KernelShapeError, match="contiguous"):
+        ref.encode_blocks(x.transpose(1, 2), "int8")
+    enc = ref.encode_blocks(x, "int8")
+    with pytest.raises(KernelShapeError, match="uint8 tensor of shape"):
+        ref.decode_blocks(enc[:, 1:], "int8", torch.empty_like(x), torch.arange(3))
+    with pytest.raises(KernelShapeError, match="uint8 tensor of shape"):
+        ref.decode_blocks(enc, "int8", torch.empty_like(x), torch.arange(2))
+
+
+# ---------------------------------------------------------------- Triton against the reference
+
+
+@pytest.mark.triton_interp
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [SHAPE, (1, 2, 3, 2, 12)])  # head_dim not a power of two
+def test_triton_codec_is_bit_exact_with_the_reference(triton_device, codec, dtype, shape):
+    kt = pytest.importorskip("kernels.triton")
+    x = _blocks(n=2, shape=shape, dtype=dtype, seed=3)
+    x[1, 0, 0, 0, 0, :4] = torch.tensor([2 ** -12, -2 ** -9, 0.0, -0.0]).to(dtype)  # fp8 subnormals
+    expect = ref.encode_blocks(x, codec)
+    got = kt.encode_blocks(x.to(triton_device), codec)
+    assert torch.equal(got.cpu(), expect)
+    cache = torch.zeros((4, *shape), dtype=dtype)
+    ids = torch.tensor([3, 1])
+    ref.decode_blocks(expect, codec, cache, ids)
+    cache_t = torch.zeros((4, *shape), dtype=dtype, device=triton_device)
+    kt.decode_blocks(got, codec, cache_t, ids.to(triton_device))
+    _assert_same_decode(cache_t.cpu(), cache, triton_device)
+
+
+def _assert_same_decode(got, expect, device):
+    if expect.dtype == torch.bfloat16 and device == "cpu":
+        # Triton 3.7.1's interpreter truncates fp32 -> bf16 (compiled kernels round to
+        # nearest even, as torch does): there, up to one bf16 ulp apart
+        ulp = expect.float().abs() * 2 ** -7
+        assert ((got.float() - expect.float()).abs() <= ulp).all()
+        return
+    assert torch.equal(got, expect)
+
+
+@pytest.mark.triton_interp
+def test_triton_fp8_rounds_where_the_carry_reaches_the_exponent(triton_device):
+    kt = pytest.importorskip("kernels.triton")
+    x = torch.zeros((1, *SHAPE))
+    # scale 1.0 (row amax 448): 31.81 and 0.4873 round up into the next binade, 7.5 ties to 8
+    x[0, 0, 0, 0, 0, :5] = torch.tensor([448.0, 31.81, 0.4873, -7.5, 9.0])
+    assert torch.equal(kt.encode_blocks(x.to(triton_device), "fp8_e4m3").cpu(),
+                       ref.encode_blocks(x, "fp8_e4m3"))
