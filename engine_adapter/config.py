@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine_adapter.errors import ModelLoadError
+from kvstore.keys import CODECS
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class EngineConfig:
     dtype: str = "float32"                 # model and KV cache dtype
     device: str = "cpu"
     tenant: str = ""                       # salts block hashes: tenants never share blocks
+    kv_codec: str = "raw"                  # how blocks are stored: raw, int8, fp8_e4m3, zstd
     save_queue_batches: int = 64           # pending store saves before new ones are dropped
     oversize_policy: OversizePolicy = OversizePolicy.REFUSE   # or its value, "truncate"
     # Later requests that may be admitted ahead of a waiting one whose blocks are not free
@@ -116,6 +118,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")
         if self.max_admission_skips < 0:
             raise ValueError(f"EngineConfig.max_admission_skips must be >= 0, got {self.max_admission_skips}")
+        if self.kv_codec not in CODECS:
+            raise ValueError(f"EngineConfig.kv_codec must be one of {', '.join(CODECS)}, "
+                             f"got {self.kv_codec!r} (docs/compression.md)")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"EngineConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         try:

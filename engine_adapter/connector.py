@@ -9,6 +9,10 @@ model. Saves copy the blocks out of the cache on the step thread (`gather_blocks
 block may be reused right after) and `put_n` them on a background thread through a
 bounded queue: a full queue or a failing store drops the save and counts it; the engine
 never stalls or crashes for a save.
+
+A compressed namespace (`codec` other than raw, docs/compression.md) is coded here and
+only here: `_save_loop` encodes right before `put_n`, `_load_encoded` decodes right after
+`get_n` (engine_adapter.kvcodec, batched on the cache's device).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 import kernels
+from engine_adapter.kvcodec import BlockCodec
 from kvstore.keys import BlockHash
 
 
@@ -41,14 +46,21 @@ class ConnectorStats:
     saved_blocks: int = 0
     save_dropped_blocks: int = 0  # queue full: the save was skipped
     save_errors: int = 0          # blocks whose put_n raised
+    save_unencodable_blocks: int = 0  # zstd frames too big for their slot: not stored
 
 
 _STOP = object()
 
 
 class StoreConnector:
-    def __init__(self, store: KVStoreLike, kv_cache: torch.Tensor, queue_batches: int = 64) -> None:
+    def __init__(self, store: KVStoreLike, kv_cache: torch.Tensor, queue_batches: int = 64,
+                 codec: str = "raw") -> None:
+        store_codec = getattr(getattr(store, "ns", None), "codec", codec)
+        if store_codec != codec:
+            raise ValueError(f"the store's namespace holds {store_codec} blocks but the engine "
+                             f"codes them {codec}: set EngineConfig(kv_codec={store_codec!r})")
         self.store, self.kv_cache = store, kv_cache
+        self.codec = BlockCodec.for_cache(codec, kv_cache)
         self.stats = ConnectorStats()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
         self._staging = kv_cache.new_empty((0, *kv_cache.shape[1:]))
@@ -72,6 +84,8 @@ class StoreConnector:
         n = len(hashes)
         if n == 0:
             return 0
+        if not self.codec.is_raw:
+            return self._load_encoded(hashes, block_ids)
         if self.kv_cache.device.type == "cpu":
             # straight into the cache blocks (each one contiguous): no staging copy. The
             # blocks are this request's fresh ones; any past the first miss get recomputed.
@@ -89,6 +103,24 @@ class StoreConnector:
         if good and staging is not None:
             ids = torch.tensor(block_ids[:good], dtype=torch.int64, device=self.kv_cache.device)
             kernels.scatter_blocks(staging[:good], self.kv_cache, ids, check_values=False)
+        self.stats.loaded_blocks += good
+        self.stats.load_misses += n - good
+        return good
+
+    def _load_encoded(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        """`load` of a compressed namespace: get_n into an encoded staging buffer, then decode
+        the hit prefix straight into the cache blocks."""
+        n = len(hashes)
+        staging = self.codec.staging(n, self.kv_cache.device)
+        try:
+            found = self.store.get_n(hashes, staging)
+        except Exception:
+            self.stats.lookup_errors += 1
+            return 0
+        good = next((i for i, tier in enumerate(found) if tier is None), n)
+        if good:
+            ids = torch.tensor(block_ids[:good], dtype=torch.int64, device=self.kv_cache.device)
+            good = self.codec.decode(staging[:good], self.kv_cache, ids)
         self.stats.loaded_blocks += good
         self.stats.load_misses += n - good
         return good
@@ -112,7 +144,12 @@ class StoreConnector:
                     return
                 hashes, staged = item
                 try:
-                    self.store.put_n(hashes, staged)
+                    encoded, keep = self.codec.encode(staged)  # raw: the blocks as they are
+                    if not all(keep):
+                        self.stats.save_unencodable_blocks += keep.count(False)
+                        hashes = [h for h, k in zip(hashes, keep) if k]
+                        encoded = encoded[torch.tensor(keep)]
+                    self.store.put_n(hashes, encoded)
                     self.stats.saved_blocks += len(hashes)
                 except Exception:
                     self.stats.save_errors += len(hashes)

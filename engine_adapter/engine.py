@@ -34,13 +34,13 @@ class LLMEngine:
         mc = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.ns = Namespace(mc.name, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype,
-                            config.block_tokens, tenant=config.tenant)
+                            config.block_tokens, tenant=config.tenant, codec=config.kv_codec)
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.max_model_len = config.model_len(mc)
         self.runner = ModelRunner(model, config)
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
-        self.connector = None if store is None else StoreConnector(store, self.runner.kv_cache,
-                                                                   config.save_queue_batches)
+        self.connector = None if store is None else StoreConnector(
+            store, self.runner.kv_cache, config.save_queue_batches, codec=config.kv_codec)
         self.scheduler = Scheduler(config, self.pool, self.connector)
         self.requests: dict[str, Request] = {}
         self.record_logits = record_logits
