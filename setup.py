@@ -15,6 +15,7 @@ INSTALL_REQUIRES = [
     "tqdm==4.70.1",
     "matplotlib==3.11.2",
     "aetcd==1.0.0",  # etcd v3 client: cluster membership and leader election
+    "zstandard==0.25.0",  # the lossless `zstd` block codec (engine side, engine_adapter/kvcodec.py)
 ]
 
 HF = ["transformers==5.24.0", "gguf==0.19.0", "accelerate==1.15.0", "safetensors==0.8.0"]

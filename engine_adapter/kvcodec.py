@@ -83,7 +83,11 @@ class _Zstd:
     frame, zero padding). zstandard's multi_* calls run the batch in C."""
 
     def __init__(self, codec: BlockCodec) -> None:
-        import zstandard  # only a zstd namespace needs it (setup.py pins it)
+        try:  # only a zstd namespace needs it (setup.py pins it; engine venvs may lack it)
+            import zstandard
+        except ImportError as e:
+            raise ImportError("the zstd block codec needs the zstandard package: "
+                              "pip install zstandard==0.25.0") from e
 
         self.codec, self.itemsize = codec, codec.dtype.itemsize
         self.numel = math.prod(codec.block_shape)
