@@ -133,3 +133,48 @@ class _Zstd:
             dst = dst.view(kv_cache.shape[0], self.numel, self.itemsize)
             dst[block_ids[:good].to(kv_cache.device)] = shuffled.transpose(1, 2).to(kv_cache.device)
         return good
+
+
+class CodedStore:
+    """A store of a compressed namespace under the plugins' block-tensor contract: `put_n`
+    takes model blocks and stores them encoded, `get_n` decodes the hits into the caller's
+    blocks (a miss, or a block that does not decode, is None and leaves its block as it
+    was). The engine plugins (vLLM, SGLang, transformers) wrap their store in this."""
+
+    def __init__(self, store, codec: BlockCodec) -> None:
+        self.store, self.codec = store, codec
+        self.match_prefix, self.contains_n = store.match_prefix, store.contains_n
+
+    def put_n(self, hashes, srcs: torch.Tensor) -> list:
+        encoded, keep = self.codec.encode(_blocks(srcs, self.codec))
+        if all(keep):
+            return self.store.put_n(hashes, encoded)
+        from kvstore.api import PutStatus  # a block with no room in its slot: not stored
+        kept = [h for h, k in zip(hashes, keep) if k]
+        statuses = iter(self.store.put_n(kept, encoded[torch.tensor(keep)]) if kept else ())
+        return [next(statuses) if k else PutStatus.NO_SPACE for k in keep]
+
+    def get_n(self, hashes, dsts: torch.Tensor) -> list:
+        dsts = _blocks(dsts, self.codec)
+        staging = self.codec.staging(len(hashes), dsts.device)
+        found = list(self.store.get_n(hashes, staging))
+        hit = [i for i, tier in enumerate(found) if tier is not None]
+        if hit:
+            rows = torch.tensor(hit, dtype=torch.int64)
+            decoded = self.codec.decode(staging[rows], dsts, rows)
+            for i in hit[decoded:]:
+                found[i] = None
+        return found
+
+    def close(self) -> None:
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            close()
+
+
+def _blocks(t, codec: BlockCodec) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape[1:]) != codec.block_shape \
+            or t.dtype != codec.dtype or not t.is_contiguous():
+        raise TypeError(f"a {codec.name} store takes one contiguous tensor of blocks "
+                        f"[n, {', '.join(map(str, codec.block_shape))}] {codec.dtype}")
+    return t

@@ -35,6 +35,7 @@ MAX_BLOCK_BYTES = 1 << 30  # one block of one shard
 # How blocks of a namespace are encoded at the store boundary (docs/compression.md). The
 # engine side encodes and decodes (kernels.codec); the store only sees `block_bytes`.
 CODECS = ("raw", "int8", "fp8_e4m3", "zstd")
+QUANTIZABLE_DTYPES = ("float32", "float16", "bfloat16")
 SCALE_BYTES = 2  # int8 / fp8_e4m3: one fp16 scale per (layer, K|V, token, kv head)
 ZSTD_HEADER_BYTES = 8  # zstd: u32 frame length + u32 reserved, then the frame, zero padded
 # A zstd slot holds at most 15/16 of the raw bytes: slots are fixed-size, so a bound is what
@@ -78,6 +79,9 @@ class Namespace:
             raise ValueError(f"Namespace.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         if self.codec not in CODECS:
             raise ValueError(f"Namespace.codec {self.codec!r} is not one of {', '.join(CODECS)}")
+        if self.codec in ("int8", "fp8_e4m3") and self.dtype not in QUANTIZABLE_DTYPES:
+            raise ValueError(f"Namespace.codec {self.codec} quantizes {', '.join(QUANTIZABLE_DTYPES)} "
+                             f"blocks, not {self.dtype} (use raw or zstd)")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
             value = getattr(self, name)
             if type(value) is not int or not 0 < value <= MAX_DIM:

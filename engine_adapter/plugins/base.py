@@ -76,16 +76,28 @@ class _ClientStore:
 
 
 def open_store(ns: Namespace, spec: StoreSpec) -> KVStoreLike:
-    """A store for namespace `ns`; the caller closes it (`close()`) when done."""
+    """A store for namespace `ns`; the caller closes it (`close()`) when done. A compressed
+    namespace's store encodes on put and decodes on get (`coded`)."""
     if spec.url:
         from kvstore.client import Client
-        return _ClientStore(Client(spec.url, token=spec.token, namespace=ns))
+        return coded(_ClientStore(Client(spec.url, token=spec.token, namespace=ns)), ns)
     from kvstore.config import StoreConfig, TierConfig
     from kvstore.store import TieredStore
     ssd_dir = os.path.join(spec.path, f"{ns.ns_id:016x}")
     ssd = TierConfig("ssd", spec.ssd_blocks, path=ssd_dir)
     dram = (TierConfig("dram", spec.dram_blocks),) if spec.dram_blocks else ()
-    return TieredStore(ns, StoreConfig((*dram, ssd)))
+    return coded(TieredStore(ns, StoreConfig((*dram, ssd))), ns)
+
+
+def coded(store: KVStoreLike, ns: Namespace) -> KVStoreLike:
+    """`store` as is for a raw namespace; else wrapped to encode blocks of `ns.codec` on
+    put and decode them on get (engine_adapter.kvcodec.CodedStore)."""
+    if ns.codec == "raw":
+        return store
+    import torch
+
+    from engine_adapter.kvcodec import BlockCodec, CodedStore
+    return CodedStore(store, BlockCodec(ns.codec, ns.block_shape, getattr(torch, ns.dtype)))
 
 
 _SHARED: dict[tuple[StoreSpec, bytes], list] = {}   # (spec, ns root) -> [store, users]

@@ -2,6 +2,7 @@
 
     from engine_adapter.plugins.hf import KVTierGenerate
     kv = KVTierGenerate(model, store)          # or StoreSpec(path=...) / StoreSpec(url=...)
+    kv = KVTierGenerate(model, spec, codec="int8")   # blocks stored compressed (docs/compression.md)
     out = kv.generate(input_ids, max_new_tokens=32)   # same arguments as model.generate
     kv.last                                    # GenerateStats: tokens loaded vs computed
     # or patch the model in place: enable_kvtier(model, store); model.generate(...)
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine_adapter.plugins.base import KVStoreLike, StoreSpec, dtype_name, open_store
+from engine_adapter.plugins.base import KVStoreLike, StoreSpec, coded, dtype_name, open_store
 from kvstore.keys import Namespace, hash_blocks
 
 
@@ -31,7 +32,8 @@ class GenerateStats(NamedTuple):
     bypassed: bool            # plain generate ran (batch > 1 or a caller-owned cache)
 
 
-def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, tenant: str = "") -> Namespace:
+def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, tenant: str = "",
+                  codec: str = "raw") -> Namespace:
     """The kvtier namespace of a transformers decoder (its KV layout and dtype)."""
     cfg = model.config.get_text_config(decoder=True)
     heads = cfg.num_attention_heads
@@ -39,7 +41,8 @@ def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, te
     return Namespace(
         model=model_id or cfg._name_or_path or type(model).__name__,
         num_layers=cfg.num_hidden_layers, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, dtype=dtype_name(model.dtype), block_tokens=block_tokens, tenant=tenant)
+        head_dim=head_dim, dtype=dtype_name(model.dtype), block_tokens=block_tokens, tenant=tenant,
+        codec=codec)
 
 
 def cache_to_blocks(cache, num_blocks: int, block_tokens: int, first_block: int = 0) -> torch.Tensor:
@@ -69,11 +72,16 @@ class KVTierGenerate:
     """`generate` with kvtier prefix offload for one transformers model."""
 
     def __init__(self, model, store: KVStoreLike | StoreSpec, *, model_id: str | None = None,
-                 block_tokens: int = 16, tenant: str = "") -> None:
+                 block_tokens: int = 16, tenant: str = "", codec: str = "raw") -> None:
+        """`store`: a StoreSpec, or a store of this model's namespace (with `codec`, which
+        this wrapper encodes before each put and decodes after each get)."""
         self.model = model
-        self.ns = namespace_for(model, model_id, block_tokens, tenant)
+        self.ns = namespace_for(model, model_id, block_tokens, tenant, codec)
         self.owns_store = isinstance(store, StoreSpec)
-        self.store = open_store(self.ns, store) if self.owns_store else store
+        if not self.owns_store and getattr(getattr(store, "ns", self.ns), "codec") != codec:
+            raise ValueError(f"the store's namespace holds {store.ns.codec} blocks, not {codec}: "
+                             f"pass codec={store.ns.codec!r}")
+        self.store = open_store(self.ns, store) if self.owns_store else coded(store, self.ns)
         self._plain_generate = model.generate
         self.last: GenerateStats | None = None
         self._staging = torch.empty((0, *self.ns.block_shape), dtype=model.dtype)  # grow-only
@@ -125,6 +133,7 @@ class KVTierGenerate:
     def close(self) -> None:
         if self.owns_store:
             self.store.close()
+            self.store = None
 
 
 def enable_kvtier(model, store: KVStoreLike | StoreSpec, **options) -> KVTierGenerate:

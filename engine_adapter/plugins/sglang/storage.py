@@ -52,13 +52,14 @@ def page_hashes(seed: bytes, keys: Sequence[str]) -> list[bytes]:
     return [digest(seed + key.encode()) for key in keys]
 
 
-def namespace_for(config: HiCacheStorageConfig, geom: PageGeometry, tenant: str = "") -> Namespace:
+def namespace_for(config: HiCacheStorageConfig, geom: PageGeometry, tenant: str = "",
+                  codec: str = "raw") -> Namespace:
     """One kvtier namespace per model, KV dtype and page size (SGLang's storage model name
     already carries the host pool's page-format tag when it has one)."""
     return Namespace(model=config.model_name or "sglang", num_layers=geom.num_layers,
                      num_kv_heads=geom.num_kv_heads, head_dim=geom.head_dim,
                      dtype=dtype_name(geom.dtype), block_tokens=geom.page_size,
-                     revision="sglang-hicache", tenant=tenant)
+                     revision="sglang-hicache", tenant=tenant, codec=codec)
 
 
 def _stored(statuses) -> list[bool]:
@@ -69,7 +70,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
     """SGLang calls `KVTierHiCacheStorage(storage_config, kwargs)` and then
     `register_mem_pool_host(pool)`; the store opens there, once the page geometry is known.
     Options come from the backend's extra config (`kvtier_url`, `kvtier_token`,
-    `kvtier_path`, `kvtier_dram_blocks`, `kvtier_ssd_blocks`, `kvtier_tenant`)."""
+    `kvtier_path`, `kvtier_dram_blocks`, `kvtier_ssd_blocks`, `kvtier_tenant`, `kvtier_codec`:
+    blocks stored compressed, docs/compression.md)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         if storage_config.is_mla_model:
@@ -79,6 +81,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         self.spec = StoreSpec.from_options(options)   # fails here on a missing store option
         self.tenant = str(options.get("kvtier_tenant", ""))
+        self.codec = str(options.get("kvtier_codec", "raw"))
         self.store = None
 
     # ------------------------------------------------------------------ set-up
@@ -87,7 +90,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         geom = geometry_of(mem_pool_host)
         self.close()
-        self.ns = namespace_for(self.config, geom, self.tenant)
+        self.ns = namespace_for(self.config, geom, self.tenant, self.codec)
         self.seed = key_seed(self.ns, shard_of(self.config))
         self.pages = PoolPages(geom, mem_pool_host.kv_buffer)
         chunk = max(1, min(MAX_BATCH_PAGES, STAGING_BYTES // geom.block_bytes))

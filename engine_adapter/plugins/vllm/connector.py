@@ -54,7 +54,8 @@ def namespace_for(vllm_config: "VllmConfig", tp_rank: int = 0) -> Namespace:
                      num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                      dtype=dtype_name(dtype).replace("fp8_e4m3", "float8_e4m3fn"),
                      block_tokens=cache.block_size, revision=str(model.revision or "main"),
-                     tenant=str(extra.get("kvtier_tenant", "")))
+                     tenant=str(extra.get("kvtier_tenant", "")),
+                     codec=str(extra.get("kvtier_codec", "raw")))
 
 
 def _flag(extra: dict, key: str) -> bool:
