@@ -2,7 +2,8 @@
 
 Format (DESIGN.md): {"bench": NAME, "machine": {...}, "results": [row, ...]} where a row is
 {"case", "metric", "value", "baseline", "baseline_value", "ratio"}; ratio = value / baseline
-for rates, baseline / value for times (so higher is always better), None without baseline.
+for rates, baseline / value for times and sizes (so higher is always better), None without
+baseline.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from typing import NamedTuple
 
 TIME_METRICS = {"s", "ms", "us", "ns"}
+LOWER_IS_BETTER = TIME_METRICS | {"bytes"}  # ratio = baseline / value
 
 
 class Row(NamedTuple):
@@ -27,7 +29,7 @@ class Row(NamedTuple):
     def ratio(self) -> float | None:
         if self.baseline_value is None or not self.value or not self.baseline_value:
             return None
-        if self.metric in TIME_METRICS:
+        if self.metric in LOWER_IS_BETTER:
             return self.baseline_value / self.value
         return self.value / self.baseline_value
 

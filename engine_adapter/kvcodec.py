@@ -95,43 +95,47 @@ class _Zstd:
         self.decompressor = zstandard.ZstdDecompressor()
         self.error = zstandard.ZstdError
 
-    def shuffle(self, blocks: torch.Tensor) -> torch.Tensor:
+    def shuffle(self, blocks: torch.Tensor) -> np.ndarray:
+        """[n, itemsize * numel] uint8: byte 0 of every element, then byte 1, ... (numpy:
+        one thread, no torch pool spinning on a busy host)."""
         n = blocks.shape[0]
-        planes = blocks.contiguous().view(torch.uint8).view(n, self.numel, self.itemsize)
-        return planes.transpose(1, 2).contiguous().cpu().view(n, -1)  # [n, itemsize * numel]
+        planes = blocks.contiguous().cpu().view(torch.uint8).numpy().reshape(n, self.numel, self.itemsize)
+        return np.ascontiguousarray(planes.transpose(0, 2, 1)).reshape(n, -1)
 
     def encode(self, blocks: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
-        shuffled = self.shuffle(blocks).numpy()
+        shuffled = self.shuffle(blocks)
         frames = self.compressor.multi_compress_to_buffer([row for row in shuffled])
         out = np.zeros((blocks.shape[0], self.codec.block_bytes), dtype=np.uint8)
         room = self.codec.block_bytes - ZSTD_HEADER_BYTES
         keep = []
         for i in range(len(frames)):  # one frame per block: zstd's own granularity
-            frame = memoryview(frames[i])
+            frame = np.frombuffer(frames[i], dtype=np.uint8)
             keep.append(len(frame) <= room)
             if keep[-1]:
                 out[i, :4] = np.frombuffer(len(frame).to_bytes(4, "little"), dtype=np.uint8)
-                out[i, ZSTD_HEADER_BYTES:ZSTD_HEADER_BYTES + len(frame)] = np.frombuffer(frame, np.uint8)
+                out[i, ZSTD_HEADER_BYTES:ZSTD_HEADER_BYTES + len(frame)] = frame
         return torch.from_numpy(out), keep
 
     def decode(self, encoded: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> int:
         rows = encoded.cpu().numpy()
         lengths = rows[:, :4].copy().view("<u4")[:, 0]
-        good = next((i for i, k in enumerate(lengths) if k > rows.shape[1] - ZSTD_HEADER_BYTES),
-                    len(lengths))
-        frames = [memoryview(rows[i, ZSTD_HEADER_BYTES:ZSTD_HEADER_BYTES + lengths[i]]) for i in range(good)]
+        room = rows.shape[1] - ZSTD_HEADER_BYTES
+        good = next((i for i, k in enumerate(lengths) if k > room), len(lengths))
+        frames = [rows[i, ZSTD_HEADER_BYTES:ZSTD_HEADER_BYTES + lengths[i]] for i in range(good)]
         try:
             plain = self.decompressor.multi_decompress_to_buffer(frames) if good else []
         except self.error:
             return 0  # checksummed bytes that are not our frame: treat the batch as missing
-        if any(len(plain[i]) != self.itemsize * self.numel for i in range(good)):
+        size = self.itemsize * self.numel
+        if any(len(plain[i]) != size for i in range(good)):
             return 0
-        if good:
-            shuffled = torch.frombuffer(bytearray(b"".join(plain[i].tobytes() for i in range(good))),
-                                        dtype=torch.uint8).view(good, self.itemsize, self.numel)
-            dst = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
-            dst = dst.view(kv_cache.shape[0], self.numel, self.itemsize)
-            dst[block_ids[:good].to(kv_cache.device)] = shuffled.transpose(1, 2).to(kv_cache.device)
+        shuffled = np.empty((good, self.itemsize, self.numel), dtype=np.uint8)
+        for i in range(good):
+            shuffled[i].reshape(-1)[:] = np.frombuffer(plain[i], dtype=np.uint8)
+        blocks = torch.from_numpy(np.ascontiguousarray(shuffled.transpose(0, 2, 1)))
+        blocks = blocks.view(good, -1).view(kv_cache.dtype).view(good, *self.codec.block_shape)
+        kernels.scatter_blocks(blocks.to(kv_cache.device), kv_cache,
+                               block_ids[:good].to(kv_cache.device), check_values=False)
         return good
 
 

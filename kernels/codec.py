@@ -21,6 +21,10 @@ value beyond 127 * 65504 (int8) or 448 * 128 (fp8) saturates instead of becoming
     encode_blocks(blocks [n, L, 2, bt, Hkv, D], codec, out=None) -> uint8 [n, encoded_bytes]
     decode_blocks(encoded [n, encoded_bytes], codec, kv_cache, block_ids)     in place:
         block i decodes into kv_cache[block_ids[i]] (a staging tensor with arange ids works)
+
+The torch ops below define the codec (any device); CPU tensors take `kernels.codec_cpu`,
+the same arithmetic in numpy on the calling thread (torch's CPU thread pool spins on a
+busy host).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import codec_cpu
 from kernels.cache import SUPPORTED_DTYPES
 from kernels.errors import KernelDTypeError, KernelInputError, KernelShapeError
 
@@ -108,6 +113,16 @@ def encode_blocks(blocks: torch.Tensor, codec: str, out: torch.Tensor | None = N
     if out is None:
         out = torch.empty((n, encoded_bytes(shape)), dtype=torch.uint8, device=blocks.device)
     values, scales = encoded_views(out, shape)
+    if n and blocks.device.type == "cpu":
+        codec_cpu.encode(blocks, values, scales, codec, spec.qmax, SCALE_MIN, spec.scale_max)
+    elif n:
+        encode_torch(blocks, values, scales, codec, spec)
+    return out
+
+
+def encode_torch(blocks: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, codec: str,
+                  spec: CodecSpec) -> None:
+    """The definition of the codec, in torch ops on any device (the CPU path must match it)."""
     x = blocks.float()
     scale = (x.abs().amax(-1) / spec.qmax).clamp_(SCALE_MIN, spec.scale_max).to(SCALE_DTYPE)
     scales.copy_(scale)
@@ -116,7 +131,6 @@ def encode_blocks(blocks: torch.Tensor, codec: str, out: torch.Tensor | None = N
         values.copy_(y.round_().clamp_(-spec.qmax, spec.qmax))
     else:
         values.copy_(y.clamp_(-spec.qmax, spec.qmax).to(torch.float8_e4m3fn).view(torch.int8))
-    return out
 
 
 def decode_blocks(encoded: torch.Tensor, codec: str, kv_cache: torch.Tensor,
@@ -132,16 +146,18 @@ def decode_blocks(encoded: torch.Tensor, codec: str, kv_cache: torch.Tensor,
     for i in range(1, n + 1):  # runs of consecutive ids decode in place: no staging copy
         if i == n or ids[i] != ids[i - 1] + 1:
             dst = kv_cache[ids[start]:ids[start] + i - start]
-            _decode_run(values[start:i], scales[start:i], codec, dst)
+            if dst.device.type == "cpu":
+                codec_cpu.decode(values[start:i], scales[start:i], codec, dst, FP8_DECODE_BIAS)
+            else:
+                decode_torch(values[start:i], scales[start:i], codec, dst)
             start = i
 
 
-def _decode_run(values: torch.Tensor, scales: torch.Tensor, codec: str, dst: torch.Tensor) -> None:
-    """values/scales of m blocks -> dst [m, L, 2, bt, Hkv, D] (contiguous)."""
+def decode_torch(values: torch.Tensor, scales: torch.Tensor, codec: str, dst: torch.Tensor) -> None:
+    """values/scales of m blocks -> dst [m, L, 2, bt, Hkv, D] (contiguous), in torch ops
+    (any device; the CPU path, kernels.codec_cpu, must match it)."""
     out = dst if dst.dtype == torch.float32 else torch.empty(dst.shape, dtype=torch.float32,
                                                               device=dst.device)
-    # mixed-dtype ops (int8 * fp16) run ~1.5 GB/s on CPU; a widening copy then an fp32
-    # multiply in place run ~10 GB/s each
     scale = scales.float().unsqueeze(-1)
     if codec == "int8":
         out.copy_(values)
@@ -154,8 +170,8 @@ def _decode_run(values: torch.Tensor, scales: torch.Tensor, codec: str, dst: tor
 
 
 def _fp8_bits_to_f32(values: torch.Tensor, out: torch.Tensor) -> None:
-    """e4m3fn bytes -> fp32 `out` holding value * 2^-120, exactly (torch's own fp8 -> fp32
-    conversion runs ~1 GB/s on CPU; this ~3x that). Sign-extended to int32, shifted so the
+    """e4m3fn bytes -> fp32 `out` holding value * 2^-120, exactly (no fp8 type needed: the
+    CPU path does the same in numpy). Sign-extended to int32, shifted so the
     4 exponent and 3 mantissa bits land in fp32's low exponent / high mantissa bits (the
     exponent bias differs by 120; fp8 subnormals land on fp32 subnormals, same rule), and
     the copies of the sign bit above the exponent masked off. The encoder never emits NaN."""

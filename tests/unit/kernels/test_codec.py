@@ -146,3 +146,35 @@ def test_triton_fp8_rounds_where_the_carry_reaches_the_exponent(triton_device):
     x[0, 0, 0, 0, 0, :5] = torch.tensor([448.0, 31.81, 0.4873, -7.5, 9.0])
     assert torch.equal(kt.encode_blocks(x.to(triton_device), "fp8_e4m3").cpu(),
                        ref.encode_blocks(x, "fp8_e4m3"))
+
+
+# ---------------------------------------------------------------- the CPU path (numpy)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_cpu_path_is_bit_exact_with_the_torch_definition(codec, dtype):
+    x = _blocks(n=3, dtype=dtype, seed=5)
+    x[1, 0, 0, 0, 0, :6] = torch.tensor([2 ** -12, -2 ** -9, 0.0, -0.0, 1e-3, -3e-4]).to(dtype)
+    x[2, 1, 1, 1, 1, :4] = torch.tensor([448.0, 31.81, 0.4873, -7.5]).to(dtype)  # carries, ties
+    cpu = ref.encode_blocks(x, codec)                    # CPU tensors take kernels.codec_cpu
+    want = torch.empty_like(cpu)
+    values, scales = ref.encoded_views(want, SHAPE)
+    ref.encode_torch(x, values, scales, codec, ref.SPECS[codec])
+    assert torch.equal(cpu, want)
+    got, expect = torch.zeros_like(x), torch.zeros_like(x)
+    ref.decode_blocks(cpu, codec, got, torch.arange(3))
+    ref.decode_torch(values, scales, codec, expect)
+    assert torch.equal(got, expect)
+
+
+def test_the_cpu_fp8_encoder_matches_torch_on_every_code_and_every_midpoint():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes != 0x7F) & (codes != 0xFF)]
+    values = codes.view(torch.float8_e4m3fn).float().unique()       # every finite e4m3 value
+    pos = values[values >= 0]
+    mids = (pos[1:] + pos[:-1]) / 2                                  # the ties
+    probe = torch.cat([values, mids, -mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20)])
+    from kernels import codec_cpu
+    got = torch.from_numpy(codec_cpu.fp8_e4m3_bytes(probe.numpy()))
+    assert torch.equal(got, probe.to(torch.float8_e4m3fn).view(torch.uint8))
