@@ -16,7 +16,7 @@ Speed: encode/decode GB/s of model bytes, against memcpy of the same bytes. TTFT
 engine with a full-prefix hit over TCP (DRAM daemon) and from an SSD-only daemon
 (`--dram-size 0`; a warm page cache), compressed vs raw, taking turns in every repeat.
 
-    python bench/compression.py [--prompts 32] [--new-tokens 64] [--greedy-prompts 8]
+    python bench/compression.py [--prompts 32] [--new-tokens 64] [--greedy-prompts 4]
         [--prompt-tokens 512,2048] [--lengths 2048,4096] [--repeats 3]
         [--codecs int8,fp8_e4m3,zstd] [--json PATH]
 """
@@ -185,8 +185,10 @@ def ttft_rows(hf, model, tokenizer, codecs, lengths, repeats: int, tmp: str) -> 
     with torch.inference_mode():
         cache = hf(tokens[:longest].unsqueeze(0), use_cache=True).past_key_values
     blocks = cache_to_blocks(cache, longest // BT, BT)
-    tcp = DaemonProcess(os.path.join(tmp, "tcp"), dram_size="3GiB", ssd_size="0").start()
-    ssd = DaemonProcess(os.path.join(tmp, "ssd"), dram_size="0", ssd_size="4GiB").start()
+    # sizes are per namespace (one per codec); the DRAM arena is pre-faulted, so just enough
+    dram = f"{(longest // BT + 16) * blocks[0].numel() * blocks.element_size() >> 20}MiB"
+    tcp = DaemonProcess(os.path.join(tmp, "tcp"), dram_size=dram, ssd_size="0").start()
+    ssd = DaemonProcess(os.path.join(tmp, "ssd"), dram_size="0", ssd_size="1GiB").start()
     try:
         rows = []
         for tier, daemon, use_shm in (("tcp", tcp, False), ("ssd", ssd, True)):
@@ -246,7 +248,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-tokens", default="512,2048", help="shortest,longest prompt")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--greedy-prompts", type=int, default=8, help="free-running runs (slow)")
+    parser.add_argument("--greedy-prompts", type=int, default=4, help="free-running runs (slow)")
     parser.add_argument("--lengths", default="2048,4096", help="TTFT prefix lengths, tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--codecs", default="int8,fp8_e4m3,zstd")
