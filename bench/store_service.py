@@ -10,10 +10,12 @@ op (TCP path), a real redis-server (SET/GET of the same bytes, pipelined, RESP s
 directly over a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
 protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
 see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
-each prints why it was skipped. Metadata: match_prefix over a 1,000-block chain and exists_n of 1,000 keys vs the
-same calls on an in-process TieredStore.
+each prints why it was skipped. Single-op rows also give p50 / p99 latency (us) against the
+baseline's. Metadata: match_prefix over a 1,000-block chain and exists_n of 1,000 keys vs
+the same calls on an in-process TieredStore. `--busy N` runs everything, baselines
+included, while N processes burn the CPUs (the host an inference engine shares).
 
-    python bench/store_service.py [--quick] [--json PATH]
+    python bench/store_service.py [--quick] [--busy N] [--json PATH]
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 from kvstore.client import Client  # noqa: E402
+from kvstore.daemon.process import DaemonProcess  # noqa: E402
 from kvstore.config import StoreConfig, TierConfig  # noqa: E402
 from kvstore.events import TierKind  # noqa: E402
 from kvstore.keys import Namespace, hash_blocks  # noqa: E402
@@ -61,16 +64,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rate(fn, nbytes: int, seconds: float) -> float:
-    """GB/s of repeated fn() calls moving nbytes each, over about `seconds`."""
+class Stats(NamedTuple):
+    gbps: float
+    p50_us: float
+    p99_us: float
+
+
+def measure(fn, nbytes: int, seconds: float) -> Stats:
+    """GB/s of repeated fn() calls moving nbytes each over about `seconds`, and the p50 /
+    p99 latency of one call."""
     fn()
-    n, t0 = 0, time.perf_counter()
+    times, t0 = [], time.perf_counter()
     while True:
+        t = time.perf_counter()
         fn()
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= seconds and n >= 3:
-            return n * nbytes / dt / 1e9
+        times.append(time.perf_counter() - t)
+        if t - t0 >= seconds and len(times) >= 20:
+            break
+    p50, p99 = np.percentile(times, [50, 99]) * 1e6
+    return Stats(len(times) * nbytes / sum(times) / 1e9, float(p50), float(p99))
+
+
+def rate(fn, nbytes: int, seconds: float) -> float:
+    return measure(fn, nbytes, seconds).gbps
 
 
 def ops_rate(fn, seconds: float) -> float:
@@ -207,20 +223,42 @@ def _send_all(sock: socket.socket, bufs: list) -> None:
 # ------------------------------------------------------------------ the daemon
 
 
-def start_daemon(workdir: str) -> tuple[subprocess.Popen, str, int]:
-    port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port), "--http-port",
-           str(http_port), "--data-dir", workdir, "--dram-size", "192MiB", "--ssd-size", "0",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1).read()
-            return proc, f"kvtier://127.0.0.1:{port}", http_port
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("kvtier serve did not start")
+def start_daemon(workdir: str) -> DaemonProcess:
+    return DaemonProcess(workdir, cwd=ROOT, dram_size="192MiB", ssd_size="0").start()
+
+
+class RotatingCopy:
+    """The memcpy a put is held to: the same bytes into a new destination each time, over
+    64 MiB of them, as a store writes slots it has not just written (a copy into one hot
+    destination runs from cache and is no store's case)."""
+
+    def __init__(self, src: np.ndarray) -> None:
+        self.src = src
+        self.dsts = np.empty((max(2, (64 * MiB) // src.nbytes), src.nbytes), np.uint8)
+        self.dsts[:] = 1  # faulted in, as an arena is
+        self.i = 0
+
+    def __call__(self) -> None:
+        self.i = (self.i + 1) % len(self.dsts)
+        np.copyto(self.dsts[self.i], self.src)
+
+
+BUSY_LOOP = ("import torch; torch.set_num_threads(1); a = torch.randn(384, 384)\n"
+             "while True: a @ a")
+
+
+def start_busy(n: int) -> list[subprocess.Popen]:
+    """n processes burning a CPU each (matmul on one torch thread), for --busy."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
+    if n:
+        print(f"busy: {n} processes running a torch matmul loop (1 thread each)")
+    return procs
+
+
+def stop_busy(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
 
 
 class Case:
@@ -264,32 +302,43 @@ def data_rows(url: str, redis: RedisPeer | None, mooncake: dict | None, raw: Raw
         assert clients["shm"].uses_shm, "the bench runs on the daemon's host"
         assert clients["agent"].transport == "agent", "the daemon exports its arena (tcp)"
         for batch in (1, 16):
-            total = nbytes * batch
-            a = torch.randint(0, 256, (total,), dtype=torch.uint8)
-            b = torch.empty_like(a)
-            memcpy = rate(lambda: np.copyto(b.numpy(), a.numpy()), total, seconds)
-            view = memoryview(b.numpy())
-            raw_put = rate(lambda: raw.put(memoryview(a.numpy())), total, seconds)
-            raw_get = rate(lambda: raw.get(view), total, seconds)
-            peer = redis.rates(nbytes, batch, seconds) if redis else None
-            for path, client in clients.items():
-                case = Case(client, ns, batch)
-                name = f"{path} {{}} {label} x{batch}"
-                base = ("memcpy", memcpy, memcpy) if path == "shm" else \
-                    ("raw socket", raw_put, raw_get)
-                get, put = rate(case.get, total, seconds), rate(case.put, total, seconds)
-                case.close()
-                rows += [Row(name.format("put"), "GB/s", put, base[0], base[1]),
-                         Row(name.format("get"), "GB/s", get, base[0], base[2])]
-                if peer and path == "tcp":
-                    rows += [Row(name.format("put"), "GB/s", put, "redis", peer[0]),
-                             Row(name.format("get"), "GB/s", get, "redis", peer[1])]
-                if mooncake and path == "tcp" and (label, batch) in mooncake:
-                    mc_put, mc_get = mooncake[label, batch]
-                    rows += [Row(name.format("put"), "GB/s", put, "mooncake", mc_put),
-                             Row(name.format("get"), "GB/s", get, "mooncake", mc_get)]
+            rows += _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds)
         for c in clients.values():
             c.close()
+    return rows
+
+
+def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds) -> list[Row]:
+    total = nbytes * batch
+    a = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    memcpy = measure(lambda: np.copyto(b.numpy(), a.numpy()), total, seconds)
+    memcpy_put = measure(RotatingCopy(a.numpy()), total, seconds)
+    view = memoryview(b.numpy())
+    raw_put = measure(lambda: raw.put(memoryview(a.numpy())), total, seconds)
+    raw_get = measure(lambda: raw.get(view), total, seconds)
+    peer = redis.rates(nbytes, batch, seconds) if redis else None
+    rows = []
+    for path, client in clients.items():
+        case = Case(client, ns, batch)
+        name = f"{path} {{}} {label} x{batch}"
+        base = ("memcpy", memcpy_put, memcpy) if path == "shm" else \
+            ("raw socket", raw_put, raw_get)
+        get, put = measure(case.get, total, seconds), measure(case.put, total, seconds)
+        case.close()
+        rows += [Row(name.format("put"), "GB/s", put.gbps, base[0], base[1].gbps),
+                 Row(name.format("get"), "GB/s", get.gbps, base[0], base[2].gbps)]
+        if batch == 1:  # one op's latency: the figure a busy host hurts first
+            for op, st, bst in (("put", put, base[1]), ("get", get, base[2])):
+                rows += [Row(name.format(op) + " p50", "us", st.p50_us, base[0], bst.p50_us),
+                         Row(name.format(op) + " p99", "us", st.p99_us, base[0], bst.p99_us)]
+        if peer and path == "tcp":
+            rows += [Row(name.format("put"), "GB/s", put.gbps, "redis", peer[0]),
+                     Row(name.format("get"), "GB/s", get.gbps, "redis", peer[1])]
+        if mooncake and path == "tcp" and (label, batch) in mooncake:
+            mc_put, mc_get = mooncake[label, batch]
+            rows += [Row(name.format("put"), "GB/s", put.gbps, "mooncake", mc_put),
+                     Row(name.format("get"), "GB/s", get.gbps, "mooncake", mc_get)]
     return rows
 
 
@@ -316,11 +365,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p)
     p.add_argument("--quick", action="store_true", help="short run (< 30 s)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="measure everything (kvtier and every baseline) while N other "
+                   "processes keep the CPUs busy with a torch matmul loop, as the inference "
+                   "engines beside a store would")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     seconds = 0.08 if args.quick else 0.4
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
-    proc, url, _ = start_daemon(workdir)
+    busy = start_busy(args.busy)
+    daemon = start_daemon(workdir)
+    url = daemon.url
     raw = RawSocket()
     redis = RedisPeer.start()
     if redis is None:
@@ -333,8 +388,8 @@ def main() -> None:
         raw.close()
         if redis:
             redis.stop()
-        proc.terminate()
-        proc.wait(30)
+        daemon.close()
+        stop_busy(busy)
         shutil.rmtree(workdir, ignore_errors=True)
     report("store_service", rows, args.json)
 

@@ -87,6 +87,9 @@ class TierCase:
         """Written back and out of the page cache: the next get reads the disk."""
         drop_page_cache(self.store.tier(TierKind.SSD).slabs.path)
 
+    def close(self) -> None:
+        self.store.close(flush=False)
+
 
 def drop_page_cache(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -107,9 +110,6 @@ def cold_time(fn, drop, reps: int) -> float:
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
-    def close(self) -> None:
-        self.store.close(flush=False)
-
 
 def memcpy_gbps(nbytes: int, reps: int) -> float:
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
@@ -118,14 +118,17 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
 
 
 def file_gbps(nbytes: int, chunk: int, workdir: str, reps: int) -> tuple[float, float, float]:
-    """Plain sequential write (no fsync, like the tier's) and read of the same bytes, warm
-    and cold."""
+    """Plain sequential write (no fsync, like the tier's; overwriting the file in place) and
+    read of the same bytes, warm and cold."""
     path = os.path.join(workdir, "plain-file.bin")
     data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
     out = bytearray(nbytes)
 
+    with open(path, "wb") as f:  # created once: each timed write overwrites it in place,
+        f.write(data)              # as the tier overwrites its slots
+
     def write():
-        with open(path, "wb") as f:
+        with open(path, "r+b", buffering=0) as f:
             for off in range(0, nbytes, chunk):
                 f.write(data[off:off + chunk])
 

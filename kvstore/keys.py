@@ -12,6 +12,7 @@ Tensor-parallel sharding is not in the chain: it goes next to the hash in the ob
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ class Namespace:
     def block_bytes(self) -> int:
         return math.prod(self.block_shape) * DTYPE_BYTES[self.dtype]
 
-    @property
+    @functools.cached_property
     def root_hash(self) -> BlockHash:
         fingerprint = b"".join(
             [_RECIPE, _field(self.model), _field(self.revision), _field(self.dtype),
@@ -92,7 +93,7 @@ class Namespace:
         )
         return BlockHash(xxhash.xxh3_128_digest(fingerprint))
 
-    @property
+    @functools.cached_property
     def ns_id(self) -> int:
         """A 64-bit id of the namespace, carried in block headers and storage keys."""
         return int.from_bytes(self.root_hash[:8], "little")

@@ -39,6 +39,9 @@ TORCH_DTYPES = {
 }
 
 
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
 class BlockHeader(NamedTuple):
     ns_id: int
     dtype: str
@@ -87,11 +90,10 @@ def decode_header(buf) -> BlockHeader:
     if version != FORMAT_VERSION:
         raise BlockFormatError(f"block format version {version} is not supported "
                                f"(this build reads version {FORMAT_VERSION})")
-    names = {code: name for name, code in DTYPE_CODES.items()}
-    if dcode not in names or ndim != 5:
+    if dcode not in _DTYPE_NAMES or ndim != 5:
         raise BlockFormatError(f"bad dtype code {dcode} or ndim {ndim} in block header")
     shape, (csum, bhash, _reserved) = tuple(rest[:5]), rest[5:]
-    return BlockHeader(ns_id, names[dcode], shape, csum, bhash)
+    return BlockHeader(ns_id, _DTYPE_NAMES[dcode], shape, csum, bhash)
 
 
 def decode_block(ns: Namespace, buf, expect_hash: bytes | None = None) -> tuple[BlockHeader, memoryview]:

@@ -28,6 +28,7 @@ from kvstore.events import EventKind, KVEvent, TierKind
 from kvstore.keys import Namespace, check_hashes
 from kvstore.layout import decode_block
 from kvstore.placement import Entry, Move, Placement, State, group_by_tier, visible
+from kvstore.grants import Grants
 from kvstore.reads import NO_SLOT, Lease, Reads  # noqa: F401 - re-exported
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier
@@ -53,7 +54,7 @@ def make_tier(ns: Namespace, cfg: TierConfig) -> Tier:
     return SsdTier(ns, cfg.path, cfg.capacity_blocks, durable=cfg.durable)
 
 
-class TieredStore(Reads):
+class TieredStore(Reads, Grants):
     def __init__(self, ns: Namespace, config: StoreConfig) -> None:
         self.ns, self.config = ns, config
         self._lock = threading.Lock()
@@ -68,6 +69,7 @@ class TieredStore(Reads):
                 tier.close()
             raise
         self._reservations: dict[int, tuple[float, list[Entry]]] = {}  # id -> (deadline, entries)
+        self._granted: set[int] = set()  # DRAM slots granted to same-host writers (grants.py)
         self._leases: dict[int, tuple[float, list[Entry]]] = {}
         self._ids = itertools.count(1)
         self._num_misses = 0

@@ -65,6 +65,8 @@ class Op(enum.IntEnum):
     TOUCH = 14
     STAGE = 15
     SHARE = 16
+    PUTS = 17       # open this connection's put channel (same host): ring + doorbell fds
+    FLUSH = 18      # commit what this connection's put channel holds, now
     ERROR = 0x7FFF
 
 
@@ -225,6 +227,25 @@ class ShareOk(Message):
     num_slots: int = 0        # two descriptors ride on this frame: arena, directory
 
 
+@_msg(Op.PUTS)
+class Puts(Message):
+    """Same-host only: make this connection a put channel (kvstore.putring): the reply
+    carries the ring's shared memory and an eventfd to ring after appending commits."""
+
+
+@_msg(Op.PUTS, reply=True)
+class PutsOk(Message):
+    arena_id: bytes = b""     # the arena the granted slots are in
+    capacity: int = 0         # commit records the ring holds
+    grant_capacity: int = 0   # two descriptors ride on this frame: ring, doorbell
+
+
+@_msg(Op.FLUSH)
+class Flush(Message):
+    """Commit every record of this connection's put channel before replying (Ack.value:
+    how many were committed), so what this client put is visible to its next request."""
+
+
 @_msg(Op.PUT)
 class Put(HashesMessage):
     hashes: bytes = b""
@@ -363,9 +384,9 @@ class Ack(Message):
 
 REQUESTS = {cls.OP: cls for cls in (Hello, Put, Get, Reserve, Commit, Abort, Exists, Match,
                                     Remove, Pin, Unpin, Release, Stats, Touch,
-                                    Stage, Share)}
+                                    Stage, Share, Puts, Flush)}
 REPLIES = {cls.OP: cls for cls in (HelloOk, PutOk, GetOk, ReserveOk, MatchOk, StatsOk, Error,
-                                   StageOk, ShareOk)}
+                                   StageOk, ShareOk, PutsOk)}
 
 
 def reply_class(op: Op) -> type[Message]:

@@ -20,7 +20,9 @@ from kvstore.buffers import byte_rows, select_rows
 from kvstore.client.conn import Connection, LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
+from kvstore.client.putpath import DirectPuts
 from kvstore.client.shm import ArenaMap, map_arena
+from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats, TierCounters, TierStats
@@ -59,7 +61,8 @@ class Client:
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
                  use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
                  staged_put_bytes: int = STAGED_PUT_BYTES, use_agent: bool = False,
-                 agent_backends: Sequence[BackendKind | str] = (BackendKind.TCP,)) -> None:
+                 agent_backends: Sequence[BackendKind | str] = (BackendKind.TCP,),
+                 direct_puts: bool = True) -> None:
         """`use_agent`: off the daemon's host, move block bytes with a transfer Agent
         (one-sided READ/WRITE of the daemon's arena through `agent_backends`, e.g. nixl for
         RDMA) instead of inline in the frames. On the daemon's host shared memory wins."""
@@ -78,6 +81,8 @@ class Client:
         self._lock = threading.Lock()
         self._arena: ArenaMap | None = None
         self._local: LocalAddress | None = None  # the daemon's local socket, once found
+        self._puts: DirectPuts | None = None
+        self.direct_puts = use_shm and direct_puts and DIRECT_PUTS
         self._touched: list[bytes] = []
         self._closed = False
         self.block_bytes = namespace.block_bytes
@@ -222,11 +227,56 @@ class Client:
     # ------------------------------------------------------------ writes
 
     def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
-        """Store blocks (one buffer of len(hashes) blocks, or one buffer per block)."""
+        """Store blocks (one buffer of len(hashes) blocks, or one buffer per block). On the
+        daemon's host, with no request at all while the daemon's grants last (see
+        kvstore.client.putpath); the blocks are visible to this client's next request."""
         rows = byte_rows(srcs, len(hashes), self.block_bytes)
         if not len(hashes):
             return []
+        puts = self._direct_puts()
+        if puts is not None:
+            done = puts.put_n(hashes, rows)
+            if done is not None:
+                return done
         return self._run(self._put_n, w.pack_hashes(hashes), rows)
+
+    def _direct_puts(self) -> DirectPuts | None:
+        """This client's put channel (opened on first use), when it may put with none."""
+        arena = self._arena
+        if not self.direct_puts or arena is None or arena.directory is None:
+            return None
+        with self._lock:
+            puts = self._puts
+        if puts is not None and puts.arena is arena:
+            return puts
+        self._drop_puts()
+        try:
+            puts = DirectPuts(self._connect(self._local), arena)
+        except (ConnectError, RequestTimeout, w.RemoteError, w.ProtocolError, OSError):
+            self.direct_puts = False  # e.g. no DRAM tier there: requests it is
+            return None
+        with self._lock:
+            self._puts = puts
+        return puts
+
+    def _flush_puts(self) -> None:
+        """What this client put with no request is committed before its next request."""
+        puts = self._puts
+        if puts is None:
+            return
+        try:
+            puts.flush()
+        except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
+            self._drop_puts()  # the daemon went away; it committed what it had
+
+    def _drop_puts(self) -> None:
+        with self._lock:
+            puts, self._puts = self._puts, None
+        if puts is not None:
+            try:
+                puts.close()
+            except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
+                pass
 
     def _put_n(self, conn: Connection, packed: bytes, rows) -> list[PutStatus]:
         conn.flush_releases()
@@ -283,6 +333,7 @@ class Client:
         rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
         if not len(hashes):
             return []
+        self._flush_puts()
         arena = self._arena
         if arena is None or arena.directory is None or not arena.directory.writer_alive():
             return self._run(self._get_n, w.pack_hashes(hashes), rows)
@@ -420,6 +471,7 @@ class Client:
         rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
         if not len(hashes):
             return MatchResult(0, ())
+        self._flush_puts()
         tiers: list[TierKind | None] = []
         arena = self._arena
         if arena is not None and arena.directory is not None and arena.directory.writer_alive():
@@ -504,6 +556,8 @@ class Client:
         return self._arena is not None
 
     def _call(self, msg: w.Message):
+        self._flush_puts()
+
         def op(conn: Connection):
             conn.flush_releases()
             return conn.call(msg)[0]
@@ -516,6 +570,7 @@ class Client:
         if touched:
             self._send_touches(touched)
         self._closed = True
+        self._drop_puts()
         self._drop_idle()
         if self._arena is not None:
             self._arena.close()

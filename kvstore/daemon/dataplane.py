@@ -30,6 +30,7 @@ from kvstore import wire as w
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.namespaces import Registry
+from kvstore.daemon.putchannel import Drainer
 from kvstore.daemon.session import HANDLERS, Session
 from kvstore.errors import KVStoreError, StoreClosedError
 
@@ -67,7 +68,7 @@ class Connection:
         self.busy = False
         self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES)
         self.session = Session(sock, self.reader, server.registry, server.cfg,
-                               server.instance, server.local_name, local)
+                               server.instance, server.local_name, local, server.drainer)
 
     @property
     def authenticated(self) -> bool:
@@ -172,6 +173,7 @@ class DataPlane:
         self.cfg, self.registry, self.metrics, self.sock = cfg, registry, metrics, sock
         self.local_sock, self.local_name = local if local else (None, "")
         self.instance = secrets.token_bytes(16)  # tells clients the local socket is ours
+        self.drainer = Drainer() if self.local_sock is not None else None
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.conns: dict[Connection, threading.Thread] = {}
@@ -283,3 +285,5 @@ class DataPlane:
         if left:
             log.warning("%d connections still busy after %.1fs; closing the stores anyway",
                         left, grace_s)
+        if self.drainer is not None:
+            self.drainer.close()

@@ -118,7 +118,11 @@ class SsdTier:
             self._held[bytes(h)] = (slot, c)
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
+        """Straight into host destinations (one preadv per run of slots); device ones
+        through a host buffer."""
         self._check_open()
+        if isinstance(dsts, torch.Tensor) and dsts.device.type == "cpu":
+            return self.slabs.read_n(slots, hashes, [memoryview(r) for r in dsts.numpy()])
         on_host = [d.device.type == "cpu" for d in dsts]
         views = [memoryview(d.numpy()) if host else memoryview(np.empty(self.slot_bytes, np.uint8))
                  for d, host in zip(dsts, on_host)]
