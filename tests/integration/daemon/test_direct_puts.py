@@ -44,7 +44,8 @@ def dram_used(daemon) -> int:
     return next(t["used_blocks"] for t in ns["tiers"] if t["tier"] == "dram")
 
 
-def test_puts_send_no_request_and_every_reader_sees_the_bytes(daemon):
+def test_puts_send_no_request_and_every_reader_sees_the_bytes(make_daemon):
+    daemon = make_daemon("--dram-size", "4MiB")  # 1024 slots: a channel is granted 64
     hs = chain(1, 6)
     with Client(daemon.url, namespace=NS) as c, \
             Client(daemon.url, namespace=NS, use_shm=False) as tcp:
