@@ -42,9 +42,11 @@ class PutRing:
 
     def __init__(self, buf: np.ndarray, capacity: int | None = None,
                  grant_capacity: int | None = None) -> None:
-        self.head = buf[:8 * HEADER_WORDS].view("<u8")
+        # a memoryview: indexing one word costs ~0.1 us (a numpy scalar ~1 us)
+        self.head = memoryview(buf[:8 * HEADER_WORDS]).cast("Q")
         if capacity is not None:  # the creator lays it out
-            self.head[:] = 0
+            for k in range(HEADER_WORDS):
+                self.head[k] = 0
             self.head[CAP], self.head[GCAP] = capacity, grant_capacity
             self.head[M] = MAGIC
         if self.head[M] != MAGIC:
