@@ -11,7 +11,7 @@ directly over a socket) when `redis-server` is on PATH, and Mooncake Store (its 
 protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
 see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
 each prints why it was skipped. Single-op rows also give p50 / p99 latency (us) against the
-baseline's. Metadata: match_prefix over a 1,000-block chain and exists_n of 1,000 keys vs
+baseline's. Metadata: match_prefix over a 1,000-block chain and contains_n of 1,000 keys vs
 the same calls on an in-process TieredStore. `--busy N` runs everything, baselines
 included, while N processes burn the CPUs (the host an inference engine shares).
 
@@ -271,10 +271,10 @@ class Case:
         self.round = 0
         self.stored = self._fresh()
         client.put_n(self.stored, self.src)
-        client.pin(self.stored)  # the puts that follow must not evict the set gets re-read
+        client.pin_n(self.stored)  # the puts that follow must not evict the set gets re-read
 
     def close(self) -> None:
-        self.c.unpin(self.stored)
+        self.c.unpin_n(self.stored)
 
     def _fresh(self) -> list[bytes]:
         self.round += 1
@@ -354,7 +354,7 @@ def metadata_rows(url: str, seconds: float) -> list[Row]:
         for name, remote, inproc in (
                 ("match_prefix 1000-block chain", lambda: c.match_prefix(hs),
                  lambda: local.match_prefix(hs)),
-                ("exists_n 1000 keys", lambda: c.exists_n(hs), lambda: local.contains_n(hs))):
+                ("contains_n 1000 keys", lambda: c.contains_n(hs), lambda: local.contains_n(hs))):
             rows.append(Row(name, "ops/s", ops_rate(remote, seconds), "in-process store",
                             ops_rate(inproc, seconds)))
     local.close()

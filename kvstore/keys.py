@@ -83,20 +83,24 @@ class Namespace:
     def block_bytes(self) -> int:
         return math.prod(self.block_shape) * DTYPE_BYTES[self.dtype]
 
-    @functools.cached_property
+    @property
     def root_hash(self) -> BlockHash:
-        fingerprint = b"".join(
-            [_RECIPE, _field(self.model), _field(self.revision), _field(self.dtype),
-             _field(KV_LAYOUT), struct.pack("<4I", self.num_layers, self.num_kv_heads,
-                                            self.head_dim, self.block_tokens),
-             _field(self.tenant)]
-        )
-        return BlockHash(xxhash.xxh3_128_digest(fingerprint))
+        return _root_hash(self.model, self.revision, self.dtype, self.num_layers,
+                          self.num_kv_heads, self.head_dim, self.block_tokens, self.tenant)
 
-    @functools.cached_property
+    @property
     def ns_id(self) -> int:
         """A 64-bit id of the namespace, carried in block headers and storage keys."""
         return int.from_bytes(self.root_hash[:8], "little")
+
+
+@functools.lru_cache(maxsize=4096)  # read on every block header check: computed once
+def _root_hash(model: str, revision: str, dtype: str, num_layers: int, num_kv_heads: int,
+               head_dim: int, block_tokens: int, tenant: str) -> BlockHash:
+    fingerprint = b"".join(
+        [_RECIPE, _field(model), _field(revision), _field(dtype), _field(KV_LAYOUT),
+         struct.pack("<4I", num_layers, num_kv_heads, head_dim, block_tokens), _field(tenant)])
+    return BlockHash(xxhash.xxh3_128_digest(fingerprint))
 
 
 def _as_int32_bytes(token_ids: Sequence[int] | np.ndarray) -> memoryview:

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine_adapter.plugins.base import KVStoreLike, StoreSpec, dtype_name, open_store
+from engine_adapter.plugins.base import StoreSpec, dtype_name, open_store
+from kvstore.api import BlockStore
 from kvstore.keys import Namespace, hash_blocks
 
 
@@ -68,7 +69,7 @@ def blocks_to_cache(blocks: torch.Tensor, config) -> Any:
 class KVTierGenerate:
     """`generate` with kvtier prefix offload for one transformers model."""
 
-    def __init__(self, model, store: KVStoreLike | StoreSpec, *, model_id: str | None = None,
+    def __init__(self, model, store: BlockStore | StoreSpec, *, model_id: str | None = None,
                  block_tokens: int = 16, tenant: str = "") -> None:
         self.model = model
         self.ns = namespace_for(model, model_id, block_tokens, tenant)
@@ -127,7 +128,7 @@ class KVTierGenerate:
             self.store.close()
 
 
-def enable_kvtier(model, store: KVStoreLike | StoreSpec, **options) -> KVTierGenerate:
+def enable_kvtier(model, store: BlockStore | StoreSpec, **options) -> KVTierGenerate:
     """Patch `model.generate` in place; returns the wrapper (its `.last` has the stats)."""
     wrapper = KVTierGenerate(model, store, **options)
     model.generate = wrapper.generate

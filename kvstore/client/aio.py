@@ -84,7 +84,6 @@ class AsyncClient:
                 tiers[i] = t
         return tiers
 
-    get_n_into = get_n
 
     async def get_prefix_n(self, hashes: Sequence[bytes], dsts) -> MatchResult:
         return await self._call("get_prefix_n", hashes, dsts)
@@ -97,10 +96,8 @@ class AsyncClient:
         out = bytearray(self._client.block_bytes)
         return bytes(out) if (await self.get_n([key], [out]))[0] is not None else None
 
-    async def exists_n(self, hashes: Sequence[bytes]) -> list[bool]:
-        return await self._call("exists_n", hashes)
-
-    contains_n = exists_n
+    async def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        return await self._call("contains_n", hashes)
 
     async def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
         return await self._call("match_prefix", hashes)
@@ -111,11 +108,11 @@ class AsyncClient:
     async def remove(self, key: bytes) -> bool:
         return await self._call("remove", key)
 
-    async def pin(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
-        return await self._call("pin", hashes, ttl_s)
+    async def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
+        return await self._call("pin_n", hashes, ttl_s)
 
-    async def unpin(self, hashes: Sequence[bytes]) -> None:
-        return await self._call("unpin", hashes)
+    async def unpin_n(self, hashes: Sequence[bytes]) -> None:
+        return await self._call("unpin_n", hashes)
 
     async def stats(self) -> StoreStats:
         return await self._call("stats")

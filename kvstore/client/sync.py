@@ -50,13 +50,6 @@ def _tiers(raw: bytes) -> list[TierKind | None]:
 
 
 class Client:
-    def __new__(cls, url: str, *args, **kwargs):
-        """`etcd://...` addresses a pool of nodes: that gives a ClusterClient instead."""
-        if isinstance(url, str) and url.startswith("etcd://"):
-            from kvstore.client.cluster import ClusterClient
-            return ClusterClient(url, *args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
                  use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
@@ -431,7 +424,6 @@ class Client:
         except (ConnectError, RequestTimeout, w.RemoteError):
             pass  # only statistics and recency are lost
 
-    get_n_into = get_n
 
     def _get_n(self, conn: Connection, packed: bytes, rows,
                prefix: bool = False) -> list[TierKind | None]:
@@ -496,11 +488,10 @@ class Client:
 
     # ------------------------------------------------------------ metadata
 
-    def exists_n(self, hashes: Sequence[bytes]) -> list[bool]:
+    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
         reply = self._call(w.Exists(hashes=w.pack_hashes(hashes)))
         return [bool(b) for b in reply.flags]
 
-    contains_n = exists_n
 
     def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
         reply = self._call(w.Match(hashes=w.pack_hashes(hashes)))
@@ -527,11 +518,11 @@ class Client:
     def remove(self, key: bytes) -> bool:
         return self.remove_n([key]) == 1
 
-    def pin(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
+    def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
         reply = self._call(w.Pin(hashes=w.pack_hashes(hashes), ttl_s=ttl_s))
         return [bool(b) for b in reply.flags]
 
-    def unpin(self, hashes: Sequence[bytes]) -> None:
+    def unpin_n(self, hashes: Sequence[bytes]) -> None:
         self._call(w.Unpin(hashes=w.pack_hashes(hashes)))
 
     def stats(self) -> StoreStats:
