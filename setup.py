@@ -49,11 +49,12 @@ setup(
     version="0.1.0",
     description="Disaggregated KV-cache storage tier (GPU / DRAM / SSD) for LLM serving",
     python_requires=">=3.11",
-    packages=find_packages(include=["kvstore*", "transfer*", "engine_adapter*", "kernels*"]),
+    packages=find_packages(include=["kvtier*", "kvstore*", "transfer*", "engine_adapter*",
+                                    "kernels*", "bench*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={
-        "console_scripts": ["kvtier=kvstore.cli:main"],
+        "console_scripts": ["kvtier=kvtier.cli:main"],
         # vLLM loads general plugins at start-up; ours registers the KVTierConnector
         "vllm.general_plugins": ["kvtier = engine_adapter.plugins.vllm:register"],
     },

@@ -23,15 +23,12 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-# bench/transfer.py and bench/kernels.py would shadow the packages of the same names
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvstore import Client  # noqa: E402
-from kvstore.client.cluster import ClusterClient  # noqa: E402
-from kvstore.keys import Namespace, hash_blocks  # noqa: E402
+from kvstore import Client
+from kvstore.client.cluster import ClusterClient
+from kvstore.keys import Namespace, hash_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTL = 2
@@ -69,7 +66,7 @@ class Node:
     def start(self) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "kvstore.daemon", "--port", str(self.port),
              "--http-port", str(free_port()), "--data-dir", self.dir, "--dram-size", self.dram,
              "--ssd-size", "1GiB", "--cluster", self.url, "--node-id", self.node_id,
              "--cluster-ttl", str(TTL), "--log-level", "error"],

@@ -34,20 +34,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-# bench/transfer.py would shadow the `transfer` package the SDK imports: drop bench/ from
-# the path while importing kvstore, then put it back for `common`.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-from kvstore.client import Client  # noqa: E402
-from kvstore.daemon.process import DaemonProcess  # noqa: E402
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
-from kvstore.events import TierKind  # noqa: E402
-from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
+from kvstore.client import Client
+from kvstore.daemon.process import DaemonProcess
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.events import TierKind
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.store import TieredStore
 
-sys.path.insert(0, _HERE)
-from common import Row, add_common_args, report  # noqa: E402
-from mooncake_peer import mooncake_rates  # noqa: E402
+from kvtier.report import Row, add_common_args, report
+from bench.mooncake_peer import mooncake_rates
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}

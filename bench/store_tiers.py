@@ -23,18 +23,15 @@ import numpy as np
 import torch
 import xxhash
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-# bench/transfer.py and bench/kernels.py would shadow the packages of the same names
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
-from kvstore.events import TierKind  # noqa: E402
-from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
-from kvstore.tiers.gpu import default_device  # noqa: E402
-from kvstore.tuning import tune_malloc_for_large_blocks  # noqa: E402
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.events import TierKind
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.store import TieredStore
+from kvstore.tiers.gpu import default_device
+from kvstore.tuning import tune_malloc_for_large_blocks
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"16KiB": 16 * KiB, "256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}

@@ -21,19 +21,17 @@ import urllib.request
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(__file__))
 # the repo root first: bench/kernels.py and bench/transfer.py must not shadow the packages
-sys.path.insert(0, ROOT)
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-from engine_adapter.config import EngineConfig  # noqa: E402
-from engine_adapter.engine import LLMEngine  # noqa: E402
-from engine_adapter.loader import from_transformers, load_hf_gguf  # noqa: E402
-from engine_adapter.sampling import SamplingParams  # noqa: E402
-from kvstore.client import Client  # noqa: E402
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
-from kvstore.keys import hash_blocks  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
+from engine_adapter.config import EngineConfig
+from engine_adapter.engine import LLMEngine
+from engine_adapter.loader import from_transformers, load_hf_gguf
+from engine_adapter.sampling import SamplingParams
+from kvstore.client import Client
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.keys import hash_blocks
+from kvstore.store import TieredStore
 
 FIRST = SamplingParams(temperature=0, max_tokens=1)
 BT = 16
@@ -66,7 +64,7 @@ class Daemon:
 
     def __init__(self, workdir: str, dram: str) -> None:
         self.port, http_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port), "--http-port",
+        cmd = [sys.executable, "-m", "kvstore.daemon", "--port", str(self.port), "--http-port",
                str(http_port), "--data-dir", workdir, "--dram-size", dram, "--ssd-size", "0",
                "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, fields
-from typing import Any
 
 from engine_adapter.errors import ModelLoadError
 
@@ -71,13 +70,6 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""
         return self.sliding_window if layer in self.sliding_layers else None
-
-    @classmethod
-    def from_hf(cls, hf: Any, name: str | None = None) -> "ModelConfig":
-        """From a transformers config object or its dict (Llama, Mistral, Qwen2); a field
-        whose math is not implemented raises ModelLoadError naming it (`hf_config`)."""
-        from engine_adapter.hf_config import model_config_from_hf
-        return model_config_from_hf(hf, name)
 
 
 class OversizePolicy(enum.Enum):

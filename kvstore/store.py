@@ -12,7 +12,6 @@ evicting from the last tier drops. A hit in a lower tier is promoted when config
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import math

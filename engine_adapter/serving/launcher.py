@@ -68,7 +68,7 @@ class Store:
 
     def __init__(self, cfg: ClusterConfig, data_dir: str, log) -> None:
         self.port, self.http_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvstore.daemon", "--port", str(self.port),
                "--http-port", str(self.http_port), "--data-dir", data_dir, "--dram-size",
                cfg.dram_size, "--ssd-size", cfg.ssd_size, "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -13,24 +13,18 @@ needs `Authorization: Bearer TOKEN`; a tenant token sees only its tenant's names
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstore.daemon import cluster, views
+from kvstore.daemon.access import (CONFIG, DATA_SOCKET, DATAPLANE, METRICS, REGISTRY, grant_of,
+                                   require_admin)
 from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.dataplane import DataPlane, listen, listen_local
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.namespaces import Hosted, Registry
-from kvstore.daemon import cluster, views
-
-CONFIG = web.AppKey("config", DaemonConfig)
-DATA_SOCKET = web.AppKey("data_socket", socket.socket)
-REGISTRY = web.AppKey("registry", Registry)
-METRICS = web.AppKey("metrics", Metrics)
-DATAPLANE = web.AppKey("dataplane", DataPlane)
-
 
 async def _listen_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
@@ -58,23 +52,6 @@ async def _dataplane_ctx(app: web.Application) -> AsyncIterator[None]:
     plane.start()
     yield
     await asyncio.get_running_loop().run_in_executor(None, plane.shutdown, cfg.shutdown_grace_s)
-
-
-def grant_of(request: web.Request) -> str:
-    """The tenant the request's bearer token grants (ADMIN for all); 401 without one."""
-    cfg = request.app[CONFIG]
-    auth = request.headers.get("Authorization", "")
-    token = auth[7:] if auth.startswith("Bearer ") else ""
-    grant = cfg.tenant_of(token)
-    if grant is None:
-        raise web.HTTPUnauthorized(text="bad or missing token: send Authorization: Bearer TOKEN\n",
-                                   headers={"WWW-Authenticate": "Bearer"})
-    return grant
-
-
-def require_admin(request: web.Request) -> None:
-    if grant_of(request) != ADMIN:
-        raise web.HTTPForbidden(text="this endpoint needs an admin token (one with no tenant)\n")
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ from aiohttp import web
 from kvstore.cluster.membership import Change, ClusterMember
 from kvstore.cluster.messages import EventBatch, Locate, Located, Snapshot
 from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
+from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.namespaces import Registry
 from kvstore.index import ClusterIndex
@@ -166,7 +167,6 @@ def _agent(request: web.Request) -> ClusterAgent:
 
 
 def _leader_only(request: web.Request) -> ClusterAgent:
-    from kvstore.daemon.app import require_admin
     require_admin(request)
     agent = _agent(request)
     if not agent.member.is_leader:
@@ -199,7 +199,6 @@ async def post_locate(request: web.Request) -> web.Response:
 
 
 async def get_nodes(request: web.Request) -> web.Response:
-    from kvstore.daemon.app import grant_of
     grant_of(request)
     agent = _agent(request)
     m = agent.member

@@ -168,7 +168,7 @@ def test_auth_token_and_tenant_isolation(make_daemon, tmp_path):
 def test_non_loopback_bind_without_token_refused(tmp_path):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--host", "0.0.0.0",
+    r = subprocess.run([sys.executable, "-m", "kvstore.daemon", "--host", "0.0.0.0",
                         "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "token" in r.stderr
 

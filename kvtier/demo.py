@@ -190,8 +190,7 @@ def hit_ratio_bound(workload: list[WorkloadRequest], block_tokens: int = 16) -> 
 
 
 def _report(pool: RunResult, colo: RunResult, json_path: str | None) -> None:
-    sys.path.insert(0, ROOT)
-    from bench.common import Row, report
+    from kvtier.report import Row, report
     base = "colocated, no pool"
     rows = [Row("prefix hit ratio", "ratio", pool.hit_ratio, base, colo.hit_ratio)]
     for field, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
