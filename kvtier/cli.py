@@ -12,7 +12,6 @@ chosen command's parser is built (its module imported), so `kvtier hash` loads n
 from __future__ import annotations
 
 import argparse
-import os
 import runpy
 import sys
 from typing import Callable
@@ -105,7 +104,8 @@ def _stats_args(p: argparse.ArgumentParser) -> None:
 
 def _stats_run(args: argparse.Namespace) -> int:
     from kvstore.client.http import print_stats
-    return print_stats(args.url, args.token or os.environ.get("KVTIER_TOKEN", ""))
+    from kvstore import env
+    return print_stats(args.url, args.token or env.token())
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:

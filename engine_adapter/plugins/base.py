@@ -15,11 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from kvstore import env
 from kvstore.api import BlockStore
 from kvstore.keys import Namespace
-
-
-ENV_URL, ENV_TOKEN, ENV_PATH = "KVTIER_URL", "KVTIER_TOKEN", "KVTIER_PATH"
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class StoreSpec:
     def __post_init__(self) -> None:
         if not self.url and not self.path:
             raise ValueError("kvtier needs a store: set kvtier_url (a `kvtier serve` daemon, "
-                             f"or ${ENV_URL}) or kvtier_path (a local store directory, or ${ENV_PATH})")
+                             f"or ${env.URL}) or kvtier_path (a local store directory, or ${env.PATH})")
         if self.dram_blocks < 0 or self.ssd_blocks <= 0:
             raise ValueError("kvtier_dram_blocks must be >= 0 (0: SSD tier only) and "
                              "kvtier_ssd_blocks > 0")
@@ -45,9 +43,9 @@ class StoreSpec:
         """From an engine's string-keyed config (`kvtier_url`, `kvtier_token`, `kvtier_path`,
         `kvtier_dram_blocks`, `kvtier_ssd_blocks`), falling back to $KVTIER_URL/_TOKEN/_PATH."""
         return cls(
-            url=str(options.get("kvtier_url") or os.environ.get(ENV_URL, "")),
-            token=str(options.get("kvtier_token") or os.environ.get(ENV_TOKEN, "")),
-            path=str(options.get("kvtier_path") or os.environ.get(ENV_PATH, "")),
+            url=str(options.get("kvtier_url") or env.url()),
+            token=str(options.get("kvtier_token") or env.token()),
+            path=str(options.get("kvtier_path") or env.path()),
             dram_blocks=int(options.get("kvtier_dram_blocks", 1024)),
             ssd_blocks=int(options.get("kvtier_ssd_blocks", 65536)),
         )
