@@ -13,14 +13,14 @@ from typing import Sequence
 
 from kvstore.api import PutStatus
 from kvstore.events import EventKind, TierKind
-from kvstore.placement import Entry, State
+from kvstore.tiermap import Entry, State
 
 
 GRANTED_SHARE = 4  # at most 1/4 of the DRAM tier is granted at once, over all writers
 
 
 class Grants:
-    """Mixin of TieredStore (its lock `_lock`, placement `_p`, `_granted`)."""
+    """Mixin of TieredStore (its lock `_lock`, tier map `_p`, `_granted`)."""
 
     def grant_n(self, n: int) -> list[int]:
         """Up to n free DRAM slots reserved for a same-host writer (room made below first)."""

@@ -26,7 +26,7 @@ from kvstore.errors import ReservationError, StoreClosedError, TierIOError
 from kvstore.events import EventKind, KVEvent, TierKind
 from kvstore.keys import Namespace, check_hashes
 from kvstore.layout import decode_block
-from kvstore.placement import Entry, Move, Placement, State, group_by_tier, visible
+from kvstore.tiermap import Entry, Move, TierMap, State, group_by_tier, visible
 from kvstore.grants import Grants
 from kvstore.reads import NO_SLOT, Lease, Reads  # noqa: F401 - re-exported
 from kvstore.stats import StoreStats
@@ -61,7 +61,7 @@ class TieredStore(Reads, Grants):
         try:  # a store that fails to open holds nothing afterwards (memory, descriptors)
             for cfg in config.tiers:
                 tiers.append(make_tier(ns, cfg))
-            self._p = Placement(tiers, config.node_id, config.event_buffer, ns.block_bytes)
+            self._p = TierMap(tiers, config.node_id, config.event_buffer, ns.block_bytes)
             self._p.recover()
         except BaseException:
             for tier in tiers:
@@ -293,7 +293,7 @@ class TieredStore(Reads, Grants):
             self._p.expire_soft_pins(now)
         self._make_room(self._over_watermarks)
 
-    def _over_watermarks(self, p: Placement) -> list[Move]:
+    def _over_watermarks(self, p: TierMap) -> list[Move]:
         moves = []
         for i, (tier, cfg) in enumerate(zip(p.tiers, self.config.tiers)):
             if tier.num_slots - tier.num_free() > cfg.high_watermark * tier.num_slots:
@@ -316,7 +316,7 @@ class TieredStore(Reads, Grants):
         self._make_room(lambda p: p.plan_room(i, n))
 
     def _make_room(self, plan) -> None:
-        """Demotion in three steps, so no tier is written under the lock: `plan(placement)`
+        """Demotion in three steps, so no tier is written under the lock: `plan(tier_map)`
         picks victims and reserves their new slots (locked), the copies run unlocked, the
         moves commit (locked). Meanwhile the victims stay readable where they were."""
         with self._lock:

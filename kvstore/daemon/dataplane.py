@@ -62,7 +62,7 @@ def _timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-class Connection:
+class ServedConnection:
     def __init__(self, sock: socket.socket, server: "DataPlane", local: bool) -> None:
         self.sock, self.server = sock, server
         self.busy = False
@@ -176,7 +176,7 @@ class DataPlane:
         self.drainer = Drainer() if self.local_sock is not None else None
         self.lock = threading.Lock()
         self.stopping = threading.Event()
-        self.conns: dict[Connection, threading.Thread] = {}
+        self.conns: dict[ServedConnection, threading.Thread] = {}
         self.num_pending = 0  # connections not yet authenticated
         self._acceptors = [threading.Thread(target=self._accept, args=(s, s is self.local_sock),
                                             name="kvtier-accept", daemon=True)
@@ -221,7 +221,7 @@ class DataPlane:
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
             _timeouts(sock, self.cfg.hello_timeout_s)
-            conn = Connection(sock, self, local)
+            conn = ServedConnection(sock, self, local)
         except OSError:
             sock.close()
             return
@@ -249,11 +249,11 @@ class DataPlane:
             return "too many connections waiting to authenticate; retry"
         return None
 
-    def authenticated(self, conn: Connection) -> None:
+    def authenticated(self, conn: ServedConnection) -> None:
         with self.lock:
             self.num_pending -= 1
 
-    def forget(self, conn: Connection) -> None:
+    def forget(self, conn: ServedConnection) -> None:
         with self.lock:
             if self.conns.pop(conn, None) is not None:
                 self.metrics.connections.dec()
