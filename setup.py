@@ -8,6 +8,7 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "xxhash==4.1.0",
     "msgpack==1.2.4",
+    "msgspec==0.23.0",  # typed wire messages, validated while decoding
     "aiohttp==3.14.5",
     "uvloop==0.23.0; sys_platform != 'win32'",
     "rocksdict==0.3.29",
