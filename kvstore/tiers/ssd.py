@@ -188,6 +188,16 @@ class SsdTier:
     def _table(self):
         return [(h, slot, c) for h, (slot, c) in list(self._held.items())]
 
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """A copy of the block in `slot` (read and verified: an SSD slot has no in-memory
+        view; the store never demotes from its last tier)."""
+        self._check_open()
+        ((_, block_hash, _),) = self.slabs.headers([slot])
+        out = np.empty(self.slot_bytes, np.uint8)
+        if block_hash is None or not self.slabs.read_n([slot], [block_hash], [memoryview(out)])[0]:
+            raise TierIOError(f"SSD slot {slot} of {self.path} holds no intact block")
+        return torch.from_numpy(out)
+
     def locate(self, block_hash: bytes) -> tuple[str, int] | None:
         """Where a stored block's payload lies on disk: (slab file, byte offset), or None."""
         held = self._held.get(bytes(block_hash))
