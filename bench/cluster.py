@@ -28,6 +28,7 @@ from kvtier.report import Row, add_common_args, report
 
 from kvstore import Client
 from kvstore.client.cluster import ClusterClient
+from kvstore.daemon.process import DaemonProcess
 from kvstore.keys import Namespace, hash_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,24 +59,21 @@ def start_etcd(workdir: str) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-class Node:
+class Node(DaemonProcess):
+    """One pool node: a real `kvtier serve --cluster`."""
+
     def __init__(self, url: str, node_id: str, workdir: str, dram: str) -> None:
-        self.url, self.node_id, self.dir, self.dram = url, node_id, os.path.join(workdir, node_id), dram
+        super().__init__(os.path.join(workdir, node_id), "--cluster", url, "--node-id", node_id,
+                         "--cluster-ttl", str(TTL), dram_size=dram, ssd_size="1GiB",
+                         log_level="error", cwd=ROOT)
+        self.node_id = node_id
         self.start()
 
-    def start(self) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.daemon", "--port", str(self.port),
-             "--http-port", str(free_port()), "--data-dir", self.dir, "--dram-size", self.dram,
-             "--ssd-size", "1GiB", "--cluster", self.url, "--node-id", self.node_id,
-             "--cluster-ttl", str(TTL), "--log-level", "error"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
     def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(30)
+        if sig == signal.SIGKILL:
+            self.kill()
+        else:
+            super().stop(30)
 
 
 def wait(predicate, timeout_s: float, what: str) -> float:
