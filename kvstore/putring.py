@@ -89,16 +89,19 @@ class PutRing:
 
     # ---------------------------------------------------------------- daemon side
 
-    def pop(self) -> tuple[list[bytes], list[int]]:
-        """Every published commit record, oldest first, and consumes them."""
+    def peek(self) -> tuple[list[bytes], list[int]]:
+        """Every published commit record, oldest first, left in the ring: `consume` them
+        once committed, so that `pending` stays non-zero until the slot directory shows
+        them (the client's EXISTS answer for a block put twice rests on that)."""
         r, w = int(self.head[CR]), int(self.head[CW])
         n = max(0, min(w - r, self.capacity))
         idx = (np.arange(r, r + n) % self.capacity) if n else np.empty(0, np.int64)
         recs = self.commits[idx]
-        hashes = [bytes(v) for v in recs["hash"]]
-        slots = recs["slot"].tolist()
-        self.head[CR] = r + n
-        return hashes, slots
+        return [bytes(v) for v in recs["hash"]], recs["slot"].tolist()
+
+    def consume(self, n: int) -> None:
+        """The n oldest records are committed: their ring entries are free again."""
+        self.head[CR] = int(self.head[CR]) + n
 
     def grant_room(self) -> int:
         return self.grant_capacity - int(self.head[GW] - self.head[GR])

@@ -41,8 +41,6 @@ INLINE_PUT_BYTES = 512 << 10
 # copy), which wins once a copy costs more than a round trip.
 STAGED_PUT_BYTES = 2 << 20
 MAX_STAGE_BYTES = 64 << 20  # the daemon's limit for one connection's staging segment
-VECTOR_READS = 32  # direct reads of more blocks take the vectorised path (measured: even
-# with a per-block loop up to ~64 blocks, ahead at 128 blocks of 64 KiB)
 
 
 def _tiers(raw: bytes) -> list[TierKind | None]:
@@ -343,67 +341,9 @@ class Client:
 
     def _direct_reads(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
                       prefix: bool = False) -> tuple[list[TierKind | None], list[int]]:
-        """Copy every block the slot directory shows in a DRAM slot (with `prefix`: up to
-        the first that it does not); (tiers, indices left for the daemon). Each copy is
-        kept only if its slot's generation did not move."""
-        d, src = arena.directory, arena.array
-        dst = rows.numpy() if isinstance(rows, torch.Tensor) and rows.device.type == "cpu" \
-            else None
-        if len(hashes) > VECTOR_READS:
-            return self._direct_reads_n(arena, hashes, rows, dst, prefix)
-        tiers: list[TierKind | None] = [None] * len(hashes)
-        missed, touched = [], []
-        for i, h in enumerate(hashes):
-            if prefix and missed:
-                missed.append(i)
-                continue
-            h = bytes(h)
-            found = d.find(h)
-            if found is None:
-                missed.append(i)
-                continue
-            slot, gen = found
-            if dst is not None:
-                np.copyto(dst[i], src[slot])
-            else:
-                _copy(rows[i], arena.rows[slot])
-            if d.still_valid(slot, gen):
-                tiers[i] = TierKind.DRAM
-                touched.append(h)
-            else:
-                missed.append(i)  # the slot was reused while we copied: ask the daemon
+        """`ArenaMap.read_direct`, its hits queued for the next TOUCH."""
+        tiers, missed, touched = arena.read_direct(hashes, rows, prefix)
         if touched:
-            with self._lock:
-                self._touched += touched
-        return tiers, missed
-
-    def _direct_reads_n(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
-                        dst: np.ndarray | None, prefix: bool = False
-                        ) -> tuple[list[TierKind | None], list[int]]:
-        """`_direct_reads` for a batch: one vectorised directory lookup, one gather copy
-        into a single destination buffer, one generation check."""
-        d, src = arena.directory, arena.array
-        packed = w.pack_hashes(hashes)
-        slots, gens = d.find_n(packed)
-        if prefix:
-            slots[_first_false(slots >= 0):] = -1
-        found = np.flatnonzero(slots >= 0)
-        if dst is not None and len(found) == len(hashes):
-            # mode="clip": slots are in range already; the default "raise" buffers `out`
-            # and ran at a third of the speed
-            np.take(src, slots, axis=0, out=dst, mode="clip")
-        else:
-            for i in found.tolist():
-                _copy(rows[i], arena.rows[int(slots[i])])
-        ok = np.zeros(len(hashes), bool)
-        ok[found] = d.still_valid_n(slots[found], gens[found])
-        if prefix:
-            ok[_first_false(ok):] = False
-        tiers: list[TierKind | None] = [TierKind.DRAM if k else None for k in ok.tolist()]
-        missed = np.flatnonzero(~ok).tolist()
-        if len(missed) < len(hashes):
-            hit = np.flatnonzero(ok)
-            touched = [packed[16 * i:16 * i + 16] for i in hit.tolist()]
             with self._lock:
                 self._touched += touched
         return tiers, missed
@@ -575,12 +515,6 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _first_false(mask: np.ndarray) -> int:
-    """Index of the first False in a bool array (its length when there is none)."""
-    off = np.flatnonzero(~mask)
-    return int(off[0]) if off.size else len(mask)
 
 
 def _iter_rows(rows):

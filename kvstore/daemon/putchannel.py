@@ -52,7 +52,7 @@ class PutChannel:
         with self.lock:
             if self.closed:
                 return 0
-            hashes, slots = self.ring.pop()
+            hashes, slots = self.ring.peek()
             mine = [(h, s) for h, s in zip(hashes, slots) if s in self.granted]
             if len(mine) < len(hashes):
                 log.warning("a put channel named %d slots it was not granted (ignored)",
@@ -60,6 +60,7 @@ class PutChannel:
             if mine:
                 self.granted.difference_update(s for _, s in mine)
                 self.store.commit_granted([h for h, _ in mine], [s for _, s in mine])
+            self.ring.consume(len(hashes))
             self._top_up()
             return len(mine)
 

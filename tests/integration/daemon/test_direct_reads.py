@@ -90,8 +90,8 @@ def _churn(url: str, start: int, rounds: int, latest, stop) -> None:
 
 
 def test_readers_never_accept_bytes_of_a_reused_slot(make_daemon, monkeypatch):
-    import kvstore.client.sync
-    monkeypatch.setattr(kvstore.client.sync, "VECTOR_READS", 4)  # 8-block reads: vectorised
+    import kvstore.client.shm
+    monkeypatch.setattr(kvstore.client.shm, "VECTOR_READS", 4)  # 8-block reads: vectorised
     daemon = make_daemon("--ssd-size", "0", "--dram-size", "4MiB")
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
