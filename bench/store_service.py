@@ -12,7 +12,8 @@ protocol, master + storage process + client inside a loopback-only `unshare -n` 
 see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
 each prints why it was skipped. Single-op rows also give p50 / p99 latency (us) against the
 baseline's. Metadata: match_prefix over a 1,000-block chain and contains_n of 1,000 keys vs
-the same calls on an in-process TieredStore. `--busy N` runs everything, baselines
+the same calls on an in-process TieredStore. The asyncio client against the blocking one
+(single ops, and 16 gets in flight vs 16 threads). `--busy N` runs everything, baselines
 included, while N processes burn the CPUs (the host an inference engine shares).
 
     python bench/store_service.py [--quick] [--busy N] [--json PATH]
@@ -20,6 +21,7 @@ included, while N processes burn the CPUs (the host an inference engine shares).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import os
 import shutil
@@ -29,12 +31,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from kvstore.client import Client
+from kvstore.client import AsyncClient, Client
 from kvstore.daemon.process import DaemonProcess
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.events import TierKind
@@ -337,6 +340,60 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
     return rows
 
 
+async def ameasure(afn, nbytes: int, seconds: float) -> Stats:
+    """`measure` for a coroutine function, timed inside one running event loop."""
+    await afn()
+    times, t0 = [], time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        await afn()
+        times.append(time.perf_counter() - t)
+        if t - t0 >= seconds and len(times) >= 20:
+            break
+    p50, p99 = np.percentile(times, [50, 99]) * 1e6
+    return Stats(len(times) * nbytes / sum(times) / 1e9, float(p50), float(p99))
+
+
+def async_rows(url: str, seconds: float) -> list[Row]:
+    """AsyncClient (frames on the event loop) against the blocking Client on the same
+    path: single ops, and 16 gets in flight at once (asyncio.gather vs 16 threads)."""
+    rows = []
+    for label in ("256KiB", "1MiB"):
+        ns, nbytes = namespace_for(SIZES[label]), SIZES[label]
+        for path, opts in (("shm", {}), ("tcp", {"use_shm": False})):
+            sync = Client(url, namespace=ns, **opts)
+            case = Case(sync, ns, 1)
+            get, put = measure(case.get, nbytes, seconds), measure(case.put, nbytes, seconds)
+            par = 16
+            with ThreadPoolExecutor(par) as pool:
+                dsts = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(par)]
+                threaded = measure(lambda: list(pool.map(
+                    lambda d: sync.get_n(case.stored, [d]), dsts)), nbytes * par, seconds)
+
+            async def run():
+                async with AsyncClient(url, namespace=ns, **opts) as c:
+                    src, dst = case.src, torch.empty_like(case.dst)
+                    fresh = case._fresh
+                    aget = await ameasure(lambda: c.get_n(case.stored, dst), nbytes, seconds)
+                    aput = await ameasure(lambda: c.put_n(fresh(), src), nbytes, seconds)
+                    many = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(par)]
+                    agather = await ameasure(lambda: asyncio.gather(
+                        *(c.get_n(case.stored, [d]) for d in many)), nbytes * par, seconds)
+                    return aget, aput, agather
+
+            aget, aput, agather = asyncio.run(run())
+            case.close()
+            sync.close()
+            name = f"async {path} {{}} {label} x1"
+            rows += [Row(name.format("put"), "GB/s", aput.gbps, "blocking Client", put.gbps),
+                     Row(name.format("get"), "GB/s", aget.gbps, "blocking Client", get.gbps),
+                     Row(name.format("get") + " p50", "us", aget.p50_us, "blocking Client",
+                         get.p50_us),
+                     Row(f"async {path} get {label}, {par} in flight", "GB/s", agather.gbps,
+                         f"blocking Client, {par} threads", threaded.gbps)]
+    return rows
+
+
 def metadata_rows(url: str, seconds: float) -> list[Row]:
     ns = Namespace("bench-meta", num_layers=1, num_kv_heads=1, head_dim=64)
     hs = hash_blocks(ns, np.arange(1000 * ns.block_tokens))
@@ -378,7 +435,8 @@ def main() -> None:
     mooncake, why = mooncake_rates(SIZES, (1, 16), seconds)
     print(f"mooncake: {why}" if mooncake else f"mooncake: skipped ({why})")
     try:
-        rows = data_rows(url, redis, mooncake, raw, seconds) + metadata_rows(url, seconds)
+        rows = data_rows(url, redis, mooncake, raw, seconds) + async_rows(url, seconds) \
+            + metadata_rows(url, seconds)
     finally:
         raw.close()
         if redis:

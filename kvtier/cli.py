@@ -151,7 +151,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "(GPU / DRAM / SSD tiers, NIXL-like transfers, cache-aware scheduling).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text, configure, run in COMMANDS:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name == command:
             configure(p)
         p.set_defaults(run=run)

@@ -27,24 +27,45 @@ from transfer.shm import ShmSegment
 
 
 class DirectPuts:
-    def __init__(self, conn: Connection, arena: ArenaMap) -> None:
-        reply, (ring_fd, self.doorbell) = conn.call_fds(w.Puts(), 2)
+    """One put channel. `conn` (a blocking client's) carries FLUSH; an asyncio client
+    passes None and sends its FLUSH itself when `pending`."""
+
+    def __init__(self, reply: w.PutsOk, fds: list[int], arena: ArenaMap,
+                 conn: Connection | None = None) -> None:
+        ring_fd, self.doorbell = fds
+        if reply.arena_id != arena.arena_id:
+            w.close_fds(fds)
+            raise w.ProtocolError("the put channel's arena is not the one this client maps")
         try:
-            if reply.arena_id != arena.arena_id:
-                raise w.ProtocolError("the put channel's arena is not the one this client maps")
-            self.segment = ShmSegment.from_fd(ring_fd, writable=True)
+            self.segment = ShmSegment.from_fd(ring_fd, writable=True)  # owns ring_fd now
+        except BaseException:
+            os.close(self.doorbell)
+            raise
+        try:
             self.ring = PutRing(self.segment.array)
         except BaseException:
             os.close(self.doorbell)
+            self.segment.close()
             raise
         self.conn, self.arena = conn, arena
         self.grants: list[int] = []  # slots taken from the ring, not used yet
         self.unseen: set[bytes] = set()  # put, maybe not committed yet (EXISTS if put again)
         self.lock = threading.Lock()
 
+    @classmethod
+    def open(cls, conn: Connection, arena: ArenaMap) -> "DirectPuts":
+        """Ask for a put channel on `conn` (a fresh local-socket connection it keeps)."""
+        try:
+            reply, fds = conn.call_fds(w.Puts(), 2)
+            return cls(reply, fds, arena, conn)
+        except BaseException:
+            conn.close()
+            raise
+
     def put_n(self, hashes: Sequence[bytes], rows) -> list[PutStatus] | None:
         """Put with no request, or None (nothing written) when there are not enough granted
-        slots or ring room for this batch right now: use a request then."""
+        slots or ring room for this batch right now: use a request then. With a `conn`, one
+        FLUSH first tries to top the grants up."""
         directory = self.arena.directory
         if directory.closed or not directory.writer_alive():
             return None  # the daemon (or this namespace's store) is gone: ask it anew
@@ -58,6 +79,8 @@ class DirectPuts:
                     new.append(i)
                 seen.add(h)
             if not self._enough(len(new)):
+                if self.conn is None:
+                    return None
                 # the daemon's drainer is behind (a busy host): one FLUSH commits and
                 # tops the grants up at once, cheaper than a put request per batch
                 self.conn.call(w.Flush())
@@ -80,6 +103,10 @@ class DirectPuts:
             self.grants += self.ring.take_grants(self.ring.grant_capacity)
         return len(self.grants) >= n and self.ring.room() >= n
 
+    def pending(self) -> bool:
+        """Are puts published that the daemon has not committed yet?"""
+        return bool(self.ring.pending())
+
     def flush(self) -> None:
         """Every put so far is committed (visible to any request) when this returns."""
         with self.lock:
@@ -87,10 +114,13 @@ class DirectPuts:
                 self.conn.call(w.Flush())
 
     def close(self) -> None:
-        """Flush, then end the channel (the daemon takes back the slots still granted)."""
+        """Flush, then end the channel (the daemon takes back the slots still granted).
+        Without a `conn`, the caller flushes and closes its connection first."""
         try:
-            self.flush()
+            if self.conn is not None:
+                self.flush()
         finally:
-            self.conn.close()
+            if self.conn is not None:
+                self.conn.close()
             os.close(self.doorbell)
             self.segment.close()

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import numpy as np
-import torch
 
 from kvstore import wire as w
 from kvstore.buffers import byte_rows, select_rows
@@ -21,30 +20,17 @@ from kvstore.client.conn import Connection, LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
 from kvstore.client.putpath import DirectPuts
+from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PUT_BYTES,
+                                    TOUCH_BATCH, as_numpy, copy_row, flags_of, get_layout,
+                                    host_view, iter_rows, match_of, put_statuses, stage,
+                                    stats_of)
 from kvstore.client.shm import ArenaMap, map_arena
 from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
-from kvstore.stats import StoreStats, TierCounters, TierStats
+from kvstore.stats import StoreStats
 from kvstore.store import MatchResult, PutStatus, leading_hits
 from transfer import BackendKind, TransferError
-from transfer.copy import copy_bytes
-
-PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)
-TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
-# Off the daemon's host a put moving bytes by transfer agent costs three requests; up to
-# this many bytes one request carrying them inline is faster.
-INLINE_PUT_BYTES = 512 << 10
-# On the daemon's host a put of up to this many bytes is copied into the connection's
-# staging segment and stored with one request (the daemon copies it into its slots);
-# bigger ones reserve slots, are copied there directly and committed (two requests, one
-# copy), which wins once a copy costs more than a round trip.
-STAGED_PUT_BYTES = 2 << 20
-MAX_STAGE_BYTES = 64 << 20  # the daemon's limit for one connection's staging segment
-
-
-def _tiers(raw: bytes) -> list[TierKind | None]:
-    return [None if b == w.MISS else TierKind(b) for b in raw]
 
 
 class Client:
@@ -242,7 +228,7 @@ class Client:
             return puts
         self._drop_puts()
         try:
-            puts = DirectPuts(self._connect(self._local), arena)
+            puts = DirectPuts.open(self._connect(self._local), arena)
         except (ConnectError, RequestTimeout, w.RemoteError, w.ProtocolError, OSError):
             self.direct_puts = False  # e.g. no DRAM tier there: requests it is
             return None
@@ -274,15 +260,13 @@ class Client:
         arena, agent = self._movers(conn)
         n, stage_limit = len(packed) // 16, min(self.staged_put_bytes, MAX_STAGE_BYTES)
         if arena is not None and n * self.block_bytes <= stage_limit:
-            staging = conn.staging(stage_limit)  # sized once for any put that stages
-            staged = staging[:n * self.block_bytes].reshape(n, self.block_bytes)
-            for i, row in enumerate(_iter_rows(rows)):
-                np.copyto(staged[i], _np(row))
+            # sized once for any put that stages
+            stage(conn.staging(stage_limit), rows, n, self.block_bytes)
             reply, _ = conn.call(w.Put(hashes=packed, staged=True))
-            return [PUT_STATUSES[s] for s in reply.statuses]
+            return put_statuses(reply.statuses)
         if arena is None and (agent is None or n * self.block_bytes <= self.inline_put_bytes):
-            reply, _ = conn.call(w.Put(hashes=packed), [_np(r) for r in _iter_rows(rows)])
-            return [PUT_STATUSES[s] for s in reply.statuses]
+            reply, _ = conn.call(w.Put(hashes=packed), [as_numpy(r) for r in iter_rows(rows)])
+            return put_statuses(reply.statuses)
         res, _ = conn.call(w.Reserve(hashes=packed))
         slots = np.frombuffer(res.slots, "<i8")
         inline, moved = [], []
@@ -290,11 +274,11 @@ class Client:
             for i, (status, slot) in enumerate(zip(res.statuses, slots.tolist())):
                 if status == 0 and slot >= 0:
                     if arena is not None:
-                        _copy(arena.rows[slot], rows[i])
+                        copy_row(arena.rows[slot], rows[i])
                     else:
                         moved.append((slot, rows[i]))
                 elif status == 0:
-                    inline.append(_np(rows[i]))
+                    inline.append(as_numpy(rows[i]))
             if moved:
                 agent.write([m[0] for m in moved], [m[1] for m in moved])
         except BaseException:
@@ -305,8 +289,9 @@ class Client:
         except w.RemoteError as e:
             if e.code is not w.ErrorCode.NO_SPACE:
                 raise
-            return [PutStatus.NO_SPACE if s == 0 else PUT_STATUSES[s] for s in res.statuses]
-        return [PUT_STATUSES[s] for s in res.statuses]
+            return [PutStatus.NO_SPACE if s == 0 else st
+                    for s, st in zip(res.statuses, put_statuses(res.statuses))]
+        return put_statuses(res.statuses)
 
     def put(self, key: bytes, value) -> PutStatus:
         return self.put_n([key], [value])[0]
@@ -373,23 +358,17 @@ class Client:
         release, conn.pending_release = tuple(conn.pending_release), []
         reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release, prefix=prefix,
                                                shm=arena is not None or agent is not None))
-        tiers = _tiers(reply.tiers)
-        hits = [i for i, t in enumerate(tiers) if t is not None]
-        slots = np.frombuffer(reply.slots, "<i8") if reply.slots else None
-        if slots is not None and len(slots) != len(tiers):
-            raise w.ProtocolError(f"GET reply names {len(slots)} slots for {len(tiers)} blocks")
-        leased = [] if slots is None else [i for i in hits if slots[i] != w.NO_SLOT]
-        inline = [i for i in hits if slots is None or slots[i] == w.NO_SLOT]
-        if payload_bytes != len(inline) * self.block_bytes:
-            raise w.ProtocolError(f"GET reply carries {payload_bytes} bytes for "
-                                  f"{len(inline)} inline hits")
+        tiers, inline, leased, slots = get_layout(reply, payload_bytes, self.block_bytes)
         for i in inline:
-            _recv_row(conn, rows[i])
+            view, staging = host_view(rows[i])
+            conn.recv_into(view)
+            if staging is not None:
+                copy_row(rows[i], staging)
         if reply.lease_id:
             try:
                 if arena is not None:
                     for i in leased:
-                        _copy(rows[i], arena.rows[int(slots[i])])
+                        copy_row(rows[i], arena.rows[int(slots[i])])
                 else:
                     agent.read([int(slots[i]) for i in leased], [rows[i] for i in leased])
             finally:
@@ -429,13 +408,11 @@ class Client:
     # ------------------------------------------------------------ metadata
 
     def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
-        reply = self._call(w.Exists(hashes=w.pack_hashes(hashes)))
-        return [bool(b) for b in reply.flags]
+        return flags_of(self._call(w.Exists(hashes=w.pack_hashes(hashes))))
 
 
     def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
-        reply = self._call(w.Match(hashes=w.pack_hashes(hashes)))
-        return MatchResult(reply.num_blocks, tuple(_tiers(reply.tiers)))
+        return match_of(self._call(w.Match(hashes=w.pack_hashes(hashes))))
 
     def remove_n(self, hashes: Sequence[bytes]) -> int:
         """Drop blocks from every tier, pinned ones included; how many went. Blocks a reader
@@ -459,8 +436,7 @@ class Client:
         return self.remove_n([key]) == 1
 
     def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
-        reply = self._call(w.Pin(hashes=w.pack_hashes(hashes), ttl_s=ttl_s))
-        return [bool(b) for b in reply.flags]
+        return flags_of(self._call(w.Pin(hashes=w.pack_hashes(hashes), ttl_s=ttl_s)))
 
     def unpin_n(self, hashes: Sequence[bytes]) -> None:
         self._call(w.Unpin(hashes=w.pack_hashes(hashes)))
@@ -469,11 +445,7 @@ class Client:
         touched = self._due_touches(everything=True)
         if touched:  # so the hit counts include this client's direct reads
             self._send_touches(touched)
-        r = self._call(w.Stats())
-        tiers = tuple(TierStats(TierKind(row[0]), row[1], row[2], row[3], TierCounters(*row[4:]))
-                      for row in r.tiers)
-        return StoreStats(self.ns.model, self.block_bytes, tiers, r.misses,
-                          r.open_reservations, r.open_leases)
+        return stats_of(self._call(w.Stats()), self.ns)
 
     @property
     def transport(self) -> str:
@@ -516,22 +488,3 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _iter_rows(rows):
-    return rows if isinstance(rows, list) else list(rows)
-
-
-def _np(row: torch.Tensor) -> np.ndarray:
-    return row.numpy() if row.device.type == "cpu" else row.cpu().numpy()
-
-
-_copy = copy_bytes  # one block between the arena and a caller buffer
-
-
-def _recv_row(conn: Connection, row: torch.Tensor) -> None:
-    if row.device.type == "cpu":
-        conn.recv_into(memoryview(row.numpy()))
-        return
-    staging = torch.empty(row.numel(), dtype=torch.uint8)
-    conn.recv_into(memoryview(staging.numpy()))
-    copy_bytes(row, staging)

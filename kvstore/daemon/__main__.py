@@ -10,7 +10,8 @@ from kvstore.errors import KVStoreError
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvstore.daemon",
-                                description="run a kvtier store daemon node")
+                                description="run a kvtier store daemon node",
+                                allow_abbrev=False)  # `--token` is not `--token-file`
     configure(p)
     args = p.parse_args(argv)
     try:
