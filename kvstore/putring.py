@@ -23,7 +23,7 @@ import struct
 
 import numpy as np
 
-from kvstore.tiers.slotdir import DIRECT_READS
+from kvstore.slotdir import DIRECT_READS
 
 MAGIC = 0x4B56545055545247  # "KVTPUTRG"
 HEADER_WORDS = 8

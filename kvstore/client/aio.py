@@ -32,7 +32,7 @@ from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.putring import DIRECT_PUTS
 from kvstore.stats import StoreStats
-from kvstore.store import MatchResult, PutStatus, leading_hits
+from kvstore.api import MatchResult, PutStatus, leading_hits
 
 # failures after which a call is retried once on a fresh connection (daemon restarted)
 _RETRY = (ConnectionError, OSError, w.ProtocolError)

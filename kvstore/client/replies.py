@@ -12,7 +12,7 @@ from kvstore import wire as w
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats, TierCounters, TierStats
-from kvstore.store import MatchResult, PutStatus
+from kvstore.api import MatchResult, PutStatus
 from transfer.copy import copy_bytes
 
 PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)

@@ -8,7 +8,7 @@ filesystem, so no other process can map them; any uid can use the path. The aren
 page holds its random id, which must match the one HELLO announced (the descriptors come
 from the daemon we authenticated with). Where the directory is mapped (and the CPU orders
 memory as x86-64 does), reads of DRAM blocks need no request at all: see
-`kvstore.tiers.slotdir`.
+`kvstore.slotdir`.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 from kvstore import wire as w
 from kvstore.errors import ConfigError
 from kvstore.events import TierKind
-from kvstore.tiers.dram import META_BYTES, arena_meta
-from kvstore.tiers.slotdir import DIRECT_READS, SlotDirectoryReader
+from kvstore.arena_layout import META_BYTES, arena_meta
+from kvstore.slotdir import DIRECT_READS, SlotDirectoryReader
 from transfer.copy import copy_bytes
 from transfer.shm import ShmSegment
 

@@ -29,7 +29,7 @@ from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats
-from kvstore.store import MatchResult, PutStatus, leading_hits
+from kvstore.api import MatchResult, PutStatus, leading_hits
 from transfer import BackendKind, TransferError
 
 

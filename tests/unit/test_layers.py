@@ -96,3 +96,21 @@ def test_no_import_circles():
 def test_the_checker_sees_a_violation():
     assert RANK[layer("engine_adapter.engine")] > RANK[layer("kvstore.store")]
     assert layer("kvstore.client.sync") == "services" and layer("kvstore.keys") == "kvstore"
+
+
+SERVER_SIDE = ("kvstore.daemon", "kvstore.store", "kvstore.tiers", "kvstore.tiermap",
+               "kvstore.grants", "kvstore.reads")
+
+
+def test_the_sdk_imports_none_of_the_server():
+    """A client reaches the daemon's shared memory through the layouts both sides share
+    (kvstore.arena_layout, kvstore.slotdir, kvstore.putring), never through its tiers."""
+    g = graph()
+    seen, todo = set(), ["kvstore.client"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += g.get(m, ())
+    wrong = sorted(m for m in seen if m.startswith(SERVER_SIDE))
+    assert not wrong, "the SDK pulls in server modules: " + ", ".join(wrong)
