@@ -56,12 +56,6 @@ def namespace_for(block_bytes: int) -> Namespace:
     return Namespace("bench", num_layers=block_bytes // (32 * KiB), num_kv_heads=8, head_dim=64)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Stats(NamedTuple):
     gbps: float
     p50_us: float
@@ -99,9 +93,9 @@ def ops_rate(fn, seconds: float) -> float:
 # ------------------------------------------------------------------ raw socket baseline
 
 
-def _sink(port: int, ready) -> None:
-    srv = socket.create_server(("127.0.0.1", port))
-    ready.set()
+def _sink(ports) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))  # the kernel picks the port
+    ports.put(srv.getsockname()[1])
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(64 * MiB)
@@ -125,10 +119,10 @@ class RawSocket:
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
-        port, ready = free_port(), ctx.Event()
-        self.proc = ctx.Process(target=_sink, args=(port, ready), daemon=True)
+        ports = ctx.Queue()
+        self.proc = ctx.Process(target=_sink, args=(ports,), daemon=True)
         self.proc.start()
-        ready.wait(30)
+        port = ports.get(timeout=60)
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -166,19 +160,29 @@ class RedisPeer:
 
     @classmethod
     def start(cls) -> "RedisPeer | None":
+        """redis takes no port 0: a free one is picked, and a start that lost the race for
+        it (redis exits) is tried again on another."""
         exe = shutil.which("redis-server")
         if exe is None:
             return None
-        port = free_port()
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--protected-mode", "yes"],
-                                stdout=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                return cls(proc, port)
-            except OSError:
-                time.sleep(0.05)
-        proc.kill()
+        for _ in range(5):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save",
+                                     "", "--appendonly", "no", "--protected-mode", "yes"],
+                                    stdout=subprocess.DEVNULL)
+            while proc.poll() is None:
+                try:
+                    peer = cls(proc, port)
+                except OSError:
+                    time.sleep(0.05)
+                    continue
+                peer.sock.sendall(b"PING\r\n")
+                if peer.rfile.readline() == b"+PONG\r\n":
+                    return peer
+                peer.stop()  # something else answered on that port
+                break
         return None
 
     def set_n(self, keys: list[bytes], value: memoryview) -> None:

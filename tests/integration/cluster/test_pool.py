@@ -23,7 +23,7 @@ _pools = itertools.count()
 
 class Pool:
     def __init__(self, etcd, tmp_path, n: int, *extra: str) -> None:
-        self.url = f"{etcd.url}-pool{next(_pools)}"
+        self.url = etcd.url(f"kvtier-test-pool{next(_pools)}")
         self.extra = extra
         self.tmp_path = tmp_path
         self.nodes = {f"n{i}": self._daemon(f"n{i}") for i in range(n)}
