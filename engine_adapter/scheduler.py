@@ -31,6 +31,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool, connector: StoreConnector | None) -> None:
         self.config, self.pool, self.connector = config, pool, connector
         self.bt = config.block_tokens
+        # tokens one request computes per step at most: a long prefill leaves the rest of
+        # the step's budget to decodes and short prefills instead of stalling them
+        self.chunk = config.max_prefill_chunk_tokens or config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -47,13 +50,13 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted by an earlier request of this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.chunk)
             if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
                 continue
             out.append(ScheduledRequest(req, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            n = self._admit(self.waiting[0], budget)
+            n = self._admit(self.waiting[0], min(budget, self.chunk))
             if n is None:
                 break
             req = self.waiting.popleft()
