@@ -5,9 +5,10 @@ For each prefill instance i the estimated TTFT is the smaller of
   local:  queue_i + prefill(uncached suffix | local prefix l_i)
   fetch:  max(queue_i, fetch time of blocks l_i..g from node j) + prefill(suffix | g)
 where node j (any node in the index, a prefill instance or a pool, or only the view's
-`sources` when it names them) holds the longest prefix g, and fetching is only considered when g >= balancing_threshold * l_i. The fetched blocks
-stay on i: a hot prefix gets replicated where the load lets it run soonest. The fetch runs
-while the request waits in the queue, hence the max. The decode instance is the one with
+`sources` when it names them) holds the longest prefix g, and fetching is only considered
+when g >= balancing_threshold * l_i. The fetched blocks stay on i: a hot prefix gets
+replicated where the load lets it run soonest. The fetch runs while the request waits in
+the queue, hence the max. The decode instance is the one with
 the fastest step that has KV room; with `early_reject` a request whose best estimate misses
 the TTFT or TBT SLO is refused before any work is done.
 """
