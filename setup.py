@@ -48,6 +48,8 @@ setup(
     description="Disaggregated KV-cache storage tier (GPU / DRAM / SSD) for LLM serving",
     python_requires=">=3.11",
     packages=find_packages(include=["kvstore*", "transfer*", "engine_adapter*", "kernels*"]),
+    # the demo workloads (engine_adapter.serving.workload), derived from Mooncake's trace
+    package_data={"engine_adapter.serving": ["data/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={
