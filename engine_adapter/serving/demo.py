@@ -89,31 +89,43 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=None, help="replay only the first N")
     p.add_argument("--sessions", type=int, default=6,
                    help="users holding conversations at once (default 6)")
-    p.add_argument("--stagger", type=float, default=3.0,
-                   help="seconds between two users joining (default 3)")
+    p.add_argument("--stagger", type=float, default=None, metavar="SECONDS",
+                   help="users join this far apart (default: each once the previous "
+                   "newcomer got its first token)")
     p.add_argument("--think", type=float, default=2.0,
                    help="seconds a user thinks before the next turn (default 2)")
     p.add_argument("--workers", type=int, default=2, help="worker processes in every "
                    "configuration (default 2; (c) splits them into prefill and decode)")
-    p.add_argument("--num-blocks", type=int, default=192,
-                   help="each worker's paged KV cache in 16-token blocks (default 192 = 3k "
-                   "tokens: one conversation's context and a little more, while the users "
-                   "hold ~6 conversations; GPU memory is as short of a real working set)")
+    p.add_argument("--num-blocks", type=int, default=128,
+                   help="each worker's paged KV cache in 16-token blocks (default 128 = 2k "
+                   "tokens: the longest context, while the users hold 6 conversations; GPU "
+                   "memory is as short of a real working set)")
     p.add_argument("--max-num-seqs", type=int, default=1,
                    help="requests each worker runs at once (default 1: its KV memory holds one)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--dram-size", default="1GiB", help="the pool's DRAM (default 1GiB)")
     p.add_argument("--ttft-slo", type=float, default=5.0,
                    help="TTFT SLO in seconds for goodput (default 5)")
-    p.add_argument("--configs", default="abc", help="which of a, b, c to run (default abc)")
+    p.add_argument("--configs", default="abc", help="which of a, b, c to run, in order (default "
+                   "abc); the first is the baseline of the ratios")
     p.add_argument("--chart", default="kvtier-demo-ttft.png", help="PNG chart path")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
 
 
-def run(a: argparse.Namespace) -> int:
+def _check(a: argparse.Namespace) -> str | None:
     if a.workload not in WORKLOADS and not a.workload.endswith(".jsonl"):
-        print(f"kvtier demo: --workload {a.workload!r}: use long, short or a .jsonl file",
-              file=sys.stderr)
+        return f"--workload {a.workload!r}: use long, short or a .jsonl file"
+    if not a.configs or set(a.configs) - set("abc"):
+        return f"--configs {a.configs!r}: letters among a, b, c (e.g. abc or ab)"
+    if a.workers < ("c" in a.configs) + 1:
+        return "--workers: (c) needs at least 2 (one prefill, one decode)"
+    return None
+
+
+def run(a: argparse.Namespace) -> int:
+    problem = _check(a)
+    if problem:
+        print(f"kvtier demo: {problem}", file=sys.stderr)
         return 2
     workload = load(a.workload, limit=a.requests)
     bound = hit_ratio_bound(workload)
@@ -123,8 +135,8 @@ def run(a: argparse.Namespace) -> int:
     print(f"kvtier demo: {len(workload)} requests in {len({r.conversation for r in workload})} "
           f"conversations, prompts {min(lens)}-{max(lens)} tokens "
           f"(mean {sum(lens) / len(lens):.0f}),"
-          f" {a.sessions} users joining {a.stagger:g} s apart and thinking {a.think:g} s between "
-          f"turns, {a.num_blocks} KV blocks per worker; "
+          f" {a.sessions} users thinking {a.think:g} s between turns, {a.num_blocks} KV blocks "
+          "per worker; "
           f"{cpu_plan(chosen[0].cfg).describe(chosen[0].cfg)}", flush=True)
     results = []
     for i, s in enumerate(chosen):

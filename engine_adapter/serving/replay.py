@@ -3,7 +3,9 @@
 `sessions` users talk at once. Each takes the next conversation and sends its turns one
 after another, each turn once the previous answer has fully arrived and the user has
 thought for `think_s` (meanwhile the others' turns run, as on a busy server). Users join
-`stagger_s` apart. Every request streams, with `ignore_eos` (the workload fixes
+one by one, each once the previous newcomer got its first token (or `stagger_s` apart):
+the load ramps up as fast as the cluster takes it, whatever else the machine is doing, and
+two first turns never race for a shared prefix neither has computed. Every request streams, with `ignore_eos` (the workload fixes
 how many tokens each answer has). Figures are the client's: TTFT = first streamed token,
 TPOT = the rest over their count, cached tokens from `usage`.
 """
@@ -60,7 +62,18 @@ class RunResult:
         return sum(not s.ok for s in self.samples)
 
 
-async def one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest) -> Sample:
+async def one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
+              first_token: asyncio.Event | None = None) -> Sample:
+    """One streamed request; sets `first_token` once its first token came (or it ended)."""
+    try:
+        return await _one(session, url, req, first_token or asyncio.Event())
+    finally:
+        if first_token is not None:
+            first_token.set()
+
+
+async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
+               first_token: asyncio.Event) -> Sample:
     body = {"prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start, first, last, usage = time.perf_counter(), None, None, None
@@ -78,6 +91,7 @@ async def one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest) ->
                 elif msg["choices"]:
                     last = time.perf_counter()
                     first = first if first is not None else last
+                    first_token.set()
     except aiohttp.ClientError as e:
         print(f"request {req.index} failed: {e}", file=sys.stderr)
         return FAILED
@@ -98,22 +112,27 @@ def conversations(workload: list[WorkloadRequest]) -> list[list[WorkloadRequest]
 
 
 async def replay(url: str, workload: list[WorkloadRequest], sessions: int, name: str,
-                 think_s: float = 0.0, stagger_s: float = 0.0) -> RunResult:
+                 think_s: float = 0.0, stagger_s: float | None = None) -> RunResult:
+    """`stagger_s`: users join this far apart; None: each after the previous newcomer's
+    first token."""
     from tqdm import tqdm
 
     samples: list[Sample] = [FAILED] * len(workload)
     position = {r.index: i for i, r in enumerate(workload)}
     todo = conversations(workload)
+    joined = [asyncio.Event() for _ in range(sessions + 1)]
+    joined[0].set()
     bar = tqdm(total=len(workload), desc=f"{name:>22}", unit="req", file=sys.stdout)
 
     async def user(k: int, http: aiohttp.ClientSession) -> None:
-        await asyncio.sleep(k * stagger_s)
+        await (joined[k].wait() if stagger_s is None else asyncio.sleep(k * stagger_s))
         while todo:
             for t, turn in enumerate(todo.pop(0)):
                 if t:
                     await asyncio.sleep(think_s)
-                samples[position[turn.index]] = await one(http, url, turn)
+                samples[position[turn.index]] = await one(http, url, turn, joined[k + 1])
                 bar.update(1)
+        joined[k + 1].set()  # no conversation left for this user: the next one need not wait
 
     start = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
