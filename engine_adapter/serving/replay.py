@@ -5,14 +5,16 @@ after another, each turn once the previous answer has fully arrived and the user
 thought for `think_s` (meanwhile the others' turns run, as on a busy server). Users join
 one by one, each once the previous newcomer got its first token (or `stagger_s` apart):
 the load ramps up as fast as the cluster takes it, whatever else the machine is doing, and
-two first turns never race for a shared prefix neither has computed. Every request streams, with `ignore_eos` (the workload fixes
-how many tokens each answer has). Figures are the client's: TTFT = first streamed token,
-TPOT = the rest over their count, cached tokens from `usage`.
+two first turns never race for a shared prefix neither has computed. Every request streams,
+with `ignore_eos` (the workload fixes how many tokens each answer has). Figures are the
+client's: TTFT = first streamed token, TPOT = the rest over their count, cached tokens
+from `usage`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ class RunResult:
     name: str
     samples: tuple[Sample, ...]     # in workload order
     wall_s: float
+    load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-min load average, start and end
 
     def pct(self, field: str, q: float) -> float:
         xs = sorted(x for x in (getattr(s, field) for s in self.samples if s.ok) if x is not None)
@@ -134,8 +137,9 @@ async def replay(url: str, workload: list[WorkloadRequest], sessions: int, name:
                 bar.update(1)
         joined[k + 1].set()  # no conversation left for this user: the next one need not wait
 
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()[0]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
         await asyncio.gather(*(user(k, http) for k in range(sessions)))
     bar.close()
-    return RunResult(name, tuple(samples), time.perf_counter() - start)
+    return RunResult(name, tuple(samples), time.perf_counter() - start,
+                     (load, os.getloadavg()[0]))

@@ -66,10 +66,13 @@ def report(results: list[RunResult], bound: float, ttft_slo_s: float,
         print(f"{f.label + ' (' + f.metric + ')':30}" + "".join(cells))
     print(f"(x = ratio to {results[0].name}, > 1 is better; the hit ratio an infinite cache "
           f"would reach on this workload: {bound:.3f})")
+    print("machine load (1-min average, start-end of each run): " + ", ".join(
+        f"{r.name[:3]} {r.load[0]:.1f}-{r.load[1]:.1f}" for r in results))
     if len(results) > 1:
         print(verdict(results, bound))
     if json_path:
-        doc = {"bench": "demo", "machine": machine(), "results": rows(results, bound, ttft_slo_s)}
+        doc = {"bench": "demo", "machine": {**machine(), "load_per_run": {
+            r.name: list(r.load) for r in results}}, "results": rows(results, bound, ttft_slo_s)}
         with open(json_path, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"figures written to {json_path}")
