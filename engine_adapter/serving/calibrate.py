@@ -2,10 +2,10 @@
 cost model (`kvstore.scheduler.cost_model.fit_*`): the conductor's TTFT estimates then use
 what this machine does now, not figures from another one.
 
-Runs on the engine before it serves (~700 computed tokens, 2-4 s on one core): a warm-up,
-prefills of 32-384 tokens from scratch, short prefills after cached prefixes of 0.5-2k
-tokens (the attention term), the decode steps of all of them (batch 1 and 2, 0.1-2k KV
-tokens), and reads of 2 to 24 blocks from the pool. A long cached prefix costs nothing to
+Runs on the engine before it serves (~500 computed tokens, 2-3 s on one quiet core): a
+warm-up, prefills of 32-256 tokens from scratch, short prefills after cached prefixes of
+0.5-2k tokens (the attention term), the decode steps of all of them (batch 1 and 2, 0.1-2k
+KV tokens), and reads of 2 to 16 blocks from the pool. A long cached prefix costs nothing to
 set up: its blocks are registered in the prefix cache with whatever bytes they hold, since
 a step takes as long over any K/V. The prompts are random tokens of their own, so they
 share no block with real traffic (the made-up prefixes never reach the pool).
@@ -39,9 +39,9 @@ def calibrate(engine, worker_name: str) -> Calibration:
     ids = lambda n: rng.integers(*TOKEN_RANGE, n).tolist()  # noqa: E731
     _time_requests(engine, [ids(16)])  # warm-up: first-call allocations, not a sample
     nb, bt = engine.config.num_blocks, engine.config.block_tokens
-    long = ids(min(384, nb * bt // 2))
+    long = ids(min(256, nb * bt // 2))
     room = nb - 16   # blocks a made-up prefix may take, leaving room for the new tokens
-    runs = [lambda: [long], lambda: [ids(128)], lambda: [ids(32)]]
+    runs = [lambda: [long], lambda: [ids(96)], lambda: [ids(32)]]
     if room >= 8:
         runs += [lambda: [_cached_prefix(engine, ids, min(64, room)) + ids(64)],
                  lambda: [_cached_prefix(engine, ids, min(128, room)) + ids(32)],
