@@ -52,6 +52,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["kvtier*", "kvstore*", "transfer*", "engine_adapter*",
                                     "kernels*", "bench*"]),
+    # the demo workloads, derived from Mooncake's trace
+    package_data={"kvtier": ["data/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={

@@ -87,6 +87,8 @@ class EngineConfig:
     block_tokens: int = 16                 # tokens per block; the store uses the same size
     max_num_seqs: int = 16                 # requests running at once
     max_num_batched_tokens: int = 2048     # tokens per step (prefill chunks + decodes)
+    max_prefill_chunk_tokens: int | None = None  # per request per step; None = the whole
+    # step budget (a long prefill then holds back decodes and short prefills until it ends)
     max_model_len: int | None = None       # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     dtype: str = "float32"                 # model and KV cache dtype
@@ -104,6 +106,9 @@ class EngineConfig:
             if f.name in ("num_blocks", "block_tokens", "max_num_seqs", "max_num_batched_tokens",
                           "save_queue_batches") and v <= 0:
                 raise ValueError(f"EngineConfig.{f.name} must be > 0, got {v}")
+        if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens <= 0:
+            raise ValueError("EngineConfig.max_prefill_chunk_tokens must be > 0 or None, "
+                             f"got {self.max_prefill_chunk_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")
         if self.max_admission_skips < 0:

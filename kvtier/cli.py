@@ -7,7 +7,7 @@ chosen command's parser is built (its module imported), so `kvtier hash` loads n
     kvtier serve [--dram-size 4GiB ...]      run a store daemon (see `kvtier serve --help`)
     kvtier stats [--url http://HOST:7480]    a running daemon's figures
     kvtier cluster [--prefill N --decode M | --colocated K]   store + workers + OpenAI API
-    kvtier demo                              pooled cluster vs colocated baseline on a workload
+    kvtier demo                              no pool vs pool vs prefill/decode + pool, one run
 """
 from __future__ import annotations
 
@@ -139,8 +139,9 @@ COMMANDS: list[Command] = [
      _stats_run),
     ("cluster", "run a store node, prefill/decode workers and an OpenAI-compatible API on "
      "this host", _cluster_args, _cluster_run),
-    ("demo", "replay a prefix-sharing workload on the pooled cluster and on the colocated "
-     "baseline; print the figures and write a TTFT chart", _demo_args, _demo_run),
+    ("demo", "replay long multi-turn conversations on the same workers without a pool, "
+     "sharing a pool, and split into prefill/decode over the pool; print each figure with "
+     "its ratio to the no-pool baseline and write a TTFT chart", _demo_args, _demo_run),
 ]
 
 

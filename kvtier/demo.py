@@ -1,117 +1,80 @@
-"""`kvtier demo`: the same workload on the pooled cluster and on the colocated baseline.
+"""`kvtier demo`: one workload on three clusters of the same workers, to show what the pool
+is for.
 
-Run 1 ("pool"): a `kvtier serve` store node, 1 prefill + 1 decode worker, conductor routing.
-Run 2 ("colocated"): 2 workers doing prefill and decode, no shared pool, the same routing
-over their own caches. Both use the same model, the same per-worker paged cache (small on
-purpose: a GPU's KV memory is the scarce thing the pool backs with DRAM) and the same
-requests, sent by a closed loop of `--concurrency` clients in trace order, streamed.
-Figures come from the client side (TTFT = first streamed token, TPOT = the rest / their
-count) and from `usage.prompt_tokens_details.cached_tokens` (the prefix hit ratio).
+(a) colocated workers, no pool (the baseline): each worker reuses only its own paged cache;
+(b) the same colocated workers sharing the pool (a `kvtier serve` store node): every
+    prefix any worker computed is a hit for all of them, long after it left their caches;
+(c) prefill/decode workers over the pool (Mooncake's split): prefill workers compute
+    only the uncached suffix and stream the blocks to the pool; decode workers load them
+    and stream the answer, away from prefill chunks.
+Same model, same number of worker processes, same per-worker paged cache (small on
+purpose, as GPU memory is next to a real working set), same requests, replayed by
+`--sessions` users holding multi-turn conversations (`serving.replay`). The table gives
+each figure of (b) and (c) with its ratio to (a) (> 1 = better than the baseline).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
-import aiohttp
 from aiohttp import web
 
-from engine_adapter.serving.launcher import ROOT, ClusterConfig, cluster_processes, free_port
-from engine_adapter.serving.workload import WorkloadRequest, load
+from engine_adapter.serving.launcher import ClusterConfig, cluster_processes, cpu_plan, free_port
+from engine_adapter.serving.replay import RunResult, replay
+from engine_adapter.serving.report import chart, report
+from engine_adapter.serving.workload import WORKLOADS, hit_ratio_bound, load
 
-DEFAULT_WORKLOAD = os.path.join(ROOT, "tests", "data", "demo_workload.jsonl")
 SAMPLE_CHAT = [{"role": "system", "content": "You are a concise assistant."},
                {"role": "user", "content": "In one sentence, why reuse a KV cache?"}]
 
 
-class Sample(NamedTuple):
-    ttft_s: float
-    tpot_s: float | None
-    prompt_tokens: int
-    cached_tokens: int
-    ok: bool
-
-
-@dataclass(frozen=True)
-class RunResult:
+class Setup(NamedTuple):
+    key: str          # a, b, c
     name: str
-    samples: tuple[Sample, ...]
-    wall_s: float
-    completion: str
-
-    def pct(self, field: str, q: float) -> float:
-        xs = sorted(x for x in (getattr(s, field) for s in self.samples if s.ok) if x is not None)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-    @property
-    def hit_ratio(self) -> float:
-        ok = [s for s in self.samples if s.ok]
-        return sum(s.cached_tokens for s in ok) / max(1, sum(s.prompt_tokens for s in ok))
-
-    @property
-    def rps(self) -> float:
-        return sum(s.ok for s in self.samples) / self.wall_s
+    cfg: ClusterConfig
 
 
-async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest) -> Sample:
-    body = {"prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start, first, last, usage = time.perf_counter(), None, None, None
-    try:
-        async with session.post(url + "/v1/completions", json=body) as r:
-            async for line in r.content:
-                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                    continue
-                msg = json.loads(line[6:])
-                if "error" in msg:
-                    print(f"request {req.index} failed: {msg['error']['message']}", file=sys.stderr)
-                    return Sample(0.0, None, 0, 0, False)
-                if msg.get("usage"):
-                    usage = msg["usage"]
-                elif msg["choices"]:
-                    last = time.perf_counter()
-                    first = first if first is not None else last
-    except aiohttp.ClientError as e:
-        print(f"request {req.index} failed: {e}", file=sys.stderr)
-        return Sample(0.0, None, 0, 0, False)
-    if first is None or usage is None:
-        return Sample(0.0, None, 0, 0, False)
-    tokens = usage["completion_tokens"]
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Sample(first - start, tpot, usage["prompt_tokens"],
-                  usage["prompt_tokens_details"]["cached_tokens"], True)
+def setups(a: argparse.Namespace) -> list[Setup]:
+    base = ClusterConfig(num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+                         chunk_tokens=a.chunk_tokens, dram_size=a.dram_size, quiet_workers=True,
+                         port=0)
+    n, prefill = a.workers, max(1, a.workers // 2)
+    every = [Setup("a", f"(a) {n} colocated, no pool", replace(base, colocated=n, pool=False)),
+             Setup("b", f"(b) {n} colocated + pool", replace(base, colocated=n, pool=True)),
+             Setup("c", f"(c) {prefill}P+{n - prefill}D + pool",
+                   replace(base, prefill=prefill, decode=n - prefill))]
+    return [s for s in every if s.key in a.configs]
 
 
-async def _replay(url: str, workload: list[WorkloadRequest], concurrency: int, name: str
-                  ) -> tuple[list[Sample], float]:
-    from tqdm import tqdm
+async def run_one(s: Setup, workload, a: argparse.Namespace, ask: bool) -> tuple[RunResult, str]:
+    from engine_adapter.serving.frontend import FrontendConfig, create_app
 
-    samples: list[Sample | None] = [None] * len(workload)
-    queue: asyncio.Queue = asyncio.Queue()
-    for i in range(len(workload)):
-        queue.put_nowait(i)
-    bar = tqdm(total=len(workload), desc=f"{name:>9}", unit="req", file=sys.stdout)
-
-    async def client(session):
-        while not queue.empty():
-            i = queue.get_nowait()
-            samples[i] = await _one(session, url, workload[i])
-            bar.update(1)
-
-    start = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
-    bar.close()
-    return samples, time.perf_counter() - start
+    with cluster_processes(s.cfg) as router:
+        t0 = time.perf_counter()
+        print(f"{s.name}: starting {', '.join(n for n, _ in s.cfg.roles)}"
+              f"{' and a store node' if s.cfg.pooled else ''} (each worker loads the model and "
+              "measures its speed)...", flush=True)
+        runner = web.AppRunner(create_app(FrontendConfig(), router))
+        await runner.setup()
+        try:
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            print(f"{s.name}: ready in {time.perf_counter() - t0:.0f} s; "
+                  f"{router.cost_summary()}", flush=True)
+            url = f"http://127.0.0.1:{port}"
+            result = await replay(url, workload, a.sessions, s.name, a.think, a.stagger)
+            answer = await _completion(url) if ask else ""
+        finally:
+            await runner.cleanup()
+    return result, answer
 
 
 async def _completion(url: str) -> str:
+    import aiohttp
     body = {"messages": SAMPLE_CHAT, "max_tokens": 40, "temperature": 0}
     async with aiohttp.ClientSession() as s:
         async with s.post(url + "/v1/chat/completions", json=body) as r:
@@ -119,102 +82,72 @@ async def _completion(url: str) -> str:
     return msg["choices"][0]["message"]["content"] if "choices" in msg else str(msg)
 
 
-async def _run_cluster(cfg: ClusterConfig, workload, concurrency: int, name: str) -> RunResult:
-    from engine_adapter.serving.frontend import FrontendConfig, create_app
-
-    with cluster_processes(cfg) as router:
-        runner = web.AppRunner(create_app(FrontendConfig(), router))
-        t0 = time.perf_counter()
-        print(f"[{name}] starting {', '.join(n for n, _ in cfg.roles)} "
-              f"({'store node + ' if not cfg.colocated else ''}model load in each worker)...",
-              flush=True)
-        await runner.setup()
-        try:
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            print(f"[{name}] ready in {time.perf_counter() - t0:.0f} s", flush=True)
-            url = f"http://127.0.0.1:{port}"
-            samples, wall = await _replay(url, workload, concurrency, name)
-            completion = await _completion(url)
-        finally:
-            await runner.cleanup()
-    return RunResult(name, tuple(samples), wall, completion)
-
-
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default=DEFAULT_WORKLOAD, help="Mooncake-format JSONL "
-                   "(default: the committed sample derived from Mooncake's conversation trace)")
+    p.add_argument("--workload", default="long", help="long (default: long-context multi-turn "
+                   "conversations from Mooncake's trace), short (the first demo's 157-token "
+                   "prompts) or a Mooncake-format JSONL path")
     p.add_argument("--requests", type=int, default=None, help="replay only the first N")
-    p.add_argument("--concurrency", type=int, default=4, help="clients in the closed loop")
-    p.add_argument("--num-blocks", type=int, default=96,
-                   help="each worker's paged KV cache in 16-token blocks (default 96)")
+    p.add_argument("--sessions", type=int, default=6,
+                   help="users holding conversations at once (default 6)")
+    p.add_argument("--stagger", type=float, default=None, metavar="SECONDS",
+                   help="users join this far apart (default: each once the previous "
+                   "newcomer got its first token)")
+    p.add_argument("--think", type=float, default=2.0,
+                   help="seconds a user thinks before the next turn (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes in every "
+                   "configuration (default 2; (c) splits them into prefill and decode)")
+    p.add_argument("--num-blocks", type=int, default=128,
+                   help="each worker's paged KV cache in 16-token blocks (default 128 = 2k "
+                   "tokens: the longest context, while the users hold 6 conversations; GPU "
+                   "memory is as short of a real working set)")
+    p.add_argument("--max-num-seqs", type=int, default=1,
+                   help="requests each worker runs at once (default 1: its KV memory holds one)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk (default 256)")
+    p.add_argument("--dram-size", default="1GiB", help="the pool's DRAM (default 1GiB)")
+    p.add_argument("--ttft-slo", type=float, default=5.0,
+                   help="TTFT SLO in seconds for goodput (default 5)")
+    p.add_argument("--configs", default="abc", help="which of a, b, c to run, in order (default "
+                   "abc); the first is the baseline of the ratios")
     p.add_argument("--chart", default="kvtier-demo-ttft.png", help="PNG chart path")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
 
 
+def _check(a: argparse.Namespace) -> str | None:
+    if a.workload not in WORKLOADS and not a.workload.endswith(".jsonl"):
+        return f"--workload {a.workload!r}: use long, short or a .jsonl file"
+    if not a.configs or set(a.configs) - set("abc"):
+        return f"--configs {a.configs!r}: letters among a, b, c (e.g. abc or ab)"
+    if a.workers < ("c" in a.configs) + 1:
+        return "--workers: (c) needs at least 2 (one prefill, one decode)"
+    return None
+
+
 def run(a: argparse.Namespace) -> int:
+    problem = _check(a)
+    if problem:
+        print(f"kvtier demo: {problem}", file=sys.stderr)
+        return 2
     workload = load(a.workload, limit=a.requests)
+    bound = hit_ratio_bound(workload)
     t0 = time.perf_counter()
-    base = ClusterConfig(num_blocks=a.num_blocks, quiet_workers=True, port=0)
-    print(f"kvtier demo: {len(workload)} requests "
-          f"({sum(len(w.prompt_token_ids) for w in workload)} prompt tokens), "
-          f"{a.concurrency} concurrent clients, {a.num_blocks} KV blocks per worker", flush=True)
-    pool = asyncio.run(_run_cluster(replace(base, prefill=1, decode=1), workload,
-                                    a.concurrency, "pool"))
-    colo = asyncio.run(_run_cluster(replace(base, colocated=2), workload, a.concurrency,
-                                    "colocated"))
-    _report(pool, colo, a.json)
-    print(f"(every prompt block this workload could ever share: hit ratio bound "
-          f"{hit_ratio_bound(workload):.3f}, an infinite cache)")
-    print(f"\none real completion (pool cluster, greedy):\n  Q: {SAMPLE_CHAT[-1]['content']}\n"
-          f"  A: {pool.completion.strip()}")
-    _chart(pool, colo, a.chart)
+    lens = [len(r.prompt_token_ids) for r in workload]
+    chosen = setups(a)
+    print(f"kvtier demo: {len(workload)} requests in {len({r.conversation for r in workload})} "
+          f"conversations, prompts {min(lens)}-{max(lens)} tokens "
+          f"(mean {sum(lens) / len(lens):.0f}),"
+          f" {a.sessions} users thinking {a.think:g} s between turns, {a.num_blocks} KV blocks "
+          "per worker; "
+          f"{cpu_plan(chosen[0].cfg).describe(chosen[0].cfg)}", flush=True)
+    results = []
+    for i, s in enumerate(chosen):
+        result, answer = asyncio.run(run_one(s, workload, a, ask=i == len(chosen) - 1))
+        results.append(result)
+    report(results, bound, a.ttft_slo, a.json)
+    print(f"\none real completion ({chosen[-1].name}, greedy):\n  Q: {SAMPLE_CHAT[-1]['content']}"
+          f"\n  A: {answer.strip()}")
+    chart(results, a.chart)
     print(f"TTFT chart: {a.chart}\nkvtier demo finished in {time.perf_counter() - t0:.0f} s")
-    failed = sum(not s.ok for r in (pool, colo) for s in r.samples)
+    failed = sum(r.failed for r in results)
     if failed:
         print(f"{failed} request(s) failed", file=sys.stderr)
     return 1 if failed else 0
-
-
-def hit_ratio_bound(workload: list[WorkloadRequest], block_tokens: int = 16) -> float:
-    """Hit ratio of an infinite cache: each prompt's leading blocks seen in an earlier prompt."""
-    seen: set[tuple[int, ...]] = set()
-    hit = 0
-    for r in workload:
-        prefixes = [r.prompt_token_ids[:block_tokens * (i + 1)]
-                    for i in range(len(r.prompt_token_ids) // block_tokens)]
-        first_miss = next((i for i, p in enumerate(prefixes) if p not in seen), len(prefixes))
-        hit += block_tokens * first_miss
-        seen.update(prefixes)
-    return hit / max(1, sum(len(r.prompt_token_ids) for r in workload))
-
-
-def _report(pool: RunResult, colo: RunResult, json_path: str | None) -> None:
-    from kvtier.report import Row, report
-    base = "colocated, no pool"
-    rows = [Row("prefix hit ratio", "ratio", pool.hit_ratio, base, colo.hit_ratio)]
-    for field, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
-        for q, qn in ((0.5, "p50"), (0.9, "p90")):
-            rows.append(Row(f"{label} {qn}", "s", pool.pct(field, q), base, colo.pct(field, q)))
-    rows.append(Row("throughput", "req/s", pool.rps, base, colo.rps))
-    print("\npool (1 prefill + 1 decode, kvtier store) vs colocated baseline (2 workers, no pool);"
-          " ratio > 1 = the pool is better")
-    report("demo", rows, json_path)
-
-
-def _chart(pool: RunResult, colo: RunResult, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for r, style in ((colo, "o-"), (pool, "s-")):
-        ax.plot([s.ttft_s if s.ok else float("nan") for s in r.samples], style, ms=3,
-                label=f"{r.name} (p50 {r.pct('ttft_s', 0.5):.2f} s)")
-    ax.set_xlabel("request (trace order)")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_title("kvtier demo: TTFT per request, pooled KV cache vs colocated baseline")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

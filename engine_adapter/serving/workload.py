@@ -1,24 +1,46 @@
-"""The demo workload: multi-turn conversations behind one shared system prompt, derived from
-Mooncake's conversation trace (`hash_ids`: each id names a 512-token block and everything
-before it, so two requests share exactly the blocks their id lists share).
+"""Demo workloads: multi-turn conversations in Mooncake's trace format, turned into token
+prompts.
 
-Each trace block becomes `block_tokens` token ids drawn from a generator seeded by its id,
-so shared trace blocks are shared token blocks (and shared KV blocks) here too; id 0, the
-prefix of every request in the trace, plays the shared system prompt. The tail of a prompt
-past its last full block is unique to the request.
+A row is one request of Mooncake's conversation trace (`hash_ids`: each id names one trace
+block and everything before it, so two requests share exactly the blocks their id lists
+share), plus optional `conversation` / `turn` fields saying which conversation it belongs
+to (inferred from shared prefixes when absent). Each trace block becomes
+`trace_block_tokens` token ids drawn from a generator seeded by its id, so shared trace
+blocks are shared token blocks (and shared KV blocks) here too; id 0, the prefix of every
+request in the trace, plays the shared system prompt. A few unique tokens end each prompt
+(the user's newest words), so no prompt is entirely cached.
 
-    python -m engine_adapter.serving.workload ../shared/data/traces/conversation_trace.jsonl \
-        tests/data/demo_workload.jsonl        # how the committed sample was derived
+Two workloads ship as package data (`engine_adapter/serving/data/`), both derived from
+`../shared/data/traces/conversation_trace.jsonl` by `python -m engine_adapter.serving.derive`:
+- `long` (the default): long-context conversations, 1-3k tokens growing turn by turn, some
+  sharing a document prefix, 64 tokens per trace block;
+- `short`: the first demo's 157-token prompts (16 tokens per trace block).
 """
 from __future__ import annotations
 
 import json
-import sys
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+import xxhash
 
 TOKEN_RANGE = (1000, 30000)   # ordinary vocabulary ids of SmolLM2 (no special tokens)
+TAIL_TOKENS = 5               # each prompt's own last words, unique to the request
+
+
+class WorkloadSpec(NamedTuple):
+    file: str                 # under engine_adapter/serving/data/
+    trace_block_tokens: int   # token ids per trace block
+    output_divisor: int       # max_tokens = trace output_length // this, clipped
+    max_tokens: tuple[int, int]
+
+
+WORKLOADS = {
+    "long": WorkloadSpec("long.jsonl", 64, 64, (4, 8)),
+    "short": WorkloadSpec("short.jsonl", 16, 64, (4, 12)),
+}
 
 
 @dataclass(frozen=True)
@@ -26,65 +48,88 @@ class WorkloadRequest:
     index: int
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
+    conversation: int         # requests of one conversation are sent one after another
+    turn: int
 
 
-def _block_tokens(block_id: int, n: int) -> list[int]:
-    rng = np.random.default_rng(block_id)
-    return rng.integers(*TOKEN_RANGE, n).tolist()
+def workload_path(name: str) -> str:
+    """The packaged file of workload `name` (the one place that knows where they live)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", WORKLOADS[name].file)
 
 
-def load(path: str, block_tokens: int = 16, tail_tokens: int = 5,
-         limit: int | None = None) -> list[WorkloadRequest]:
-    """Requests of a Mooncake-format JSONL file, in file order, as token prompts."""
-    out = []
+def load(name_or_path: str, limit: int | None = None,
+         spec: WorkloadSpec | None = None) -> list[WorkloadRequest]:
+    """Requests of a packaged workload (`long`, `short`) or a Mooncake-format JSONL file
+    (read with the `short` workload's token mapping unless `spec` says otherwise)."""
+    if name_or_path in WORKLOADS:
+        spec, path = WORKLOADS[name_or_path], workload_path(name_or_path)
+    else:
+        spec, path = spec or WORKLOADS["short"], name_or_path
     with open(path) as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
-                break
-            row = json.loads(line)
-            ids = [t for h in row["hash_ids"] for t in _block_tokens(h, block_tokens)]
-            ids += _block_tokens(10**9 + i, tail_tokens)  # the request's own last words
-            max_tokens = int(np.clip(row["output_length"] // 64, 4, 12))
-            out.append(WorkloadRequest(i, tuple(ids), max_tokens))
-    return out
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = rows[:limit] if limit is not None else rows
+    if any("conversation" not in r for r in rows):
+        rows = annotate_conversations(rows)
+    return [_request(i, r, spec) for i, r in enumerate(rows)]
 
 
-def derive(trace_path: str, num_conversations: int = 10, turns: int = 3, max_blocks: int = 20,
-           num_single: int = 8) -> list[dict]:
-    """Pick conversations (chains of requests, each extending an earlier one's blocks) of
-    `turns` turns with at most `max_blocks` blocks, plus `num_single` one-turn requests that
-    share only the system prompt; keep them in trace order."""
-    rows = [json.loads(line) for line in open(trace_path)]
+def _request(i: int, row: dict, spec: WorkloadSpec) -> WorkloadRequest:
+    bt = spec.trace_block_tokens
+    ids = [t for h in row["hash_ids"] for t in block_tokens(h, bt)]
+    ids += block_tokens(10**9 + i, TAIL_TOKENS)
+    max_tokens = int(np.clip(row["output_length"] // spec.output_divisor, *spec.max_tokens))
+    return WorkloadRequest(i, tuple(ids), max_tokens, int(row["conversation"]), int(row["turn"]))
+
+
+def block_tokens(block_id: int, n: int) -> list[int]:
+    """The `n` token ids standing for trace block `block_id` (the same in every process)."""
+    return np.random.default_rng(block_id).integers(*TOKEN_RANGE, n).tolist()
+
+
+def follow_ups(rows: list[dict]) -> dict[int, int]:
+    """request index -> the earlier request it continues: a follow-up turn repeats all of
+    its parent's trace blocks but the last (the parent's partial block gets completed)."""
     owner: dict[tuple, int] = {}   # every prefix of every request so far -> latest request
     parent_of: dict[int, int] = {}
     for i, r in enumerate(rows):
         h = tuple(r["hash_ids"])
-        for n in range(len(h), 1, -1):  # a follow-up shares its parent's full blocks
+        for n in range(len(h), 1, -1):
             j = owner.get(h[:n])
             if j is not None and n >= len(rows[j]["hash_ids"]) - 1:
                 parent_of[i] = j
                 break
         for n in range(1, len(h) + 1):
             owner[h[:n]] = i
-    chains: dict[int, list[int]] = {}
-    for i in sorted(parent_of):
-        root = i
+    return parent_of
+
+
+def annotate_conversations(rows: list[dict]) -> list[dict]:
+    """Rows with `conversation` (the index of its first turn) and `turn` filled in."""
+    parent_of, out = follow_ups(rows), []
+    for i, r in enumerate(rows):
+        root, turn = i, 0
         while root in parent_of:
-            root = parent_of[root]
-        chains.setdefault(root, [root]).append(i)
-    picked = [c[:turns] for c in chains.values()
-              if len(c) >= turns and len(rows[c[turns - 1]]["hash_ids"]) <= max_blocks
-              and len({len(rows[i]["hash_ids"]) for i in c[:turns]}) == turns]  # no retries
-    in_chain = {i for c in chains.values() for i in c}
-    single = [i for i, r in enumerate(rows)
-              if i not in in_chain and 2 < len(r["hash_ids"]) <= max_blocks]
-    keep = sorted([i for c in picked[:num_conversations] for i in c] + single[:num_single])
-    return [rows[i] for i in keep]
+            root, turn = parent_of[root], turn + 1
+        out.append({**r, "conversation": root, "turn": turn})
+    return out
 
 
-if __name__ == "__main__":
-    sample = derive(sys.argv[1])
-    with open(sys.argv[2], "w") as f:
-        for row in sample:
-            f.write(json.dumps(row) + "\n")
-    print(f"{len(sample)} requests written to {sys.argv[2]}")
+def hit_ratio_bound(workload: list[WorkloadRequest], block_tokens: int = 16) -> float:
+    """Prefix hit ratio of an infinite cache: the leading blocks of each prompt seen in an
+    earlier prompt, over all prompt tokens. (Order does not matter as long as each turn
+    comes after the ones it continues: a block misses exactly once, on first sight.)"""
+    seen: set[bytes] = set()
+    hit = 0
+    for r in workload:
+        ids = np.asarray(r.prompt_token_ids, dtype=np.int32)
+        usable = (len(ids) - 1) // block_tokens  # the engine computes at least one token
+        key, first_miss = b"", None
+        for i in range(len(ids) // block_tokens):  # a chained key: a block and all before it
+            block = ids[i * block_tokens:(i + 1) * block_tokens]
+            key = xxhash.xxh3_128_digest(key + block.tobytes())
+            if first_miss is None and key not in seen:
+                first_miss = i
+            seen.add(key)
+        held = len(ids) // block_tokens if first_miss is None else first_miss
+        hit += block_tokens * min(usable, held)
+    return hit / max(1, sum(len(r.prompt_token_ids) for r in workload))
