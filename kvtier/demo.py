@@ -9,7 +9,7 @@ is for.
     and stream the answer, away from prefill chunks.
 Same model, same number of worker processes, same per-worker paged cache (small on
 purpose, as GPU memory is next to a real working set), same requests, replayed by
-`--sessions` users holding multi-turn conversations (`serving.replay`). The table gives
+`--sessions` users holding multi-turn conversations (`kvtier.replay`). The table gives
 each figure of (b) and (c) with its ratio to (a) (> 1 = better than the baseline).
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import NamedTuple
 from aiohttp import web
 
 from engine_adapter.serving.launcher import ClusterConfig, cluster_processes, cpu_plan, free_port
-from engine_adapter.serving.replay import RunResult, replay
-from engine_adapter.serving.report import chart, report
-from engine_adapter.serving.workload import WORKLOADS, hit_ratio_bound, load
+from kvtier.replay import RunResult, replay
+from kvtier.demo_report import chart, report
+from kvtier.workload import WORKLOADS, hit_ratio_bound, load
 
 SAMPLE_CHAT = [{"role": "system", "content": "You are a concise assistant."},
                {"role": "user", "content": "In one sentence, why reuse a KV cache?"}]

@@ -36,16 +36,17 @@ def calibrate(engine, worker_name: str) -> Calibration:
     """Each worker draws its own prompts: one sharing another's calibration blocks through
     the pool would measure a load, not the prefill it meant to."""
     rng = np.random.default_rng([SEED, zlib.crc32(worker_name.encode())])
-    ids = lambda n: rng.integers(*TOKEN_RANGE, n).tolist()  # noqa: E731
-    _time_requests(engine, [ids(16)])  # warm-up: first-call allocations, not a sample
     nb, bt = engine.config.num_blocks, engine.config.block_tokens
-    long = ids(min(256, nb * bt // 2))
+    cap = nb * bt // 2   # a tiny cache still fits every prompt with its 3 tokens
+    ids = lambda n: rng.integers(*TOKEN_RANGE, min(n, cap)).tolist()  # noqa: E731
+    _time_requests(engine, [ids(16)])  # warm-up: first-call allocations, not a sample
+    long = ids(256)
     room = nb - 16   # blocks a made-up prefix may take, leaving room for the new tokens
     runs = [lambda: [long], lambda: [ids(96)], lambda: [ids(32)]]
     if room >= 8:
-        runs += [lambda: [_cached_prefix(engine, ids, min(64, room)) + ids(64)],
-                 lambda: [_cached_prefix(engine, ids, min(128, room)) + ids(32)],
-                 lambda: [_cached_prefix(engine, ids, min(32, room // 2)) + ids(16)
+        runs += [lambda: [_cached_prefix(engine, rng, min(64, room)) + ids(64)],
+                 lambda: [_cached_prefix(engine, rng, min(128, room)) + ids(32)],
+                 lambda: [_cached_prefix(engine, rng, min(32, room // 2)) + ids(16)
                           for _ in range(2)]]
     prefill, decode = [], []
     for prompts in runs:  # each made-up prefix right before its run, or the next one's
@@ -56,11 +57,11 @@ def calibrate(engine, worker_name: str) -> Calibration:
     return Calibration(tuple(prefill), tuple(decode), tuple(load))
 
 
-def _cached_prefix(engine, ids, num_blocks: int) -> list[int]:
+def _cached_prefix(engine, rng, num_blocks: int) -> list[int]:
     """Tokens of `num_blocks` blocks now in the engine's prefix cache (unreferenced, at the
     tail of the free queue: the next allocations take other blocks first)."""
     bt = engine.config.block_tokens
-    tokens = ids(num_blocks * bt)
+    tokens = rng.integers(*TOKEN_RANGE, num_blocks * bt).tolist()
     blocks = engine.pool.allocate_n(num_blocks)
     engine.pool.cache_n(blocks, hash_blocks(engine.ns, tokens))
     engine.pool.free_n(blocks)

@@ -16,7 +16,7 @@ import logging
 
 import aiohttp
 
-from engine_adapter.serving.kv_events import KIND_HEADER
+from kvstore.cluster.messages import EVENTS_KIND_HEADER
 from kvstore.cluster.messages import EventBatch, Snapshot
 from kvstore.cluster.records import ClusterError
 from kvstore.index import ClusterIndex
@@ -53,7 +53,7 @@ class KVEventFeed:
         params = {**query, "after": str(self.index.next_seq(node_id) - 1)} if known else query
         try:
             async with self.session.get(url, params=params) as r:
-                body, kind = await r.read(), r.headers.get(KIND_HEADER)
+                body, kind = await r.read(), r.headers.get(EVENTS_KIND_HEADER)
                 r.raise_for_status()
             self._apply(node_id, kind, body)
         except (aiohttp.ClientError, asyncio.TimeoutError, ClusterError) as e:

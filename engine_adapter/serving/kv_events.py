@@ -7,52 +7,19 @@ Producers number their events gap-free per node, like `TieredStore`, so the rout
   and its hash dropped when the block is reallocated (evicted). `update()`, called on that
   thread after every step, compares the cache with what it last reported and numbers the
   difference (tier GPU: the worker's own KV memory).
-- the store node's event route (`store_node`) relays `TieredStore.drain_events()`.
-Both keep recent events in an `EventRing`, so a reader asks for "everything after seq N"
-and gets them, or a snapshot when they are gone.
+- the pool's `kvtier serve` answers `GET /kv/events` from its store's events.
+Both keep recent events in an `EventRing` (kvstore.events), so a reader asks for
+"everything after seq N" and gets them, or a snapshot when they are gone.
 
 Wire format: `kvstore.cluster.messages.EventBatch` / `Snapshot` (what store nodes send
-their cluster leader), with the kind in the `X-Kvtier-Events` header of the reply.
+their cluster leader), with the kind in the `EVENTS_KIND_HEADER` header of the reply.
 """
 from __future__ import annotations
 
 import threading
-from collections import deque
-from typing import Iterable
 
 from kvstore.cluster.messages import EventBatch, Snapshot
-from kvstore.events import EventKind, KVEvent, TierKind
-
-MAX_BUFFERED = 4096   # events kept for a slow reader; past that it gets a snapshot
-KIND_HEADER = "X-Kvtier-Events"
-
-
-class EventRing:
-    """The last events of one node, in seq order. Not thread-safe on its own."""
-
-    def __init__(self, next_seq: int = 0) -> None:
-        self.events: deque[KVEvent] = deque(maxlen=MAX_BUFFERED)
-        self.next_seq = next_seq
-
-    def extend(self, events: Iterable[KVEvent]) -> None:
-        for e in events:
-            if e.seq != self.next_seq:   # the producer lost some: only a snapshot helps now
-                self.events.clear()
-            self.events.append(e)
-            self.next_seq = e.seq + 1
-
-    def after(self, seq: int) -> tuple[KVEvent, ...] | None:
-        """Events numbered after `seq`; None when some of them are no longer here."""
-        first = self.events[0].seq if self.events else self.next_seq
-        if seq + 1 < first:
-            return None
-        return tuple(e for e in self.events if e.seq > seq)
-
-    def reset(self, next_seq: int) -> None:
-        """After a snapshot as of `next_seq - 1`: older events describe the past."""
-        self.events.clear()
-        self.next_seq = next_seq
-
+from kvstore.events import EventKind, EventRing, KVEvent, TierKind
 
 class CacheEventLog:
     def __init__(self, node_id: str, ns_id: int, cached: dict) -> None:

@@ -31,7 +31,8 @@ from engine_adapter.request import FinishReason, Request
 from engine_adapter.sampling import SamplingParams
 from engine_adapter.serving.calibrate import Calibration, calibrate
 from engine_adapter.serving.engine_loop import EngineLoop
-from engine_adapter.serving.kv_events import KIND_HEADER, CacheEventLog
+from engine_adapter.serving.kv_events import CacheEventLog
+from kvstore.cluster.messages import EVENTS_KIND_HEADER
 from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, PrefillResult, ProtocolError,
                                              Role, TokenEvent, WorkerInfo, frame, pack, unpack)
 from engine_adapter.workers import Handoff
@@ -122,7 +123,7 @@ async def _kv_events(request: web.Request) -> web.Response:
     except ValueError:
         raise web.HTTPBadRequest(text="GET /kv/events[?after=<seq>]\n")
     kind, body = request.app[EVENTS_KEY].read(after)
-    return web.Response(body=body, content_type=MSGPACK, headers={KIND_HEADER: kind})
+    return web.Response(body=body, content_type=MSGPACK, headers={EVENTS_KIND_HEADER: kind})
 
 
 def _event(req: Request, with_stats: bool, block_tokens: int = 0) -> TokenEvent:

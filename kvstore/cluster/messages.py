@@ -18,6 +18,9 @@ from transfer.codec import Record
 Hash = Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
 
 
+EVENTS_KIND_HEADER = "X-Kvtier-Events"  # "events" or "snapshot": which a reply carries
+
+
 class Message(Record):
     ERROR = ClusterError
 

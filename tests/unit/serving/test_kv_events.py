@@ -1,7 +1,8 @@
 """A worker's paged-cache KV events: real BlockPool changes become gap-free events that a
 ClusterIndex applies to the same content; a reader that fell behind gets a snapshot."""
 from engine_adapter.block_pool import BlockPool
-from engine_adapter.serving.kv_events import MAX_BUFFERED, CacheEventLog, EventRing
+from engine_adapter.serving.kv_events import CacheEventLog
+from kvstore.events import MAX_BUFFERED, EventRing
 from kvstore.cluster.messages import EventBatch, Snapshot
 from kvstore.events import EventKind, KVEvent, TierKind
 from kvstore.index import ClusterIndex

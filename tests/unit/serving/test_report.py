@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from engine_adapter.serving.replay import FAILED, RunResult, Sample
-from engine_adapter.serving.report import ratio, report, rows
+from kvtier.replay import FAILED, RunResult, Sample
+from kvtier.demo_report import ratio, report, rows
 
 BASE = RunResult("(a) base", (Sample(10.0, 0.2, 1000, 100, True),
                               Sample(20.0, 0.4, 1000, 300, True), FAILED), 10.0)

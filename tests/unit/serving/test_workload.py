@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from engine_adapter.serving.replay import conversations
-from engine_adapter.serving.workload import (TAIL_TOKENS, WORKLOADS, WorkloadSpec,
+from kvtier.replay import conversations
+from kvtier.workload import (TAIL_TOKENS, WORKLOADS, WorkloadSpec,
                                              annotate_conversations, hit_ratio_bound, load,
                                              workload_path)
 
@@ -48,7 +48,7 @@ def test_a_file_without_conversations_gets_them_inferred(tmp_path):
 
 
 def test_bound_counts_each_block_once_and_leaves_a_token_to_compute():
-    from engine_adapter.serving.workload import WorkloadRequest
+    from kvtier.workload import WorkloadRequest
     a = tuple(range(1000, 1064))                      # 4 blocks of 16
     reqs = [WorkloadRequest(0, a, 4, 0, 0), WorkloadRequest(1, a + (5,), 4, 0, 1),
             WorkloadRequest(2, a, 4, 1, 0)]

@@ -10,8 +10,8 @@ blocks are shared token blocks (and shared KV blocks) here too; id 0, the prefix
 request in the trace, plays the shared system prompt. A few unique tokens end each prompt
 (the user's newest words), so no prompt is entirely cached.
 
-Two workloads ship as package data (`engine_adapter/serving/data/`), both derived from
-`../shared/data/traces/conversation_trace.jsonl` by `python -m engine_adapter.serving.derive`:
+Two workloads ship as package data (`kvtier/data/`), both derived from
+`../shared/data/traces/conversation_trace.jsonl` by `python -m kvtier.derive`:
 - `long` (the default): long-context conversations, 1-3k tokens growing turn by turn, some
   sharing a document prefix, 64 tokens per trace block;
 - `short`: the first demo's 157-token prompts (16 tokens per trace block).
@@ -31,7 +31,7 @@ TAIL_TOKENS = 5               # each prompt's own last words, unique to the requ
 
 
 class WorkloadSpec(NamedTuple):
-    file: str                 # under engine_adapter/serving/data/
+    file: str                 # under kvtier/data/
     trace_block_tokens: int   # token ids per trace block
     output_divisor: int       # max_tokens = trace output_length // this, clipped
     max_tokens: tuple[int, int]

@@ -13,7 +13,7 @@ import os
 import platform
 from typing import Callable, NamedTuple
 
-from engine_adapter.serving.replay import RunResult
+from kvtier.replay import RunResult
 
 
 class Figure(NamedTuple):

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import aiohttp
 
-from engine_adapter.serving.workload import WorkloadRequest
+from kvtier.workload import WorkloadRequest
 
 
 class Sample(NamedTuple):

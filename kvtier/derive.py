@@ -1,9 +1,9 @@
 """How the packaged demo workloads were picked from Mooncake's conversation trace.
 
-    python -m engine_adapter.serving.derive long ../shared/data/traces/conversation_trace.jsonl \
-        engine_adapter/serving/data/long.jsonl
-    python -m engine_adapter.serving.derive short ../shared/data/traces/conversation_trace.jsonl \
-        engine_adapter/serving/data/short.jsonl
+    python -m kvtier.derive long ../shared/data/traces/conversation_trace.jsonl \
+        kvtier/data/long.jsonl
+    python -m kvtier.derive short ../shared/data/traces/conversation_trace.jsonl \
+        kvtier/data/short.jsonl
 
 `long`: conversations (chains of requests, each turn repeating the one before and adding
 to it) whose first turns all fall in 1-2.5k tokens at 64 tokens per trace block: first the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from engine_adapter.serving.workload import WORKLOADS, annotate_conversations, follow_ups
+from kvtier.workload import WORKLOADS, annotate_conversations, follow_ups
 
 
 def chains_of(rows: list[dict]) -> dict[int, list[int]]:
