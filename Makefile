@@ -29,9 +29,11 @@ transfer-adapters: $(ADAPTERS)
 test-main: $(STAMP) $(ADAPTERS)
 	$(PY) -m pytest tests
 
+# The three configurations (no pool / colocated + pool / prefill-decode + pool) on the
+# long-context multi-turn workload; figures also in build/kvtier-demo.json (DESIGN.md rows).
 demo: $(STAMP)
 	mkdir -p build
-	$(VENV)/bin/kvtier demo --chart build/kvtier-demo-ttft.png
+	$(VENV)/bin/kvtier demo --chart build/kvtier-demo-ttft.png --json build/kvtier-demo.json
 
 # Engine plugins: each outside engine lives in its own virtualenv (their pins conflict with
 # each other and with .venv). kvtier goes in with --no-deps plus the few runtime deps it needs,

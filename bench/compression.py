@@ -16,7 +16,7 @@ Speed: encode/decode GB/s of model bytes, against memcpy of the same bytes. TTFT
 engine with a full-prefix hit over TCP (DRAM daemon) and from an SSD-only daemon
 (`--dram-size 0`; a warm page cache), compressed vs raw, taking turns in every repeat.
 
-    python bench/compression.py [--prompts 32] [--new-tokens 64] [--greedy-prompts 4]
+    python -m bench.compression [--prompts 32] [--new-tokens 64] [--greedy-prompts 4]
         [--prompt-tokens 512,2048] [--lengths 2048,4096] [--repeats 3]
         [--codecs int8,fp8_e4m3,zstd] [--json PATH]
 """
@@ -25,31 +25,28 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import sys
 import tempfile
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, ROOT)  # the repo root first: bench/kernels.py must not shadow the package
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-from engine_adapter import kvquality  # noqa: E402
-from engine_adapter.config import EngineConfig  # noqa: E402
-from engine_adapter.engine import LLMEngine  # noqa: E402
-from engine_adapter.kvcodec import BlockCodec  # noqa: E402
-from engine_adapter.loader import from_transformers, load_hf_gguf  # noqa: E402
-from engine_adapter.plugins.base import coded  # noqa: E402
-from engine_adapter.plugins.hf import cache_to_blocks, namespace_for  # noqa: E402
-from engine_adapter.sampling import SamplingParams  # noqa: E402
-from kvstore.client import Client  # noqa: E402
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
-from kvstore.daemon.process import DaemonProcess  # noqa: E402
-from kvstore.keys import hash_blocks  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
-from transfer.copy import copy_bytes  # noqa: E402
+from engine_adapter import kvquality
+from engine_adapter.config import EngineConfig
+from engine_adapter.engine import LLMEngine
+from engine_adapter.kvcodec import BlockCodec
+from engine_adapter.loader import from_transformers, load_hf_gguf
+from engine_adapter.plugins.base import coded
+from engine_adapter.plugins.hf import cache_to_blocks, namespace_for
+from engine_adapter.sampling import SamplingParams
+from kvstore.client import Client
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.daemon.process import DaemonProcess
+from kvstore.keys import hash_blocks
+from kvstore.store import TieredStore
+from transfer.copy import copy_bytes
 
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BT = 16

@@ -17,17 +17,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from bench.common import Row, add_common_args, report  # noqa: E402
-from kvstore.events import EventKind, KVEvent, TierKind  # noqa: E402
-from kvstore.index import ClusterIndex  # noqa: E402
-from kvstore.scheduler import PolicyKind, SchedulerConfig, make_policy  # noqa: E402
-from kvstore.scheduler.sim_report import SimSummary, summarize  # noqa: E402
-from kvstore.scheduler.simulator import RequestOutcome, SimConfig, simulate  # noqa: E402
-from kvstore.scheduler.trace import infinite_cache_hit_ratio, load_trace  # noqa: E402
+from kvtier.report import Row, add_common_args, report
+from kvstore.events import EventKind, KVEvent, TierKind
+from kvstore.index import ClusterIndex
+from kvstore.scheduler import PolicyKind, SchedulerConfig, make_policy
+from kvstore.scheduler.sim_report import SimSummary, summarize
+from kvstore.scheduler.simulator import RequestOutcome, SimConfig, simulate
+from kvstore.scheduler.trace import infinite_cache_hit_ratio, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / ".." / "shared" / "data" / "traces" / "conversation_trace.jsonl"

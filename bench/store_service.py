@@ -10,14 +10,18 @@ op (TCP path), a real redis-server (SET/GET of the same bytes, pipelined, RESP s
 directly over a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
 protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
 see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
-each prints why it was skipped. Metadata: match_prefix over a 1,000-block chain and exists_n of 1,000 keys vs the
-same calls on an in-process TieredStore.
+each prints why it was skipped. Single-op rows also give p50 / p99 latency (us) against the
+baseline's. Metadata: match_prefix over a 1,000-block chain and contains_n of 1,000 keys vs
+the same calls on an in-process TieredStore. The asyncio client against the blocking one
+(single ops, and 16 gets in flight vs 16 threads). `--busy N` runs everything, baselines
+included, while N processes burn the CPUs (the host an inference engine shares).
 
-    python bench/store_service.py [--quick] [--json PATH]
+    python bench/store_service.py [--quick] [--busy N] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import os
 import shutil
@@ -27,24 +31,21 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-# bench/transfer.py would shadow the `transfer` package the SDK imports: drop bench/ from
-# the path while importing kvstore, then put it back for `common`.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-from kvstore.client import Client  # noqa: E402
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
-from kvstore.events import TierKind  # noqa: E402
-from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
+from kvstore.client import AsyncClient, Client
+from kvstore.daemon.process import DaemonProcess
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.events import TierKind
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.store import TieredStore
 
-sys.path.insert(0, _HERE)
-from common import Row, add_common_args, report  # noqa: E402
-from mooncake_peer import mooncake_rates  # noqa: E402
+from kvtier.report import Row, add_common_args, report
+from bench.mooncake_peer import mooncake_rates
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
@@ -55,22 +56,29 @@ def namespace_for(block_bytes: int) -> Namespace:
     return Namespace("bench", num_layers=block_bytes // (32 * KiB), num_kv_heads=8, head_dim=64)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Stats(NamedTuple):
+    gbps: float
+    p50_us: float
+    p99_us: float
+
+
+def measure(fn, nbytes: int, seconds: float) -> Stats:
+    """GB/s of repeated fn() calls moving nbytes each over about `seconds`, and the p50 /
+    p99 latency of one call."""
+    fn()
+    times, t0 = [], time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if t - t0 >= seconds and len(times) >= 20:
+            break
+    p50, p99 = np.percentile(times, [50, 99]) * 1e6
+    return Stats(len(times) * nbytes / sum(times) / 1e9, float(p50), float(p99))
 
 
 def rate(fn, nbytes: int, seconds: float) -> float:
-    """GB/s of repeated fn() calls moving nbytes each, over about `seconds`."""
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= seconds and n >= 3:
-            return n * nbytes / dt / 1e9
+    return measure(fn, nbytes, seconds).gbps
 
 
 def ops_rate(fn, seconds: float) -> float:
@@ -85,9 +93,9 @@ def ops_rate(fn, seconds: float) -> float:
 # ------------------------------------------------------------------ raw socket baseline
 
 
-def _sink(port: int, ready) -> None:
-    srv = socket.create_server(("127.0.0.1", port))
-    ready.set()
+def _sink(ports) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))  # the kernel picks the port
+    ports.put(srv.getsockname()[1])
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(64 * MiB)
@@ -111,10 +119,10 @@ class RawSocket:
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
-        port, ready = free_port(), ctx.Event()
-        self.proc = ctx.Process(target=_sink, args=(port, ready), daemon=True)
+        ports = ctx.Queue()
+        self.proc = ctx.Process(target=_sink, args=(ports,), daemon=True)
         self.proc.start()
-        ready.wait(30)
+        port = ports.get(timeout=60)
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -152,19 +160,29 @@ class RedisPeer:
 
     @classmethod
     def start(cls) -> "RedisPeer | None":
+        """redis takes no port 0: a free one is picked, and a start that lost the race for
+        it (redis exits) is tried again on another."""
         exe = shutil.which("redis-server")
         if exe is None:
             return None
-        port = free_port()
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--protected-mode", "yes"],
-                                stdout=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                return cls(proc, port)
-            except OSError:
-                time.sleep(0.05)
-        proc.kill()
+        for _ in range(5):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save",
+                                     "", "--appendonly", "no", "--protected-mode", "yes"],
+                                    stdout=subprocess.DEVNULL)
+            while proc.poll() is None:
+                try:
+                    peer = cls(proc, port)
+                except OSError:
+                    time.sleep(0.05)
+                    continue
+                peer.sock.sendall(b"PING\r\n")
+                if peer.rfile.readline() == b"+PONG\r\n":
+                    return peer
+                peer.stop()  # something else answered on that port
+                break
         return None
 
     def set_n(self, keys: list[bytes], value: memoryview) -> None:
@@ -207,20 +225,42 @@ def _send_all(sock: socket.socket, bufs: list) -> None:
 # ------------------------------------------------------------------ the daemon
 
 
-def start_daemon(workdir: str) -> tuple[subprocess.Popen, str, int]:
-    port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(port), "--http-port",
-           str(http_port), "--data-dir", workdir, "--dram-size", "192MiB", "--ssd-size", "0",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1).read()
-            return proc, f"kvtier://127.0.0.1:{port}", http_port
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("kvtier serve did not start")
+def start_daemon(workdir: str) -> DaemonProcess:
+    return DaemonProcess(workdir, cwd=ROOT, dram_size="192MiB", ssd_size="0").start()
+
+
+class RotatingCopy:
+    """The memcpy a put is held to: the same bytes into a new destination each time, over
+    64 MiB of them, as a store writes slots it has not just written (a copy into one hot
+    destination runs from cache and is no store's case)."""
+
+    def __init__(self, src: np.ndarray) -> None:
+        self.src = src
+        self.dsts = np.empty((max(2, (64 * MiB) // src.nbytes), src.nbytes), np.uint8)
+        self.dsts[:] = 1  # faulted in, as an arena is
+        self.i = 0
+
+    def __call__(self) -> None:
+        self.i = (self.i + 1) % len(self.dsts)
+        np.copyto(self.dsts[self.i], self.src)
+
+
+BUSY_LOOP = ("import torch; torch.set_num_threads(1); a = torch.randn(384, 384)\n"
+             "while True: a @ a")
+
+
+def start_busy(n: int) -> list[subprocess.Popen]:
+    """n processes burning a CPU each (matmul on one torch thread), for --busy."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
+    if n:
+        print(f"busy: {n} processes running a torch matmul loop (1 thread each)")
+    return procs
+
+
+def stop_busy(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
 
 
 class Case:
@@ -233,10 +273,10 @@ class Case:
         self.round = 0
         self.stored = self._fresh()
         client.put_n(self.stored, self.src)
-        client.pin(self.stored)  # the puts that follow must not evict the set gets re-read
+        client.pin_n(self.stored)  # the puts that follow must not evict the set gets re-read
 
     def close(self) -> None:
-        self.c.unpin(self.stored)
+        self.c.unpin_n(self.stored)
 
     def _fresh(self) -> list[bytes]:
         self.round += 1
@@ -264,32 +304,97 @@ def data_rows(url: str, redis: RedisPeer | None, mooncake: dict | None, raw: Raw
         assert clients["shm"].uses_shm, "the bench runs on the daemon's host"
         assert clients["agent"].transport == "agent", "the daemon exports its arena (tcp)"
         for batch in (1, 16):
-            total = nbytes * batch
-            a = torch.randint(0, 256, (total,), dtype=torch.uint8)
-            b = torch.empty_like(a)
-            memcpy = rate(lambda: np.copyto(b.numpy(), a.numpy()), total, seconds)
-            view = memoryview(b.numpy())
-            raw_put = rate(lambda: raw.put(memoryview(a.numpy())), total, seconds)
-            raw_get = rate(lambda: raw.get(view), total, seconds)
-            peer = redis.rates(nbytes, batch, seconds) if redis else None
-            for path, client in clients.items():
-                case = Case(client, ns, batch)
-                name = f"{path} {{}} {label} x{batch}"
-                base = ("memcpy", memcpy, memcpy) if path == "shm" else \
-                    ("raw socket", raw_put, raw_get)
-                get, put = rate(case.get, total, seconds), rate(case.put, total, seconds)
-                case.close()
-                rows += [Row(name.format("put"), "GB/s", put, base[0], base[1]),
-                         Row(name.format("get"), "GB/s", get, base[0], base[2])]
-                if peer and path == "tcp":
-                    rows += [Row(name.format("put"), "GB/s", put, "redis", peer[0]),
-                             Row(name.format("get"), "GB/s", get, "redis", peer[1])]
-                if mooncake and path == "tcp" and (label, batch) in mooncake:
-                    mc_put, mc_get = mooncake[label, batch]
-                    rows += [Row(name.format("put"), "GB/s", put, "mooncake", mc_put),
-                             Row(name.format("get"), "GB/s", get, "mooncake", mc_get)]
+            rows += _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds)
         for c in clients.values():
             c.close()
+    return rows
+
+
+def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds) -> list[Row]:
+    total = nbytes * batch
+    a = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    memcpy = measure(lambda: np.copyto(b.numpy(), a.numpy()), total, seconds)
+    memcpy_put = measure(RotatingCopy(a.numpy()), total, seconds)
+    view = memoryview(b.numpy())
+    raw_put = measure(lambda: raw.put(memoryview(a.numpy())), total, seconds)
+    raw_get = measure(lambda: raw.get(view), total, seconds)
+    peer = redis.rates(nbytes, batch, seconds) if redis else None
+    rows = []
+    for path, client in clients.items():
+        case = Case(client, ns, batch)
+        name = f"{path} {{}} {label} x{batch}"
+        base = ("memcpy", memcpy_put, memcpy) if path == "shm" else \
+            ("raw socket", raw_put, raw_get)
+        get, put = measure(case.get, total, seconds), measure(case.put, total, seconds)
+        case.close()
+        rows += [Row(name.format("put"), "GB/s", put.gbps, base[0], base[1].gbps),
+                 Row(name.format("get"), "GB/s", get.gbps, base[0], base[2].gbps)]
+        if batch == 1:  # one op's latency: the figure a busy host hurts first
+            for op, st, bst in (("put", put, base[1]), ("get", get, base[2])):
+                rows += [Row(name.format(op) + " p50", "us", st.p50_us, base[0], bst.p50_us),
+                         Row(name.format(op) + " p99", "us", st.p99_us, base[0], bst.p99_us)]
+        if peer and path == "tcp":
+            rows += [Row(name.format("put"), "GB/s", put.gbps, "redis", peer[0]),
+                     Row(name.format("get"), "GB/s", get.gbps, "redis", peer[1])]
+        if mooncake and path == "tcp" and (label, batch) in mooncake:
+            mc_put, mc_get = mooncake[label, batch]
+            rows += [Row(name.format("put"), "GB/s", put.gbps, "mooncake", mc_put),
+                     Row(name.format("get"), "GB/s", get.gbps, "mooncake", mc_get)]
+    return rows
+
+
+async def ameasure(afn, nbytes: int, seconds: float) -> Stats:
+    """`measure` for a coroutine function, timed inside one running event loop."""
+    await afn()
+    times, t0 = [], time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        await afn()
+        times.append(time.perf_counter() - t)
+        if t - t0 >= seconds and len(times) >= 20:
+            break
+    p50, p99 = np.percentile(times, [50, 99]) * 1e6
+    return Stats(len(times) * nbytes / sum(times) / 1e9, float(p50), float(p99))
+
+
+def async_rows(url: str, seconds: float) -> list[Row]:
+    """AsyncClient (frames on the event loop) against the blocking Client on the same
+    path: single ops, and 16 gets in flight at once (asyncio.gather vs 16 threads)."""
+    rows = []
+    for label in ("256KiB", "1MiB"):
+        ns, nbytes = namespace_for(SIZES[label]), SIZES[label]
+        for path, opts in (("shm", {}), ("tcp", {"use_shm": False})):
+            sync = Client(url, namespace=ns, **opts)
+            case = Case(sync, ns, 1)
+            get, put = measure(case.get, nbytes, seconds), measure(case.put, nbytes, seconds)
+            par = 16
+            with ThreadPoolExecutor(par) as pool:
+                dsts = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(par)]
+                threaded = measure(lambda: list(pool.map(
+                    lambda d: sync.get_n(case.stored, [d]), dsts)), nbytes * par, seconds)
+
+            async def run():
+                async with AsyncClient(url, namespace=ns, **opts) as c:
+                    src, dst = case.src, torch.empty_like(case.dst)
+                    fresh = case._fresh
+                    aget = await ameasure(lambda: c.get_n(case.stored, dst), nbytes, seconds)
+                    aput = await ameasure(lambda: c.put_n(fresh(), src), nbytes, seconds)
+                    many = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(par)]
+                    agather = await ameasure(lambda: asyncio.gather(
+                        *(c.get_n(case.stored, [d]) for d in many)), nbytes * par, seconds)
+                    return aget, aput, agather
+
+            aget, aput, agather = asyncio.run(run())
+            case.close()
+            sync.close()
+            name = f"async {path} {{}} {label} x1"
+            rows += [Row(name.format("put"), "GB/s", aput.gbps, "blocking Client", put.gbps),
+                     Row(name.format("get"), "GB/s", aget.gbps, "blocking Client", get.gbps),
+                     Row(name.format("get") + " p50", "us", aget.p50_us, "blocking Client",
+                         get.p50_us),
+                     Row(f"async {path} get {label}, {par} in flight", "GB/s", agather.gbps,
+                         f"blocking Client, {par} threads", threaded.gbps)]
     return rows
 
 
@@ -305,7 +410,7 @@ def metadata_rows(url: str, seconds: float) -> list[Row]:
         for name, remote, inproc in (
                 ("match_prefix 1000-block chain", lambda: c.match_prefix(hs),
                  lambda: local.match_prefix(hs)),
-                ("exists_n 1000 keys", lambda: c.exists_n(hs), lambda: local.contains_n(hs))):
+                ("contains_n 1000 keys", lambda: c.contains_n(hs), lambda: local.contains_n(hs))):
             rows.append(Row(name, "ops/s", ops_rate(remote, seconds), "in-process store",
                             ops_rate(inproc, seconds)))
     local.close()
@@ -316,11 +421,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p)
     p.add_argument("--quick", action="store_true", help="short run (< 30 s)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="measure everything (kvtier and every baseline) while N other "
+                   "processes keep the CPUs busy with a torch matmul loop, as the inference "
+                   "engines beside a store would")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     seconds = 0.08 if args.quick else 0.4
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
-    proc, url, _ = start_daemon(workdir)
+    busy = start_busy(args.busy)
+    daemon = start_daemon(workdir)
+    url = daemon.url
     raw = RawSocket()
     redis = RedisPeer.start()
     if redis is None:
@@ -328,13 +439,14 @@ def main() -> None:
     mooncake, why = mooncake_rates(SIZES, (1, 16), seconds)
     print(f"mooncake: {why}" if mooncake else f"mooncake: skipped ({why})")
     try:
-        rows = data_rows(url, redis, mooncake, raw, seconds) + metadata_rows(url, seconds)
+        rows = data_rows(url, redis, mooncake, raw, seconds) + async_rows(url, seconds) \
+            + metadata_rows(url, seconds)
     finally:
         raw.close()
         if redis:
             redis.stop()
-        proc.terminate()
-        proc.wait(30)
+        daemon.close()
+        stop_busy(busy)
         shutil.rmtree(workdir, ignore_errors=True)
     report("store_service", rows, args.json)
 

@@ -23,18 +23,15 @@ import numpy as np
 import torch
 import xxhash
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-# bench/transfer.py and bench/kernels.py would shadow the packages of the same names
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
-from kvstore.events import TierKind  # noqa: E402
-from kvstore.keys import Namespace, hash_blocks  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
-from kvstore.tiers.gpu import default_device  # noqa: E402
-from kvstore.tuning import tune_malloc_for_large_blocks  # noqa: E402
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.events import TierKind
+from kvstore.keys import Namespace, hash_blocks
+from kvstore.store import TieredStore
+from kvstore.tiers.gpu import default_device
+from kvstore.tuning import tune_malloc_for_large_blocks
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"16KiB": 16 * KiB, "256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
@@ -87,6 +84,9 @@ class TierCase:
         """Written back and out of the page cache: the next get reads the disk."""
         drop_page_cache(self.store.tier(TierKind.SSD).slabs.path)
 
+    def close(self) -> None:
+        self.store.close(flush=False)
+
 
 def drop_page_cache(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -107,9 +107,6 @@ def cold_time(fn, drop, reps: int) -> float:
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
-    def close(self) -> None:
-        self.store.close(flush=False)
-
 
 def memcpy_gbps(nbytes: int, reps: int) -> float:
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
@@ -118,14 +115,17 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
 
 
 def file_gbps(nbytes: int, chunk: int, workdir: str, reps: int) -> tuple[float, float, float]:
-    """Plain sequential write (no fsync, like the tier's) and read of the same bytes, warm
-    and cold."""
+    """Plain sequential write (no fsync, like the tier's; overwriting the file in place) and
+    read of the same bytes, warm and cold."""
     path = os.path.join(workdir, "plain-file.bin")
     data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
     out = bytearray(nbytes)
 
+    with open(path, "wb") as f:  # created once: each timed write overwrites it in place,
+        f.write(data)              # as the tier overwrites its slots
+
     def write():
-        with open(path, "wb") as f:
+        with open(path, "r+b", buffering=0) as f:
             for off in range(0, nbytes, chunk):
                 f.write(data[off:off + chunk])
 

@@ -11,29 +11,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(__file__))
 # the repo root first: bench/kernels.py and bench/transfer.py must not shadow the packages
-sys.path.insert(0, ROOT)
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-from engine_adapter.config import EngineConfig  # noqa: E402
-from engine_adapter.engine import LLMEngine  # noqa: E402
-from engine_adapter.loader import from_transformers, load_hf_gguf  # noqa: E402
-from engine_adapter.sampling import SamplingParams  # noqa: E402
-from kvstore.client import Client  # noqa: E402
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
-from kvstore.keys import hash_blocks  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
+from engine_adapter.config import EngineConfig
+from engine_adapter.engine import LLMEngine
+from engine_adapter.loader import from_transformers, load_hf_gguf
+from engine_adapter.sampling import SamplingParams
+from kvstore.client import Client
+from kvstore.daemon.process import DaemonProcess
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.keys import hash_blocks
+from kvstore.store import TieredStore
 
 FIRST = SamplingParams(temperature=0, max_tokens=1)
 BT = 16
@@ -61,41 +56,9 @@ def engine_config(num_tokens: int, batch: int = 1) -> EngineConfig:
                         max_num_seqs=max(batch, 1), enable_prefix_caching=False)
 
 
-class Daemon:
-    """A real `kvtier serve` on free loopback ports (DRAM only), stopped on exit."""
-
-    def __init__(self, workdir: str, dram: str) -> None:
-        self.port, http_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port), "--http-port",
-               str(http_port), "--data-dir", workdir, "--dram-size", dram, "--ssd-size", "0",
-               "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1).read()
-                return
-            except OSError:
-                time.sleep(0.1)
-        self.close()
-        raise RuntimeError("kvtier serve did not start")
-
-    @property
-    def url(self) -> str:
-        return f"kvtier://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_daemon(workdir: str, dram: str) -> DaemonProcess:
+    """A real `kvtier serve` (DRAM only) on ports the kernel picks; close() it."""
+    return DaemonProcess(workdir, dram_size=dram, ssd_size="0", cwd=ROOT).start()
 
 
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int):
@@ -129,7 +92,7 @@ def hit_ttft(model, prompt: list[int], store, repeats: int) -> float:
     return t
 
 
-def ttft_rows(hf, model, prompt: list[int], repeats: int, tmp: str, daemon: Daemon) -> list[Row]:
+def ttft_rows(hf, model, prompt: list[int], repeats: int, tmp: str, daemon: DaemonProcess) -> list[Row]:
     n = len(prompt)
     ours = LLMEngine(model, engine_config(n))
     ours.generate([prompt[:64]], FIRST)  # warm up
@@ -190,7 +153,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = Daemon(os.path.join(tmp, "daemon"), "1GiB")
+        daemon = start_daemon(os.path.join(tmp, "daemon"), "1GiB")
         try:
             for n in lengths:
                 prompt = torch.randint(100, hf.config.vocab_size, (n,), generator=gen).tolist()

@@ -18,7 +18,7 @@ connector that loads and saves prefix blocks through a KV store.
 Modules: config (ModelConfig, EngineConfig), model (LlamaForCausalLM), loader, block_pool
 (KVCacheBlock, BlockPool), scheduler, model_runner, sampling (SamplingParams), engine
 (LLMEngine), connector (KVStoreLike, StoreConnector), workers (Worker, PrefillWorker,
-DecodeWorker, Handoff). Nothing in kvtier imports this package.
+DecodeWorker, Handoff). Of kvtier's packages only the app layer (kvtier/) imports this one.
 """
 from engine_adapter.config import EngineConfig, ModelConfig
 from engine_adapter.connector import KVStoreLike, StoreConnector

@@ -4,7 +4,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, fields
-from typing import Any
 
 from engine_adapter.errors import ModelLoadError
 from kvstore.keys import CODECS
@@ -73,13 +72,6 @@ class ModelConfig:
         """The sliding window of `layer`, None for full attention."""
         return self.sliding_window if layer in self.sliding_layers else None
 
-    @classmethod
-    def from_hf(cls, hf: Any, name: str | None = None) -> "ModelConfig":
-        """From a transformers config object or its dict (Llama, Mistral, Qwen2); a field
-        whose math is not implemented raises ModelLoadError naming it (`hf_config`)."""
-        from engine_adapter.hf_config import model_config_from_hf
-        return model_config_from_hf(hf, name)
-
 
 class OversizePolicy(enum.Enum):
     """What the engine does with a request whose prompt + max_tokens can outgrow the cache."""
@@ -96,6 +88,8 @@ class EngineConfig:
     block_tokens: int = 16                 # tokens per block; the store uses the same size
     max_num_seqs: int = 16                 # requests running at once
     max_num_batched_tokens: int = 2048     # tokens per step (prefill chunks + decodes)
+    max_prefill_chunk_tokens: int | None = None  # per request per step; None = the whole
+    # step budget (a long prefill then holds back decodes and short prefills until it ends)
     max_model_len: int | None = None       # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     dtype: str = "float32"                 # model and KV cache dtype
@@ -114,6 +108,9 @@ class EngineConfig:
             if f.name in ("num_blocks", "block_tokens", "max_num_seqs", "max_num_batched_tokens",
                           "save_queue_batches") and v <= 0:
                 raise ValueError(f"EngineConfig.{f.name} must be > 0, got {v}")
+        if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens <= 0:
+            raise ValueError("EngineConfig.max_prefill_chunk_tokens must be > 0 or None, "
+                             f"got {self.max_prefill_chunk_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")
         if self.max_admission_skips < 0:

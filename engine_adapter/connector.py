@@ -3,12 +3,13 @@ remote `kvstore.Client`): look up a prompt's prefix, load hit blocks, save new b
 
 Loads are synchronous (the request waits for its prefix anyway) and batched: one `get_n`
 straight into the request's fresh cache blocks on CPU (elsewhere into one staging tensor,
-then one `scatter_blocks`). A miss or a corrupt block ends the
-usable prefix there; the blocks after it are recomputed, so wrong KV never reaches the
-model. Saves copy the blocks out of the cache on the step thread (`gather_blocks`, so a
-block may be reused right after) and `put_n` them on a background thread through a
+then one `scatter_blocks`). A miss or a corrupt block ends the usable prefix there; the
+blocks after it are recomputed, so wrong KV never reaches the model. Saves copy the blocks
+out of the cache on the step thread (one numpy gather on CPU, `gather_blocks` on a device,
+so a block may be reused right after) and `put_n` them on a background thread through a
 bounded queue: a full queue or a failing store drops the save and counts it; the engine
-never stalls or crashes for a save.
+never stalls or crashes for a save. A prefill's blocks thus reach the store chunk by chunk
+while the next chunk computes.
 
 A compressed namespace (`codec` other than raw, docs/compression.md) is coded here and
 only here: `_save_loop` encodes right before `put_n`, `_load_encoded` decodes right after
@@ -21,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 
 import kernels
@@ -129,12 +131,25 @@ class StoreConnector:
         """Queue blocks for saving; returns at once (the copy out of the cache is done here)."""
         if not hashes or self._closed:
             return
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
-        staged = kernels.gather_blocks(self.kv_cache, ids, check_values=False)  # [n, L, 2, bt, Hkv, D]
+        staged = self._gather(block_ids)  # [n, L, 2, bt, Hkv, D]
         try:
             self._queue.put_nowait((list(hashes), staged))
         except queue.Full:
             self.stats.save_dropped_blocks += len(hashes)
+
+    def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks copied out of the cache. On CPU one single-threaded numpy gather over
+        the raw bytes (torch's copies run on its intra-op pool, which spins for
+        milliseconds on a busy host); on a device the gather kernel."""
+        cache = self.kv_cache
+        if cache.device.type != "cpu":
+            ids = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
+            return kernels.gather_blocks(cache, ids, check_values=False)
+        staged = cache.new_empty((len(block_ids), *cache.shape[1:]))
+        rows = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()  # [num_blocks, bytes]
+        out = staged.view(len(block_ids), -1).view(torch.uint8).numpy()
+        np.take(rows, np.asarray(block_ids, dtype=np.int64), axis=0, out=out, mode="clip")
+        return staged
 
     def _save_loop(self) -> None:
         while True:

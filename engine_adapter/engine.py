@@ -21,7 +21,7 @@ from engine_adapter.model import LlamaForCausalLM
 from engine_adapter.model_runner import ModelRunner
 from engine_adapter.request import FinishReason, Request, RequestOutput
 from engine_adapter.sampling import SamplingParams, sample
-from engine_adapter.scheduler import ScheduledRequest, Scheduler, cdiv
+from engine_adapter.scheduler import Scheduler, cdiv
 from kvstore.keys import Namespace, hash_blocks
 
 Prompt = str | Sequence[int]

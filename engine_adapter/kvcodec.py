@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import kernels
-from kvstore.keys import CODECS, DTYPE_BYTES, ZSTD_HEADER_BYTES, encoded_block_bytes
+from kvstore.keys import CODECS, ZSTD_HEADER_BYTES, encoded_block_bytes
 
 ZSTD_LEVEL = 1  # level 3 measured no smaller on fp32 KV and ~2x slower
 

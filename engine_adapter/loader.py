@@ -14,6 +14,7 @@ import torch
 from engine_adapter.config import ModelConfig
 from engine_adapter.errors import ModelLoadError
 from engine_adapter.model import LlamaForCausalLM
+from engine_adapter.hf_config import model_config_from_hf
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -113,7 +114,7 @@ def from_state_dict(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
 
 def from_transformers(hf_model: Any, dtype: str = "float32", name: str | None = None) -> LlamaForCausalLM:
     """From a loaded transformers Llama / Mistral / Qwen2 causal LM (weights copied)."""
-    cfg = ModelConfig.from_hf(hf_model.config, name=name)
+    cfg = model_config_from_hf(hf_model.config, name=name)
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     return from_state_dict(cfg, state, dtype)
 
@@ -125,7 +126,7 @@ def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"no *.safetensors in {path!r}")
-    cfg = ModelConfig.from_hf(_hf_config(path), name=os.path.basename(os.path.normpath(path)))
+    cfg = model_config_from_hf(_hf_config(path), name=os.path.basename(os.path.normpath(path)))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(file))

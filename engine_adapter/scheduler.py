@@ -44,6 +44,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool, connector: StoreConnector | None) -> None:
         self.config, self.pool, self.connector = config, pool, connector
         self.bt = config.block_tokens
+        # tokens one request computes per step at most: a long prefill leaves the rest of
+        # the step's budget to decodes and short prefills instead of stalling them
+        self.chunk = config.max_prefill_chunk_tokens or config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.exhausted: list[Request] = []   # finished here (filled the cache), not yet reported
@@ -72,7 +75,7 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted by an earlier (older) request of this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.chunk)
             if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
                 continue
             out.append(ScheduledRequest(req, n))
@@ -140,7 +143,7 @@ class Scheduler:
             if self._outgrows_cache(req.num_tokens):
                 self._exhaust(req)   # preempted with a cache's worth of tokens (TRUNCATE)
                 continue
-            n = self._admit(req, budget)
+            n = self._admit(req, min(budget, self.chunk))
             if n is None:
                 passed.append(req)
                 continue

@@ -1,8 +1,8 @@
-"""kvtier's storage tier. `kvstore.Client` / `kvstore.AsyncClient` load on first use, so
-`import kvstore` stays light (no torch, no sockets)."""
+"""kvtier's storage tier. `kvstore.connect` / `kvstore.Client` / `kvstore.AsyncClient` load on
+first use, so `import kvstore` stays light (no torch, no sockets)."""
 from __future__ import annotations
 
-__all__ = ["AsyncClient", "Client"]
+__all__ = ["AsyncClient", "Client", "connect"]
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ Tensor-parallel sharding is not in the chain: it goes next to the hash in the ob
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -108,14 +109,9 @@ class Namespace:
 
     @property
     def root_hash(self) -> BlockHash:
-        fingerprint = b"".join(
-            [_RECIPE, _field(self.model), _field(self.revision), _field(self.dtype),
-             _field(KV_LAYOUT), struct.pack("<4I", self.num_layers, self.num_kv_heads,
-                                            self.head_dim, self.block_tokens),
-             _field(self.tenant)]
-            + ([] if self.codec == "raw" else [_field("codec"), _field(self.codec)])
-        )
-        return BlockHash(xxhash.xxh3_128_digest(fingerprint))
+        return _root_hash(self.model, self.revision, self.dtype, self.num_layers,
+                          self.num_kv_heads, self.head_dim, self.block_tokens, self.tenant,
+                          self.codec)
 
     @property
     def ns_id(self) -> int:
@@ -134,6 +130,16 @@ def encoded_block_bytes(codec: str, block_shape: tuple[int, ...], dtype_bytes: i
     if codec == "zstd":
         return ZSTD_HEADER_BYTES + -(-raw * ZSTD_SLOT_NUM // ZSTD_SLOT_DEN)
     raise ValueError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
+
+
+@functools.lru_cache(maxsize=4096)  # read on every block header check: computed once
+def _root_hash(model: str, revision: str, dtype: str, num_layers: int, num_kv_heads: int,
+               head_dim: int, block_tokens: int, tenant: str, codec: str) -> BlockHash:
+    fingerprint = b"".join(
+        [_RECIPE, _field(model), _field(revision), _field(dtype), _field(KV_LAYOUT),
+         struct.pack("<4I", num_layers, num_kv_heads, head_dim, block_tokens), _field(tenant)]
+        + ([] if codec == "raw" else [_field("codec"), _field(codec)]))
+    return BlockHash(xxhash.xxh3_128_digest(fingerprint))
 
 
 def _as_int32_bytes(token_ids: Sequence[int] | np.ndarray) -> memoryview:

@@ -52,6 +52,9 @@ TORCH_DTYPES = {
 CODEC_CODES = {name: code for code, name in enumerate(CODECS)}  # raw = 0: the old reserved field
 
 
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
 class BlockHeader(NamedTuple):
     ns_id: int
     dtype: str
@@ -101,13 +104,12 @@ def decode_header(buf) -> BlockHeader:
     if version != FORMAT_VERSION:
         raise BlockFormatError(f"block format version {version} is not supported "
                                f"(this build reads version {FORMAT_VERSION})")
-    names = {code: name for name, code in DTYPE_CODES.items()}
-    if dcode not in names or ndim != 5:
+    if dcode not in _DTYPE_NAMES or ndim != 5:
         raise BlockFormatError(f"bad dtype code {dcode} or ndim {ndim} in block header")
     shape, (csum, bhash, ccode) = tuple(rest[:5]), rest[5:]
     if ccode >= len(CODECS):
         raise BlockFormatError(f"bad codec code {ccode} in block header")
-    return BlockHeader(ns_id, names[dcode], shape, csum, bhash, CODECS[ccode])
+    return BlockHeader(ns_id, _DTYPE_NAMES[dcode], shape, csum, bhash, CODECS[ccode])
 
 
 def decode_block(ns: Namespace, buf, expect_hash: bytes | None = None) -> tuple[BlockHeader, memoryview]:

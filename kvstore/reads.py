@@ -19,7 +19,7 @@ from kvstore.buffers import byte_rows, select_rows
 from kvstore.errors import TierIOError
 from kvstore.events import TierKind
 from kvstore.keys import check_hashes
-from kvstore.placement import Entry, visible
+from kvstore.tiermap import Entry, visible
 
 log = logging.getLogger("kvtier.store")
 NO_SLOT = -1  # fetch_n: a hit whose bytes were copied, not leased
@@ -32,7 +32,7 @@ class Lease(NamedTuple):
 
 
 class Reads:
-    """Mixin of TieredStore (its lock `_lock`, placement `_p`, config, leases)."""
+    """Mixin of TieredStore (its lock `_lock`, tier map `_p`, config, leases)."""
 
     def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
         """Copy each stored block into its destination (one writable buffer of all blocks, or

@@ -12,7 +12,6 @@ evicting from the last tier drops. A hit in a lower tier is promoted when config
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import math
@@ -27,7 +26,8 @@ from kvstore.errors import ReservationError, StoreClosedError, TierIOError
 from kvstore.events import EventKind, KVEvent, TierKind
 from kvstore.keys import Namespace, check_hashes
 from kvstore.layout import decode_block
-from kvstore.placement import Entry, Move, Placement, State, group_by_tier, visible
+from kvstore.tiermap import Entry, Move, TierMap, State, group_by_tier, visible
+from kvstore.grants import Grants
 from kvstore.reads import NO_SLOT, Lease, Reads  # noqa: F401 - re-exported
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier
@@ -53,7 +53,7 @@ def make_tier(ns: Namespace, cfg: TierConfig) -> Tier:
     return SsdTier(ns, cfg.path, cfg.capacity_blocks, durable=cfg.durable)
 
 
-class TieredStore(Reads):
+class TieredStore(Reads, Grants):
     def __init__(self, ns: Namespace, config: StoreConfig) -> None:
         self.ns, self.config = ns, config
         self._lock = threading.Lock()
@@ -61,13 +61,14 @@ class TieredStore(Reads):
         try:  # a store that fails to open holds nothing afterwards (memory, descriptors)
             for cfg in config.tiers:
                 tiers.append(make_tier(ns, cfg))
-            self._p = Placement(tiers, config.node_id, config.event_buffer, ns.block_bytes)
+            self._p = TierMap(tiers, config.node_id, config.event_buffer, ns.block_bytes)
             self._p.recover()
         except BaseException:
             for tier in tiers:
                 tier.close()
             raise
         self._reservations: dict[int, tuple[float, list[Entry]]] = {}  # id -> (deadline, entries)
+        self._granted: set[int] = set()  # DRAM slots granted to same-host writers (grants.py)
         self._leases: dict[int, tuple[float, list[Entry]]] = {}
         self._ids = itertools.count(1)
         self._num_misses = 0
@@ -292,7 +293,7 @@ class TieredStore(Reads):
             self._p.expire_soft_pins(now)
         self._make_room(self._over_watermarks)
 
-    def _over_watermarks(self, p: Placement) -> list[Move]:
+    def _over_watermarks(self, p: TierMap) -> list[Move]:
         moves = []
         for i, (tier, cfg) in enumerate(zip(p.tiers, self.config.tiers)):
             if tier.num_slots - tier.num_free() > cfg.high_watermark * tier.num_slots:
@@ -315,7 +316,7 @@ class TieredStore(Reads):
         self._make_room(lambda p: p.plan_room(i, n))
 
     def _make_room(self, plan) -> None:
-        """Demotion in three steps, so no tier is written under the lock: `plan(placement)`
+        """Demotion in three steps, so no tier is written under the lock: `plan(tier_map)`
         picks victims and reserves their new slots (locked), the copies run unlocked, the
         moves commit (locked). Meanwhile the victims stay readable where they were."""
         with self._lock:

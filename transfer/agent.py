@@ -2,7 +2,6 @@
 posts READ/WRITE transfers by index through the best backend per peer."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import threading
@@ -10,6 +9,7 @@ import uuid
 from collections import deque
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from . import backends
@@ -102,7 +102,7 @@ class Agent:
         """Learn (or refresh) a peer from its `metadata()`; returns the peer's name. `key`:
         what that peer granted this side (when it requires one)."""
         self._check_open()
-        meta = dataclasses.replace(AgentMetadata.decode(metadata), access_key=bytes(key))
+        meta = msgspec.structs.replace(AgentMetadata.decode(metadata), access_key=bytes(key))
         for b in self._backends.values():
             b.add_peer(meta)
         self._peers[meta.name] = meta

@@ -1,9 +1,10 @@
-"""What every engine plugin shares: the store contract and how a plugin opens its store.
+"""What every engine plugin shares: how a plugin opens its store.
 
-A plugin talks to kvtier through `KVStoreLike` (the four batched calls below), so an
-in-process `TieredStore` or a `kvstore.Client` of a `kvtier serve` daemon plugs in alike.
-Which one is chosen by `StoreSpec`: `url` for a daemon, else `path` for a local store
-directory (DRAM tier + RocksDB SSD tier under it).
+A plugin talks to kvtier through `kvstore.api.BlockStore` (batched put_n / get_n /
+contains_n / match_prefix), so an in-process `TieredStore`, a `kvstore.Client` of a
+`kvtier serve` daemon or a `ClusterClient` of a pool plug in alike. Which one is chosen by
+`StoreSpec`: `url` for a daemon or pool (`kvstore.connect`), else `path` for a local store
+directory (DRAM tier + SSD tier under it).
 
 Block hashes are always computed by kvtier (`kvstore.keys.hash_blocks`) from the token ids,
 never taken from the engine, so they agree across processes, restarts and engines.
@@ -12,22 +13,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping
 
+from kvstore import env
+from kvstore.api import BlockStore
 from kvstore.keys import Namespace
-
-
-class KVStoreLike(Protocol):
-    """The four calls a plugin makes. `get_n` returns None per miss (absent or corrupt: never
-    wrong bytes); `match_prefix(...).num_blocks` is the longest stored prefix."""
-
-    def put_n(self, hashes: Sequence[bytes], srcs: Any) -> list: ...
-    def get_n(self, hashes: Sequence[bytes], dsts: Any) -> list: ...
-    def match_prefix(self, hashes: Sequence[bytes]) -> Any: ...
-    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]: ...
-
-
-ENV_URL, ENV_TOKEN, ENV_PATH = "KVTIER_URL", "KVTIER_TOKEN", "KVTIER_PATH"
 
 
 @dataclass(frozen=True)
@@ -43,7 +33,7 @@ class StoreSpec:
     def __post_init__(self) -> None:
         if not self.url and not self.path:
             raise ValueError("kvtier needs a store: set kvtier_url (a `kvtier serve` daemon, "
-                             f"or ${ENV_URL}) or kvtier_path (a local store directory, or ${ENV_PATH})")
+                             f"or ${env.URL}) or kvtier_path (a local store directory, or ${env.PATH})")
         if self.dram_blocks < 0 or self.ssd_blocks <= 0:
             raise ValueError("kvtier_dram_blocks must be >= 0 (0: SSD tier only) and "
                              "kvtier_ssd_blocks > 0")
@@ -53,34 +43,20 @@ class StoreSpec:
         """From an engine's string-keyed config (`kvtier_url`, `kvtier_token`, `kvtier_path`,
         `kvtier_dram_blocks`, `kvtier_ssd_blocks`), falling back to $KVTIER_URL/_TOKEN/_PATH."""
         return cls(
-            url=str(options.get("kvtier_url") or os.environ.get(ENV_URL, "")),
-            token=str(options.get("kvtier_token") or os.environ.get(ENV_TOKEN, "")),
-            path=str(options.get("kvtier_path") or os.environ.get(ENV_PATH, "")),
+            url=str(options.get("kvtier_url") or env.url()),
+            token=str(options.get("kvtier_token") or env.token()),
+            path=str(options.get("kvtier_path") or env.path()),
             dram_blocks=int(options.get("kvtier_dram_blocks", 1024)),
             ssd_blocks=int(options.get("kvtier_ssd_blocks", 65536)),
         )
 
 
-class _ClientStore:
-    """`kvstore.Client` under the plugin contract (the SDK names `contains_n` `exists_n`)."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-        self.put_n, self.get_n, self.match_prefix = client.put_n, client.get_n, client.match_prefix
-
-    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
-        return self.client.exists_n(hashes)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def open_store(ns: Namespace, spec: StoreSpec) -> KVStoreLike:
+def open_store(ns: Namespace, spec: StoreSpec) -> BlockStore:
     """A store for namespace `ns`; the caller closes it (`close()`) when done. A compressed
     namespace's store encodes on put and decodes on get (`coded`)."""
     if spec.url:
-        from kvstore.client import Client
-        return coded(_ClientStore(Client(spec.url, token=spec.token, namespace=ns)), ns)
+        from kvstore.client import connect
+        return coded(connect(spec.url, token=spec.token, namespace=ns), ns)
     from kvstore.config import StoreConfig, TierConfig
     from kvstore.store import TieredStore
     ssd_dir = os.path.join(spec.path, f"{ns.ns_id:016x}")
@@ -89,7 +65,7 @@ def open_store(ns: Namespace, spec: StoreSpec) -> KVStoreLike:
     return coded(TieredStore(ns, StoreConfig((*dram, ssd))), ns)
 
 
-def coded(store: KVStoreLike, ns: Namespace) -> KVStoreLike:
+def coded(store: BlockStore, ns: Namespace) -> BlockStore:
     """`store` as is for a raw namespace; else wrapped to encode blocks of `ns.codec` on
     put and decode them on get (engine_adapter.kvcodec.CodedStore)."""
     if ns.codec == "raw":
@@ -103,7 +79,7 @@ def coded(store: KVStoreLike, ns: Namespace) -> KVStoreLike:
 _SHARED: dict[tuple[StoreSpec, bytes], list] = {}   # (spec, ns root) -> [store, users]
 
 
-def shared_store(ns: Namespace, spec: StoreSpec) -> KVStoreLike:
+def shared_store(ns: Namespace, spec: StoreSpec) -> BlockStore:
     """One store per (spec, namespace) in this process, counted: an engine whose scheduler
     and workers share a process (vLLM's uniproc CPU path) opens a local RocksDB only once."""
     key = (spec, bytes(ns.root_hash))
@@ -114,7 +90,7 @@ def shared_store(ns: Namespace, spec: StoreSpec) -> KVStoreLike:
     return entry[0]
 
 
-def release_store(store: KVStoreLike) -> None:
+def release_store(store: BlockStore) -> None:
     """Drop one user of a `shared_store`; the last one closes it."""
     for key, entry in list(_SHARED.items()):
         if entry[0] is store:
@@ -125,7 +101,7 @@ def release_store(store: KVStoreLike) -> None:
             return
 
 
-def close_store(store: KVStoreLike) -> None:
+def close_store(store: BlockStore) -> None:
     close = getattr(store, "close", None)
     if close is not None:
         close()

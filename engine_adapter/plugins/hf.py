@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine_adapter.plugins.base import KVStoreLike, StoreSpec, coded, dtype_name, open_store
+from engine_adapter.plugins.base import StoreSpec, coded, dtype_name, open_store
+from kvstore.api import BlockStore
 from kvstore.keys import Namespace, hash_blocks
 
 
@@ -71,7 +72,7 @@ def blocks_to_cache(blocks: torch.Tensor, config) -> Any:
 class KVTierGenerate:
     """`generate` with kvtier prefix offload for one transformers model."""
 
-    def __init__(self, model, store: KVStoreLike | StoreSpec, *, model_id: str | None = None,
+    def __init__(self, model, store: BlockStore | StoreSpec, *, model_id: str | None = None,
                  block_tokens: int = 16, tenant: str = "", codec: str = "raw") -> None:
         """`store`: a StoreSpec, or a store of this model's namespace (with `codec`, which
         this wrapper encodes before each put and decodes after each get)."""
@@ -136,7 +137,7 @@ class KVTierGenerate:
             self.store = None
 
 
-def enable_kvtier(model, store: KVStoreLike | StoreSpec, **options) -> KVTierGenerate:
+def enable_kvtier(model, store: BlockStore | StoreSpec, **options) -> KVTierGenerate:
     """Patch `model.generate` in place; returns the wrapper (its `.last` has the stats)."""
     wrapper = KVTierGenerate(model, store, **options)
     model.generate = wrapper.generate

@@ -38,10 +38,10 @@ _STOP = object()
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, flush_on_finish: bool = False) -> None:
-        """`flush_on_finish`: wait for a finished request's store saves before reporting it
-        (a prefill worker's blocks must be in the pool before the decode side fetches them)."""
-        self.engine, self.flush_on_finish = engine, flush_on_finish
+    def __init__(self, engine: LLMEngine, after_step: Callable[[], None] | None = None) -> None:
+        """`after_step`: called on the loop thread after every step (e.g. to turn cache
+        changes into KV events, which only that thread may read)."""
+        self.engine, self.after_step = engine, after_step
         self._inbox: queue.Queue = queue.Queue()
         self._callbacks: dict[str, Callback] = {}
         self._reqs: dict[str, Request] = {}
@@ -94,9 +94,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         outs = self.engine.step()
-        done = [o.request_id for o in outs if o.finished]
-        if done and self.flush_on_finish and self.engine.connector is not None:
-            self.engine.connector.flush()
+        if self.after_step is not None:
+            self.after_step()
         for o in outs:
             cb = self._callbacks.get(o.request_id)
             req = self._reqs.get(o.request_id)

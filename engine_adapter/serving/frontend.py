@@ -1,5 +1,7 @@
 """The OpenAI-compatible front end (aiohttp): /v1/models, /v1/completions,
-/v1/chat/completions (SSE streaming or not), /metrics, /healthz and /cluster.
+/v1/chat/completions (SSE streaming or not), /metrics, /healthz, /cluster (workers, the
+fitted cost model, the block index per node) and /cluster/locate (which nodes hold a
+prompt's prefix, as the router's KV-event-fed index has it).
 
     app = create_app(FrontendConfig(model="..."), router)   # router: serving.router.Router
 
@@ -56,6 +58,9 @@ class Metrics:
                                      "from a cache", ["source"], registry=r)
         self.computed_tokens = Counter("kvtier_computed_prompt_tokens", "prompt tokens the "
                                        "prefill computed", registry=r)
+        self.decode_loaded_tokens = Counter("kvtier_decode_loaded_tokens", "prompt tokens "
+                                            "decode workers loaded from the pool instead of "
+                                            "recomputing them after a handoff", registry=r)
         self.output_tokens = Counter("kvtier_generation_tokens", "output tokens", registry=r)
         self.worker_up = Gauge("kvtier_worker_up", "1 while a worker is alive", ["worker", "role"],
                                registry=r)
@@ -87,6 +92,7 @@ def create_app(cfg: FrontendConfig, router: Router, tokenizer: Any = None) -> we
     app.cleanup_ctx.append(cluster_ctx)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/cluster", _cluster)
+    app.router.add_post("/cluster/locate", _locate)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", lambda r: _serve(r, chat=False))
@@ -108,9 +114,33 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _cluster(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     return web.json_response({"pooled": router.pooled, "policy": router.policy_kind.value,
+                              "cost_model": router.cost_summary(),
                               "workers": [{"name": w.name, "role": w.role.value, "pid": w.pid,
                                            "url": w.url, "alive": w.alive, "inflight": w.inflight}
-                                          for w in router.workers]})
+                                          for w in router.workers],
+                              "index": _index_summary(router.index)})
+
+
+def _index_summary(index) -> dict:
+    """Per node of the router's block index: blocks by tier, and whether it is stale."""
+    from kvstore.events import TierKind
+    return {n: {"stale": index.is_stale(n), **{t.name.lower(): len(index.blocks_of(n, t))
+                                              for t in TierKind if index.blocks_of(n, t)}}
+            for n in index.node_ids()}
+
+
+async def _locate(request: web.Request) -> web.Response:
+    """Where the router believes a prompt's prefix is cached: {"prompt": "..." or [ids]}
+    -> {"blocks": full blocks of the prompt, "nodes": {node: leading blocks it holds}}."""
+    try:
+        body = await request.json()
+        req = api.parse(body, bool(body.get("messages")), request.app[CFG_KEY].model)
+    except (json.JSONDecodeError, api.BadRequest, AttributeError) as e:
+        return _error(400, f"POST a completions or chat body: {e}", "invalid_request_error")
+    hashes = _hashes(request.app, _tokenize(request.app, req))
+    match = request.app[ROUTER_KEY].index.query(hashes)
+    return web.json_response({"blocks": len(hashes),
+                              "nodes": {n: match.length(n) for n in match.nodes()}})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -153,15 +183,13 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(400, str(e), "invalid_request_error")
     rid = f"cmpl-{uuid.uuid4().hex[:16]}"
     try:
-        pw, dw, placement = app[ROUTER_KEY].place(_hashes(app, ids), len(ids),
-                                                  req.params["max_tokens"])
+        pw, dw, _, est = app[ROUTER_KEY].place(_hashes(app, ids), len(ids),
+                                               req.params["max_tokens"])
     except NoWorkerError as e:
         m.requests.labels("unavailable").inc()
         return _error(503, str(e), "service_unavailable")
     headers = {"X-Kvtier-Prefill-Worker": pw.name, "X-Kvtier-Decode-Worker": dw.name}
-    bt = app[NS_KEY].block_tokens
-    uncached = len(ids) - (placement.cached_blocks + placement.fetch_blocks) * bt
-    gen = _generate(app, rid, ids, req.params, pw, dw, max(1, uncached))
+    gen = _generate(app, rid, ids, req.params, pw, dw, est)
     if req.stream:
         return await _stream(request, req, rid, gen, headers)
     return await _unary(req, rid, gen, headers, m)
@@ -174,69 +202,85 @@ def _hashes(app: web.Application, ids: list[int]) -> tuple[bytes, ...]:
     return tuple(bytes(h) for h in hash_blocks(ns, ids[:full]))
 
 
+class _Booking:
+    """The work a request books on its prefill worker (what the router sees as that
+    worker's backlog): its prefill until the first token, then, on a colocated worker, its
+    decode until the last."""
+
+    def __init__(self, w, est) -> None:
+        self.w, self.decode_s = w, est.decode_s
+        w.booked[self] = est.prefill_s + est.decode_s
+
+    def prefilled(self) -> None:
+        if self in self.w.booked:
+            self.w.booked[self] = self.decode_s
+
+    def done(self) -> None:
+        self.w.booked.pop(self, None)
+
+
+async def _first(router, pw, dw, g: GenerateRequest, m: Metrics):
+    """(first event, the rest of the stream or None, cached prompt tokens)."""
+    if pw.role is Role.COLOCATED:
+        events = router.stream(pw, "/generate", pack(g))
+        first = await events.__anext__()
+        local, loaded = first.num_local_hit_tokens, first.num_loaded_tokens
+    else:
+        res = await router.prefill(pw, g)
+        local, loaded = res.num_local_hit_tokens, res.num_loaded_tokens
+        first = _FirstEvent((res.first_token_id,), res.first_text, res.finished,
+                            res.finish_reason)
+        events = None if res.finished else router.stream(dw, "/decode", res.handoff)
+    _count_prompt(m, len(g.prompt_token_ids), local, loaded)
+    return first, events, local + loaded
+
+
 async def _generate(app: web.Application, rid: str, ids: list[int], params: dict, pw, dw,
-                    estimate: int) -> AsyncIterator[Progress]:
+                    est) -> AsyncIterator[Progress]:
     """Progress of one request, recording its metrics; raises the router's errors."""
     router, m = app[ROUTER_KEY], app[METRICS_KEY]
-    g = GenerateRequest(rid, tuple(ids), params)
-    start, first_at, n_prompt = time.perf_counter(), None, len(ids)
-    workers = {pw, dw}
-    for w in workers:
+    start, n_prompt, booking = time.perf_counter(), len(ids), _Booking(pw, est)
+    for w in {pw, dw}:
         w.inflight += 1
-    pw.queued_tokens += estimate
-    queued = True
-    last = Progress("", 0, None, 0, n_prompt)
     try:
-        if pw.role is Role.COLOCATED:
-            events = router.stream(pw, "/generate", pack(g))
-            first = await events.__anext__()
-            pw.queued_tokens -= estimate
-            queued = False
-            cached = first.num_local_hit_tokens + first.num_loaded_tokens
-            router.report_blocks(pw, first.block_hashes)
-            _count_prompt(m, n_prompt, first.num_local_hit_tokens, first.num_loaded_tokens)
-        else:
-            res = await router.prefill(pw, g)
-            pw.queued_tokens -= estimate
-            queued = False
-            cached = res.num_local_hit_tokens + res.num_loaded_tokens
-            router.report_blocks(pw, res.block_hashes)
-            _count_prompt(m, n_prompt, res.num_local_hit_tokens, res.num_loaded_tokens)
-            first = _FirstEvent((res.first_token_id,), res.first_text, res.finished,
-                                res.finish_reason)
-            events = None if res.finished else router.stream(dw, "/decode", res.handoff)
+        g = GenerateRequest(rid, tuple(ids), params)
+        first, events, cached = await _first(router, pw, dw, g, m)
+        booking.prefilled()
         first_at = time.perf_counter()
         m.ttft.observe(first_at - start)
         last = Progress(first.text, len(first.token_ids), first.finish_reason, cached, n_prompt)
         yield last
         if events is not None and not first.finished:
-            dw.streams += 1
-            dw.kv_tokens += n_prompt + params["max_tokens"]
-            try:
-                async for ev in events:
-                    last = Progress(ev.text, len(ev.token_ids), ev.finish_reason, cached, n_prompt)
-                    yield last
-            finally:
-                dw.streams -= 1
-                dw.kv_tokens -= n_prompt + params["max_tokens"]
+            async for last in _rest(dw, events, n_prompt + params["max_tokens"], cached,
+                                    n_prompt, m):
+                yield last
         if last.num_tokens > 1:
             m.tpot.observe((time.perf_counter() - first_at) / (last.num_tokens - 1))
         m.output_tokens.inc(last.num_tokens)
         m.requests.labels("ok").inc()
-    except WorkerDiedError:
-        m.requests.labels("worker_failed").inc()
-        raise
-    except WorkerRejectedError:
-        m.requests.labels("invalid").inc()
-        raise
-    except Exception:
-        m.requests.labels("error").inc()
+    except Exception as e:
+        m.requests.labels({WorkerDiedError: "worker_failed", WorkerRejectedError: "invalid"}
+                          .get(type(e), "error")).inc()
         raise
     finally:
-        if queued:
-            pw.queued_tokens -= estimate
-        for w in workers:
+        booking.done()
+        for w in {pw, dw}:
             w.inflight -= 1
+
+
+async def _rest(dw, events, kv_tokens: int, cached: int, n_prompt: int,
+                m: Metrics) -> AsyncIterator[Progress]:
+    """The stream after the first token, counted in the decode worker's load."""
+    dw.streams += 1
+    dw.kv_tokens += kv_tokens
+    try:
+        async for ev in events:
+            if dw.role is Role.DECODE:  # stats ride on a decode stream's first event only
+                m.decode_loaded_tokens.inc(ev.num_loaded_tokens)
+            yield Progress(ev.text, len(ev.token_ids), ev.finish_reason, cached, n_prompt)
+    finally:
+        dw.streams -= 1
+        dw.kv_tokens -= kv_tokens
 
 
 class _FirstEvent(NamedTuple):

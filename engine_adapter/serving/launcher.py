@@ -2,9 +2,13 @@
 
     kvtier cluster                         # 1 prefill + 1 decode worker over a pool, :8000
     kvtier cluster --prefill 2 --decode 2
+    kvtier cluster --colocated 2 --pool    # 2 workers doing both, sharing the pool
     kvtier cluster --colocated 2           # the baseline: 2 workers, no shared pool
 
-Ctrl-C (or SIGTERM) stops the front end, then every worker and the store node.
+Every process owns its CPU threads (`cpu_plan`): the workers split the cores, one torch /
+OpenMP thread pool each (never more threads than cores between them); the store node and
+the front end run with one thread each, since they only move bytes and messages. Ctrl-C
+(or SIGTERM) stops the front end, then every worker and the store node.
 """
 from __future__ import annotations
 
@@ -19,22 +23,26 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from engine_adapter.serving.protocol import Role
-from engine_adapter.serving.router import Router, WorkerHandle
+from engine_adapter.serving.router import POOL_NODE, Router, WorkerHandle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     prefill: int = 1
     decode: int = 1
-    colocated: int = 0               # > 0: the baseline, K workers and no pool
+    colocated: int = 0               # > 0: K workers doing prefill and decode
+    pool: bool = True                # colocated workers share the pool (always with P/D)
     host: str = "127.0.0.1"
     port: int = 8000
     num_blocks: int = 512            # each worker's paged KV cache, in blocks
+    max_num_seqs: int = 16           # requests each worker runs at once
+    chunk_tokens: int = 256          # prefill chunk: blocks reach the pool chunk by chunk
     dram_size: str = "2GiB"          # the pool's DRAM tier
     ssd_size: str = "0"              # the pool's SSD tier (0 = none)
     data_dir: str | None = None      # default: a temporary directory
@@ -46,8 +54,14 @@ class ClusterConfig:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
             raise ValueError("worker counts must be >= 0")
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
-            raise ValueError("a pooled cluster needs --prefill >= 1 and --decode >= 1 "
-                             "(or use --colocated K for the baseline)")
+            raise ValueError("a prefill/decode cluster needs --prefill >= 1 and --decode >= 1 "
+                             "(or use --colocated K)")
+        if self.chunk_tokens < 16:
+            raise ValueError("--chunk-tokens must be >= 16 (one block)")
+
+    @property
+    def pooled(self) -> bool:
+        return self.pool or not self.colocated
 
     @property
     def roles(self) -> list[tuple[str, Role]]:
@@ -56,6 +70,41 @@ class ClusterConfig:
         return ([(f"prefill-{i}", Role.PREFILL) for i in range(self.prefill)]
                 + [(f"decode-{i}", Role.DECODE) for i in range(self.decode)])
 
+    @property
+    def describe(self) -> str:
+        if self.colocated:
+            return f"{self.colocated} colocated, {'shared pool' if self.pool else 'no pool'}"
+        return f"{self.prefill} prefill + {self.decode} decode, shared pool"
+
+
+class CpuPlan(NamedTuple):
+    cores: int
+    worker_threads: int
+
+    def describe(self, cfg: ClusterConfig) -> str:
+        n = len(cfg.roles)
+        over = n * self.worker_threads > self.cores
+        return (f"cpu plan ({self.cores} cores): {n} workers x {self.worker_threads} torch "
+                f"thread{'s' if self.worker_threads > 1 else ''}"
+                + (", store node 1 thread" if cfg.pooled else "")
+                + ", front end 1 thread (event loops and memcpy, mostly idle)"
+                + (f"; WARNING: {n * self.worker_threads} worker threads on {self.cores} "
+                   "cores: they will slow each other down" if over else ""))
+
+
+def cpu_plan(cfg: ClusterConfig) -> CpuPlan:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return CpuPlan(cores or 1, cfg.threads or max(1, (cores or 1) // len(cfg.roles)))
+
+
+def own_threads(n: int) -> None:
+    """Pin this process's torch and OpenMP pools to `n` threads (and its children's)."""
+    for var in THREAD_VARS:
+        os.environ[var] = str(n)
+    if "torch" in sys.modules:
+        import torch
+        torch.set_num_threads(n)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -63,19 +112,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1",
+            **{var: str(threads) for var in THREAD_VARS}}
+
+
 class Store:
-    """A `kvtier serve` child process on free loopback ports."""
+    """The store node (`kvtier serve` + the router's event route) on free loopback ports."""
 
     def __init__(self, cfg: ClusterConfig, data_dir: str, log) -> None:
         self.port, self.http_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvstore.daemon", "--port", str(self.port),
                "--http-port", str(self.http_port), "--data-dir", data_dir, "--dram-size",
-               cfg.dram_size, "--ssd-size", cfg.ssd_size, "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+               cfg.dram_size, "--ssd-size", cfg.ssd_size, "--node-id", POOL_NODE,
+               "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                     env=child_env(1))
 
     @property
     def url(self) -> str:
         return f"kvtier://127.0.0.1:{self.port}"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -84,7 +144,7 @@ class Store:
                 raise RuntimeError(f"the store node (kvtier serve) exited with code "
                                    f"{self.proc.returncode}; see its output above")
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthz", timeout=2)
+                urllib.request.urlopen(f"{self.control_url}/healthz", timeout=2)
                 return
             except OSError:
                 time.sleep(0.1)
@@ -96,12 +156,12 @@ def spawn_worker(cfg: ClusterConfig, name: str, role: Role, store_url: str | Non
     port = free_port()
     cmd = [sys.executable, "-m", "engine_adapter.serving.worker", "--name", name, "--role",
            role.value, "--port", str(port), "--num-blocks", str(cfg.num_blocks),
+           "--max-num-seqs", str(cfg.max_num_seqs), "--chunk-tokens", str(cfg.chunk_tokens),
            "--threads", str(threads)]
     if store_url:
         cmd += ["--store", store_url]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env=child_env(threads))
     return WorkerHandle(name, role, f"http://127.0.0.1:{port}", proc)
 
 
@@ -118,7 +178,7 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
 
 @contextlib.contextmanager
 def cluster_processes(cfg: ClusterConfig) -> Iterator[Router]:
-    """Start the store (pool mode) and the workers; yields a Router over them (not yet
+    """Start the store (when pooled) and the workers; yields a Router over them (not yet
     started: the front end's startup waits for the workers). Stops them all on exit."""
     from kvstore.scheduler import PolicyKind
 
@@ -129,22 +189,23 @@ def cluster_processes(cfg: ClusterConfig) -> Iterator[Router]:
         log = (stack.enter_context(open(os.path.join(tmp, "workers.log"), "ab"))
                if cfg.quiet_workers else None)
         try:
+            own_threads(1)  # the front end: an event loop, hashing and JSON
             store = None
-            if not cfg.colocated:
+            if cfg.pooled:
                 store = Store(cfg, os.path.join(tmp, "store"), log)
                 procs.append(store.proc)
                 store.wait_healthy()
             # convert the model once here, not in every worker at once
             from engine_adapter.serving.model_cache import ensure_cached
             ensure_cached()
-            roles = cfg.roles
-            threads = cfg.threads or max(1, (os.cpu_count() or 1) // len(roles))
+            plan = cpu_plan(cfg)
             workers = []
-            for name, role in roles:
+            for name, role in cfg.roles:
                 workers.append(spawn_worker(cfg, name, role, store.url if store else None,
-                                            threads, log))
+                                            plan.worker_threads, log))
                 procs.append(workers[-1].proc)
-            yield Router(workers, PolicyKind(cfg.policy), pooled=not cfg.colocated)
+            yield Router(workers, PolicyKind(cfg.policy), pooled=cfg.pooled,
+                         store_control_url=store.control_url if store else None)
         finally:
             for p in reversed(procs):  # workers first (they flush to the store), then the store
                 stop_process(p)
@@ -154,23 +215,32 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="K",
-                   help="the baseline: K workers doing prefill and decode, no shared pool")
+                   help="K workers doing prefill and decode instead (no pool unless --pool)")
+    p.add_argument("--pool", action="store_true",
+                   help="with --colocated: the workers share a pool (a store node)")
     p.add_argument("--host", default="127.0.0.1", help="front end bind address")
     p.add_argument("--port", type=int, default=8000, help="front end port (default 8000)")
     p.add_argument("--num-blocks", type=int, default=512,
                    help="each worker's paged KV cache in 16-token blocks (default 512)")
+    p.add_argument("--max-num-seqs", type=int, default=16,
+                   help="requests each worker runs at once (default 16)")
+    p.add_argument("--chunk-tokens", type=int, default=256,
+                   help="prefill chunk in tokens: a request computes at most this many per step "
+                   "(decodes and short prefills share the step), and each chunk's blocks go to "
+                   "the pool while the next one computes (default 256)")
     p.add_argument("--dram-size", default="2GiB", help="the pool's DRAM tier (default 2GiB)")
     p.add_argument("--ssd-size", default="0", help="the pool's SSD tier (default 0 = none)")
     p.add_argument("--data-dir", help="store data and logs (default: a temporary directory)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per worker (default: cores / workers)")
+                   help="torch threads per worker (default: cores / workers, at least 1)")
     p.add_argument("--policy", default="conductor",
                    choices=["conductor", "prefix", "least_loaded", "round_robin", "random"])
 
 
 def config_from_args(a: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig(a.prefill, a.decode, a.colocated, a.host, a.port, a.num_blocks,
-                         a.dram_size, a.ssd_size, a.data_dir, a.threads, a.policy)
+    return ClusterConfig(a.prefill, a.decode, a.colocated, a.pool or not a.colocated, a.host,
+                         a.port, a.num_blocks, a.max_num_seqs, a.chunk_tokens, a.dram_size,
+                         a.ssd_size, a.data_dir, a.threads, a.policy)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -188,13 +258,13 @@ def run(a: argparse.Namespace) -> int:
         return 2
     with cluster_processes(cfg) as router:
         names = ", ".join(n for n, _ in cfg.roles)
-        print(f"kvtier cluster: starting {names}; the API opens at http://{cfg.host}:{cfg.port} "
-              "once every worker has loaded its model", flush=True)
+        print(f"kvtier cluster: starting {names} ({cfg.describe}); {cpu_plan(cfg).describe(cfg)}"
+              f"\nthe API opens at http://{cfg.host}:{cfg.port} once every worker has loaded its "
+              "model and measured its speed", flush=True)
 
         async def announce(app: web.Application) -> None:
-            print(f"kvtier cluster ready: http://{cfg.host}:{cfg.port}/v1 "
-                  f"({'colocated baseline' if cfg.colocated else 'pooled'}, policy {cfg.policy})",
-                  flush=True)
+            print(f"kvtier cluster ready: http://{cfg.host}:{cfg.port}/v1 ({cfg.describe}, "
+                  f"policy {cfg.policy}; {router.cost_summary()})", flush=True)
 
         app = create_app(FrontendConfig(), router)
         app.on_startup.append(announce)

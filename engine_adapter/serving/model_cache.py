@@ -16,14 +16,14 @@ import shutil
 import tempfile
 
 from engine_adapter.config import ModelConfig, RopeScaling
+from kvstore import env
 from engine_adapter.loader import load_smollm2, smollm2_path
 
 
 def cache_dir() -> str:
     path, gguf = smollm2_path()
     st = os.stat(os.path.join(path, gguf))
-    root = (os.environ.get("KVTIER_CACHE")
-            or os.path.join(os.path.expanduser("~"), ".cache", "kvtier"))
+    root = env.cache_root()
     return os.path.join(root, f"smollm2-{st.st_size}-{int(st.st_mtime)}")
 
 

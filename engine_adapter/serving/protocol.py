@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MSGPACK = "application/msgpack"
 _LEN = struct.Struct(">I")
 T = TypeVar("T")
@@ -41,6 +41,11 @@ class WorkerInfo:
     block_tokens: int
     max_model_len: int
     ns_fields: tuple          # Namespace(*ns_fields) rebuilds the worker's block namespace
+    threads: int = 1          # its torch threads
+    # timings measured at start (serving.calibrate), for the router's cost model:
+    prefill_samples: tuple = ()   # (new tokens, cached prefix tokens, seconds)
+    decode_samples: tuple = ()    # (batch size, KV tokens, seconds) per decode step
+    load_samples: tuple = ()      # (bytes read from the pool, seconds)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,16 @@
     python -m engine_adapter.serving.worker --role prefill --name prefill-0 --port 9001 \
         --store kvtier://127.0.0.1:7481
 
-Routes: GET /info (WorkerInfo), POST /prefill (GenerateRequest -> PrefillResult, role
-prefill), POST /decode (Handoff bytes -> TokenEvent frames, role decode), POST /generate
-(GenerateRequest -> TokenEvent frames, role colocated). Bodies are msgpack
-(`serving.protocol`). A client that disconnects aborts its request.
+Routes: GET /info (WorkerInfo, with the timings measured at start), POST /prefill
+(GenerateRequest -> PrefillResult, role prefill), POST /decode (Handoff bytes -> TokenEvent
+frames, role decode), POST /generate (GenerateRequest -> TokenEvent frames, role
+colocated), GET /kv/events?after=SEQ (the paged cache's KV events, `serving.kv_events`).
+Bodies are msgpack (`serving.protocol`). A client that disconnects aborts its request.
+
+The prefill answers as soon as the first token is sampled: the prompt's blocks have been
+streaming to the pool chunk by chunk (the connector's background saves) and only the last
+chunk's may still be on their way. The decode worker starts on the handoff at once and
+waits for just those blocks to be committed before its engine loads the prefix.
 """
 from __future__ import annotations
 
@@ -23,7 +29,10 @@ from engine_adapter.config import EngineConfig
 from engine_adapter.errors import InvalidRequestError
 from engine_adapter.request import FinishReason, Request
 from engine_adapter.sampling import SamplingParams
+from engine_adapter.serving.calibrate import Calibration, calibrate
 from engine_adapter.serving.engine_loop import EngineLoop
+from engine_adapter.serving.kv_events import CacheEventLog
+from kvstore.cluster.messages import EVENTS_KIND_HEADER
 from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, PrefillResult, ProtocolError,
                                              Role, TokenEvent, WorkerInfo, frame, pack, unpack)
 from engine_adapter.workers import Handoff
@@ -38,8 +47,10 @@ class WorkerConfig:
     store_url: str | None = None      # required for prefill / decode
     num_blocks: int = 512
     max_num_seqs: int = 16
+    chunk_tokens: int = 256           # prefill chunk: a request computes at most this per step
     threads: int = 1
-    
+    calibrate: bool = True            # measure prefill / decode / pool timings at start
+
     def __post_init__(self) -> None:
         if self.role is not Role.COLOCATED and not self.store_url:
             raise ValueError(f"a {self.role.value} worker needs --store (the pool's kvtier:// URL)")
@@ -47,6 +58,9 @@ class WorkerConfig:
 
 LOOP_KEY = web.AppKey("loop", EngineLoop)
 INFO_KEY = web.AppKey("info", WorkerInfo)
+EVENTS_KEY = web.AppKey("events", CacheEventLog)
+BLOCK_WAIT_S = 10.0      # a decode waits this long for a handoff's last blocks, then recomputes
+BLOCK_POLL_S = 0.002
 
 
 def build_engine(cfg: WorkerConfig):
@@ -55,8 +69,12 @@ def build_engine(cfg: WorkerConfig):
     from kvstore.keys import Namespace
 
     torch.set_num_threads(cfg.threads)
+    torch.set_num_interop_threads(1)
     model, tokenizer = load_cached()
-    ecfg = EngineConfig(num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs)
+    # a step holds one long prefill's chunk and as much again for decodes and short prefills
+    ecfg = EngineConfig(num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
+                        max_num_batched_tokens=2 * cfg.chunk_tokens,
+                        max_prefill_chunk_tokens=cfg.chunk_tokens)
     store = None
     if cfg.store_url:
         from kvstore.client import Client
@@ -67,22 +85,28 @@ def build_engine(cfg: WorkerConfig):
     return LLMEngine(model, ecfg, tokenizer=tokenizer, store=store)
 
 
-def create_app(cfg: WorkerConfig, engine) -> web.Application:
+def create_app(cfg: WorkerConfig, engine,
+               calibration: Calibration | None = None) -> web.Application:
     app = web.Application(client_max_size=64 * 2**20)
-    ns = engine.ns
+    ns, c = engine.ns, calibration or Calibration((), (), ())
     app[INFO_KEY] = WorkerInfo(cfg.name, cfg.role.value, engine.model.config.name, os.getpid(),
                                engine.config.num_blocks, engine.config.block_tokens,
                                engine.max_model_len,
                                (ns.model, ns.num_layers, ns.num_kv_heads, ns.head_dim, ns.dtype,
-                                ns.block_tokens, ns.revision, ns.tenant))
+                                ns.block_tokens, ns.revision, ns.tenant), cfg.threads,
+                               tuple(map(tuple, c.prefill)), tuple(map(tuple, c.decode)),
+                               tuple(map(tuple, c.load)))
+    app[EVENTS_KEY] = events = CacheEventLog(cfg.name, ns.ns_id, engine.pool.cached)
+    events.update()  # what calibration left in the cache is the starting point
 
     async def engine_ctx(app: web.Application):
-        app[LOOP_KEY] = EngineLoop(engine, flush_on_finish=cfg.role is Role.PREFILL)
+        app[LOOP_KEY] = EngineLoop(engine, after_step=events.update)
         yield
         await asyncio.get_running_loop().run_in_executor(None, app[LOOP_KEY].close)
 
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_get("/info", _info)
+    app.router.add_get("/kv/events", _kv_events)
     app.router.add_post("/prefill", _prefill)
     app.router.add_post("/decode", _decode)
     app.router.add_post("/generate", _generate)
@@ -91,6 +115,15 @@ def create_app(cfg: WorkerConfig, engine) -> web.Application:
 
 async def _info(request: web.Request) -> web.Response:
     return web.Response(body=pack(request.app[INFO_KEY]), content_type=MSGPACK)
+
+
+async def _kv_events(request: web.Request) -> web.Response:
+    try:
+        after = int(request.query["after"]) if "after" in request.query else None
+    except ValueError:
+        raise web.HTTPBadRequest(text="GET /kv/events[?after=<seq>]\n")
+    kind, body = request.app[EVENTS_KEY].read(after)
+    return web.Response(body=body, content_type=MSGPACK, headers={EVENTS_KIND_HEADER: kind})
 
 
 def _event(req: Request, with_stats: bool, block_tokens: int = 0) -> TokenEvent:
@@ -190,22 +223,45 @@ async def _decode(request: web.Request) -> web.StreamResponse:
     if h.generator_state is not None:
         gen = torch.Generator()
         gen.set_state(torch.frombuffer(bytearray(h.generator_state), dtype=torch.uint8))
+    await _blocks_committed(request.app[LOOP_KEY].engine, h.block_hashes)
     q = await _submit(request, h.request_id, h.prompt_token_ids, h.params,
-                      lambda r: _event(r, False), output_token_ids=[h.first_token_id],
+                      _first_with_stats(request), output_token_ids=[h.first_token_id],
                       generator=gen)
     return await _stream(request, h.request_id, q)
 
 
-async def _generate(request: web.Request) -> web.StreamResponse:
-    g, params = await _generate_body(request)
+async def _blocks_committed(engine, hashes: tuple[bytes, ...]) -> None:
+    """Wait until the pool holds every block of a handoff: the prefill answered as soon as
+    it sampled, while its last chunk's blocks were still being saved. Gives up after
+    BLOCK_WAIT_S (the engine then recomputes what is missing: slower, never wrong)."""
+    store, loop = engine.connector.store, asyncio.get_running_loop()
+    deadline = loop.time() + BLOCK_WAIT_S
+    while hashes and loop.time() < deadline:
+        try:
+            held = await loop.run_in_executor(None, store.contains_n, list(hashes))
+        except Exception:  # a store outage: the engine falls back to recompute
+            return
+        missing = held.index(False) if False in held else len(held)
+        hashes = hashes[missing:]  # a committed prefix stays committed: ask for the rest
+        if hashes:
+            await asyncio.sleep(BLOCK_POLL_S)
+
+
+def _first_with_stats(request: web.Request):
+    """A snapshot function whose first event carries the hit stats and prompt hashes."""
     first, bt = [True], request.app[INFO_KEY].block_tokens
 
     def snapshot(r: Request) -> TokenEvent:
-        ev = _event(r, first[0], bt)  # hit stats and hashes ride on the first event
+        ev = _event(r, first[0], bt)
         first[0] = False
         return ev
+    return snapshot
 
-    q = await _submit(request, g.request_id, g.prompt_token_ids, params, snapshot)
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    g, params = await _generate_body(request)
+    q = await _submit(request, g.request_id, g.prompt_token_ids, params,
+                      _first_with_stats(request))
     return await _stream(request, g.request_id, q)
 
 
@@ -217,13 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", dest="store_url")
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
     a = p.parse_args(argv)
     cfg = WorkerConfig(a.name, Role(a.role), a.port, store_url=a.store_url,
-                       num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs, threads=a.threads)
+                       num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+                       chunk_tokens=a.chunk_tokens, threads=a.threads, calibrate=a.calibrate)
     engine = build_engine(cfg)
+    calibration = calibrate(engine, cfg.name) if cfg.calibrate else None
     # SIGTERM / SIGINT: stop serving, flush pending saves (cleanup_ctx), exit 0.
-    web.run_app(create_app(cfg, engine), host=cfg.host, port=cfg.port, print=None,
+    web.run_app(create_app(cfg, engine, calibration), host=cfg.host, port=cfg.port, print=None,
                 handle_signals=True)
     return 0
 

@@ -1,10 +1,11 @@
-"""The kvtier SDK: `Client` (blocking) and `AsyncClient` (asyncio) for a `kvtier serve` daemon.
+"""The kvtier SDK: `Client` (blocking) and `AsyncClient` (asyncio) for a `kvtier serve` daemon,
+`ClusterClient` for a pool of them, and `connect(url)`, which picks by the URL.
 
-    from kvstore import Client
+    import kvstore
     from kvstore.keys import Namespace, hash_blocks
 
     ns = Namespace("HuggingFaceTB/SmolLM2-135M", num_layers=30, num_kv_heads=3, head_dim=64)
-    with Client("kvtier://127.0.0.1:7481", token="...", namespace=ns) as c:
+    with kvstore.connect("kvtier://127.0.0.1:7481", token="...", namespace=ns) as c:
         hashes = hash_blocks(ns, token_ids)
         c.put_n(hashes, blocks)                 # tensor [n, ...] or a list of buffers
         hit = c.match_prefix(hashes).num_blocks
@@ -14,4 +15,14 @@ from kvstore.client.aio import AsyncClient
 from kvstore.client.errors import ClientError, ConnectError, RequestTimeout
 from kvstore.client.sync import Client
 
-__all__ = ["AsyncClient", "Client", "ClientError", "ConnectError", "RequestTimeout"]
+
+def connect(url: str, token: str = "", namespace=None, **options):
+    """A `Client` for `kvtier://HOST:PORT` (one daemon), a `ClusterClient` for
+    `etcd://HOST:PORT[,...]/PREFIX` (a pool); `options` go to that class."""
+    if url.startswith("etcd://"):
+        from kvstore.client.cluster import ClusterClient
+        return ClusterClient(url, token, namespace, **options)
+    return Client(url, token, namespace, **options)
+
+
+__all__ = ["AsyncClient", "Client", "ClientError", "ConnectError", "RequestTimeout", "connect"]

@@ -1,139 +1,429 @@
-"""`AsyncClient`: the SDK's asyncio surface, the same methods as `Client` as coroutines.
+"""`AsyncClient`: the SDK on asyncio, the same ops as `Client` as coroutines.
 
-Each call runs the blocking client's call on this client's own thread pool: the data
-plane's bulk bytes move with blocking recv_into / sendmsg (which release the GIL and reach
-the raw socket figure), so the event loop only waits on a future and is never blocked. The
-exception is a small same-host read whose blocks the daemon's slot directory shows in DRAM:
-it is copied right on the loop (no request, a few microseconds per block), since a hop to
-the pool would cost more than the copy.
-"""
+Native: every request is a frame written and read on the event loop (`aconn`), with no
+thread pool in between, so thousands of concurrent calls cost coroutines, not threads.
+Bytes move as with `Client`: on the daemon's host through the namespace's shared arena
+(direct reads with no request, puts through the put channel or the staging segment, leased
+slots), elsewhere inline in the frames (received straight into the caller's buffers). The
+transfer-agent path (`Client(use_agent=True)`) is blocking and stays with `Client`.
+
+Copies into and out of shared memory run on the loop: a few microseconds per block, less
+than a hop to a thread would cost, but a multi-megabyte batch holds the loop for as long as
+its memcpy takes (~1 ms per 5 MB)."""
 from __future__ import annotations
 
 import asyncio
-import functools
-from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Sequence
 
-from kvstore.buffers import byte_rows
-from kvstore.client.sync import INLINE_PUT_BYTES, STAGED_PUT_BYTES, Client
+import numpy as np
+
+from kvstore import wire as w
+from kvstore.buffers import byte_rows, select_rows
+from kvstore.client.aconn import AsyncConnection
+from kvstore.client.conn import LocalAddress, parse_url
+from kvstore.client.errors import ConnectError, RequestTimeout
+from kvstore.client.putpath import DirectPuts
+from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TOUCH_BATCH, as_numpy,
+                                    copy_row, flags_of, get_layout, host_view, iter_rows,
+                                    match_of, put_statuses, stage, stats_of)
+from kvstore.client.shm import ArenaMap
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
+from kvstore.putring import DIRECT_PUTS
 from kvstore.stats import StoreStats
-from kvstore.store import MatchResult, PutStatus
-from transfer import BackendKind
+from kvstore.api import MatchResult, PutStatus, leading_hits
 
-
-INLINE_READ_BYTES = 4 << 20  # direct reads up to this size run on the event loop
+# failures after which a call is retried once on a fresh connection (daemon restarted)
+_RETRY = (ConnectionError, OSError, w.ProtocolError)
 
 
 class AsyncClient:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
-                 use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
-                 staged_put_bytes: int = STAGED_PUT_BYTES, use_agent: bool = False,
-                 agent_backends=(BackendKind.TCP,)) -> None:
-        """Connects lazily: the first call (or `await connect()`) opens the connection."""
-        self._args = (url, token, namespace)
-        self._kw = dict(timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                        pool_size=pool_size, use_shm=use_shm, inline_put_bytes=inline_put_bytes,
-                        staged_put_bytes=staged_put_bytes, use_agent=use_agent,
-                        agent_backends=agent_backends)
-        self._pool = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvtier-client")
-        self._client: Client | None = None
-        self._connecting: asyncio.Lock | None = None
+                 use_shm: bool = True, staged_put_bytes: int = STAGED_PUT_BYTES,
+                 direct_puts: bool = True) -> None:
+        """Connects lazily: the first call (or `await connect()`, or `async with`) opens the
+        first connection. `pool_size` idle connections are kept; concurrent calls open
+        more as they need them."""
+        if namespace is None:
+            raise ValueError("AsyncClient needs namespace=Namespace(model, num_layers, "
+                             "num_kv_heads, head_dim, ...): the model whose KV blocks it stores")
+        self.addr, self.token, self.ns = parse_url(url), token, namespace
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.pool_size, self.use_shm = pool_size, use_shm
+        self.staged_put_bytes = staged_put_bytes
+        self.direct_puts = use_shm and direct_puts and DIRECT_PUTS
+        self.block_bytes = namespace.block_bytes
+        self._idle: list[AsyncConnection] = []
+        self._arena: ArenaMap | None = None
+        self._local: LocalAddress | None = None
+        self._puts: DirectPuts | None = None
+        self._puts_conn: AsyncConnection | None = None
+        self._puts_lock: asyncio.Lock | None = None  # made on the loop, at first use
+        self._touched: list[bytes] = []
+        self._connected = self._closed = False
 
-    async def connect(self) -> "AsyncClient":
-        if self._client is None:
-            self._connecting = self._connecting or asyncio.Lock()
-            async with self._connecting:
-                if self._client is None:
-                    self._client = await self._in_pool(
-                        functools.partial(Client, *self._args, **self._kw))
+    async def connect(self) -> AsyncClient:
+        """Open (and check: address, token, namespace) a first connection now."""
+        if not self._connected:
+            async with self._conn():
+                pass
+            self._connected = True
         return self
 
-    async def _in_pool(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    # ------------------------------------------------------------ connections
 
-    async def _call(self, name: str, *args):
-        await self.connect()
-        return await self._in_pool(getattr(self._client, name), *args)
+    async def _open(self, addr) -> AsyncConnection:
+        return await AsyncConnection.open(addr, self.token, self.ns, self.timeout_s,
+                                          self.connect_timeout_s)
+
+    async def _new_conn(self) -> AsyncConnection:
+        """Over the daemon's local socket once found (same host), else over TCP."""
+        conn = None
+        if self._local is not None:
+            try:
+                conn = await self._open(self._local)
+            except ConnectError:
+                self._local = None  # the daemon restarted (a new socket): find it again
+        if conn is None:
+            conn = await self._open(self.addr)
+            if self.use_shm and conn.info.local_socket:
+                conn = await self._go_local(conn)
+        try:
+            await self._check_arena(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def _go_local(self, tcp: AsyncConnection) -> AsyncConnection:
+        local = LocalAddress(tcp.info.local_socket)
+        try:
+            conn = await self._open(local)
+        except (ConnectError, w.RemoteError, OSError):
+            return tcp  # another host (or network namespace): TCP it is
+        if conn.info.instance != tcp.info.instance:
+            conn.close()  # not the daemon we authenticated with over TCP
+            return tcp
+        tcp.close()
+        self._local = local
+        return conn
+
+    async def _check_arena(self, conn: AsyncConnection) -> None:
+        """Map the namespace's arena the first time, or again after the daemon replaced it."""
+        info = conn.info
+        if not conn.local or (self._arena is not None and self._arena.arena_id == info.arena_id):
+            return
+        arena = None
+        if info.arena_id:
+            reply, (arena_fd, dir_fd) = await conn.call_fds(w.Share(), 2)
+            arena = ArenaMap(reply, arena_fd, dir_fd, self.block_bytes)
+        old, self._arena = self._arena, arena
+        if old is not None:
+            old.close()
+
+    @asynccontextmanager
+    async def _conn(self) -> AsyncIterator[AsyncConnection]:
+        if self._closed:
+            raise ConnectError("this AsyncClient is closed")
+        conn = self._idle.pop() if self._idle else await self._new_conn()
+        try:
+            yield conn
+        except (w.RemoteError, ValueError, TypeError) as e:
+            if isinstance(e, w.RemoteError) and e.code is w.ErrorCode.UNAVAILABLE:
+                conn.close()
+            else:
+                self._give_back(conn)
+            raise
+        except BaseException:
+            conn.close()  # mid-frame (or cancelled): never reuse it
+            raise
+        else:
+            self._give_back(conn)
+
+    def _give_back(self, conn: AsyncConnection) -> None:
+        if len(self._idle) < self.pool_size and not self._closed:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    async def _run(self, fn, *args):
+        """await fn(conn, *args); on a dead connection (daemon restarted) retry once."""
+        for attempt in (0, 1):
+            try:
+                async with self._conn() as conn:
+                    return await fn(conn, *args)
+            except RequestTimeout:
+                raise
+            except _RETRY as e:
+                if isinstance(e, ConnectError) or attempt:
+                    raise ConnectError(f"lost the connection to {self.addr}: {e}") from e
+                self._drop_idle()
+            except w.RemoteError as e:
+                if e.code is not w.ErrorCode.UNAVAILABLE or attempt:
+                    raise
+                self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    async def _call(self, msg: w.Message):
+        await self._flush_puts()
+
+        async def op(conn: AsyncConnection):
+            await conn.flush_releases()
+            return (await conn.call(msg))[0]
+        return await self._run(op)
+
+    # ------------------------------------------------------------ writes
 
     async def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
-        return await self._call("put_n", hashes, srcs)
+        """Store blocks (see `Client.put_n`); on the daemon's host with no request while
+        the put channel's grants last."""
+        rows = byte_rows(srcs, len(hashes), self.block_bytes)
+        if not len(hashes):
+            return []
+        await self.connect()
+        puts = await self._direct_puts()
+        if puts is not None:
+            done = puts.put_n(hashes, rows)
+            if done is not None:
+                return done
+        return await self._run(self._put_n, w.pack_hashes(hashes), rows)
+
+    async def _direct_puts(self) -> DirectPuts | None:
+        arena = self._arena
+        if not self.direct_puts or arena is None or arena.directory is None:
+            return None
+        if self._puts is not None and self._puts.arena is arena:
+            return self._puts
+        async with self._lock():
+            if self._puts is not None and self._puts.arena is arena:
+                return self._puts
+            await self._drop_puts_locked()
+            conn = None
+            try:
+                conn = await self._open(self._local)
+                reply, fds = await conn.call_fds(w.Puts(), 2)
+                self._puts, self._puts_conn = DirectPuts(reply, fds, arena), conn
+            except (ConnectError, RequestTimeout, w.RemoteError, w.ProtocolError, OSError):
+                if conn is not None:
+                    conn.close()
+                self.direct_puts = False  # e.g. no DRAM tier there: requests it is
+                return None
+            return self._puts
+
+    def _lock(self) -> asyncio.Lock:
+        if self._puts_lock is None:
+            self._puts_lock = asyncio.Lock()
+        return self._puts_lock
+
+    async def _flush_puts(self) -> None:
+        """What this client put with no request is committed before its next request."""
+        if self._puts is None or not self._puts.pending():
+            return
+        async with self._lock():
+            if self._puts is None or not self._puts.pending():
+                return
+            try:
+                await self._puts_conn.call(w.Flush())
+            except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
+                await self._drop_puts_locked()  # the daemon went away; it committed what it had
+
+    async def _drop_puts_locked(self) -> None:
+        puts, conn = self._puts, self._puts_conn
+        self._puts = self._puts_conn = None
+        if puts is None:
+            return
+        try:
+            if puts.pending():
+                await conn.call(w.Flush())
+        except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
+            pass
+        finally:
+            conn.close()
+            puts.close()
+
+    async def _put_n(self, conn: AsyncConnection, packed: bytes, rows) -> list[PutStatus]:
+        await conn.flush_releases()
+        arena = self._arena if conn.local else None
+        n, stage_limit = len(packed) // 16, min(self.staged_put_bytes, MAX_STAGE_BYTES)
+        if arena is not None and n * self.block_bytes <= stage_limit:
+            stage(await conn.staging(stage_limit), rows, n, self.block_bytes)
+            reply, _ = await conn.call(w.Put(hashes=packed, staged=True))
+            return put_statuses(reply.statuses)
+        if arena is None:
+            reply, _ = await conn.call(w.Put(hashes=packed),
+                                       [as_numpy(r) for r in iter_rows(rows)])
+            return put_statuses(reply.statuses)
+        res, _ = await conn.call(w.Reserve(hashes=packed))
+        slots = np.frombuffer(res.slots, "<i8")
+        inline = []
+        try:
+            for i, (status, slot) in enumerate(zip(res.statuses, slots.tolist())):
+                if status == 0 and slot >= 0:
+                    copy_row(arena.rows[slot], rows[i])
+                elif status == 0:
+                    inline.append(as_numpy(rows[i]))
+        except BaseException:
+            await conn.call(w.Abort(reservation_id=res.reservation_id))
+            raise
+        try:
+            await conn.call(w.Commit(reservation_id=res.reservation_id), inline)
+        except w.RemoteError as e:
+            if e.code is not w.ErrorCode.NO_SPACE:
+                raise
+            return [PutStatus.NO_SPACE if s == 0 else st
+                    for s, st in zip(res.statuses, put_statuses(res.statuses))]
+        return put_statuses(res.statuses)
 
     async def put(self, key: bytes, value) -> PutStatus:
-        return await self._call("put", key, value)
+        return (await self.put_n([key], [value]))[0]
+
+    # ------------------------------------------------------------ reads
 
     async def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
+        """Copy each stored block into its destination (see `Client.get_n`): the tier it
+        was found in, or None for a miss."""
+        rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
+        if not len(hashes):
+            return []
         await self.connect()
-        c = self._client
-        arena = c._arena
-        if (arena is None or arena.directory is None or not len(hashes)
-                or len(hashes) * c.block_bytes > INLINE_READ_BYTES
-                or not arena.directory.writer_alive()):
-            return await self._in_pool(c.get_n, hashes, dsts)
-        rows = byte_rows(dsts, len(hashes), c.block_bytes, writable=True)
-        tiers, missed = c._direct_reads(arena, hashes, rows)
-        batch = c._due_touches()
-        if batch:
-            await self._in_pool(c._send_touches, batch)
+        await self._flush_puts()
+        tiers, missed = await self._read_direct(hashes, rows, False)
         if missed:
-            found = await self._in_pool(c.get_n, [hashes[i] for i in missed],
-                                        [rows[i] for i in missed])
+            found = await self._run(self._get_n, w.pack_hashes([hashes[i] for i in missed]),
+                                    select_rows(rows, missed))
             for i, t in zip(missed, found):
                 tiers[i] = t
         return tiers
 
-    get_n_into = get_n
+    async def _read_direct(self, hashes, rows, prefix: bool):
+        """The blocks the slot directory shows in DRAM, copied with no request (same host):
+        (tiers, indices left for the daemon)."""
+        arena = self._arena
+        if arena is None or arena.directory is None or not arena.directory.writer_alive():
+            return [None] * len(hashes), list(range(len(hashes)))
+        tiers, missed, touched = arena.read_direct(hashes, rows, prefix)
+        self._touched += touched
+        if len(self._touched) >= TOUCH_BATCH:
+            await self._send_touches()
+        return tiers, missed
+
+    async def _send_touches(self) -> None:
+        """Direct reads send nothing; the daemon learns of them (hits, LRU recency) in
+        TOUCH batches, best effort."""
+        batch, self._touched = self._touched, []
+        if batch:
+            try:
+                await self._call(w.Touch(hashes=w.pack_hashes(batch)))
+            except (ConnectError, RequestTimeout, w.RemoteError):
+                pass  # only statistics and recency are lost
+
+    async def _get_n(self, conn: AsyncConnection, packed: bytes, rows,
+                     prefix: bool = False) -> list[TierKind | None]:
+        arena = self._arena if conn.local else None
+        release, conn.pending_release = tuple(conn.pending_release), []
+        reply, payload_bytes = await conn.call(w.Get(hashes=packed, release=release,
+                                                     prefix=prefix, shm=arena is not None))
+        tiers, inline, leased, slots = get_layout(reply, payload_bytes, self.block_bytes)
+        for i in inline:
+            view, staging = host_view(rows[i])
+            await conn.recv_into(view)
+            if staging is not None:
+                copy_row(rows[i], staging)
+        if reply.lease_id:
+            try:
+                for i in leased:
+                    copy_row(rows[i], arena.rows[int(slots[i])])
+            finally:
+                conn.pending_release.append(reply.lease_id)
+        return tiers
 
     async def get_prefix_n(self, hashes: Sequence[bytes], dsts) -> MatchResult:
-        return await self._call("get_prefix_n", hashes, dsts)
+        """The longest stored prefix of `hashes`, its blocks copied into the first
+        destinations, in one round trip (none for a prefix shown in DRAM on this host)."""
+        rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
+        if not len(hashes):
+            return MatchResult(0, ())
+        await self.connect()
+        await self._flush_puts()
+        tiers, missed = await self._read_direct(hashes, rows, True)
+        tiers = tiers[:missed[0]] if missed else tiers
+        start = len(tiers)
+        if start < len(hashes):
+            tiers += await self._run(self._get_n, w.pack_hashes(hashes[start:]),
+                                     select_rows(rows, range(start, len(hashes))), True)
+        n = leading_hits(tiers)
+        return MatchResult(n, tuple(tiers[:n]))
 
     async def get_into(self, key: bytes, buffer) -> TierKind | None:
         return (await self.get_n([key], [buffer]))[0]
 
     async def get(self, key: bytes) -> bytes | None:
-        await self.connect()
-        out = bytearray(self._client.block_bytes)
+        out = bytearray(self.block_bytes)
         return bytes(out) if (await self.get_n([key], [out]))[0] is not None else None
 
-    async def exists_n(self, hashes: Sequence[bytes]) -> list[bool]:
-        return await self._call("exists_n", hashes)
+    # ------------------------------------------------------------ metadata
 
-    contains_n = exists_n
+    async def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        return flags_of(await self._call(w.Exists(hashes=w.pack_hashes(hashes))))
 
     async def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
-        return await self._call("match_prefix", hashes)
+        return match_of(await self._call(w.Match(hashes=w.pack_hashes(hashes))))
 
     async def remove_n(self, hashes: Sequence[bytes]) -> int:
-        return await self._call("remove_n", hashes)
+        """Drop blocks from every tier (see `Client.remove_n`); this client's lingering
+        leases are released first."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            try:
+                await conn.flush_releases()
+            except (ConnectionError, OSError, w.ProtocolError, RequestTimeout):
+                conn.close()
+                continue
+            self._give_back(conn)
+        return (await self._call(w.Remove(hashes=w.pack_hashes(hashes)))).value
 
     async def remove(self, key: bytes) -> bool:
-        return await self._call("remove", key)
+        return await self.remove_n([key]) == 1
 
-    async def pin(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
-        return await self._call("pin", hashes, ttl_s)
+    async def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
+        return flags_of(await self._call(w.Pin(hashes=w.pack_hashes(hashes), ttl_s=ttl_s)))
 
-    async def unpin(self, hashes: Sequence[bytes]) -> None:
-        return await self._call("unpin", hashes)
+    async def unpin_n(self, hashes: Sequence[bytes]) -> None:
+        await self._call(w.Unpin(hashes=w.pack_hashes(hashes)))
 
     async def stats(self) -> StoreStats:
-        return await self._call("stats")
-
-    @property
-    def uses_shm(self) -> bool:
-        return self._client is not None and self._client.uses_shm
+        await self._send_touches()  # so the hit counts include this client's direct reads
+        return stats_of(await self._call(w.Stats()), self.ns)
 
     @property
     def transport(self) -> str:
-        return self._client.transport if self._client is not None else "tcp"
+        """"shm" (the daemon's arena, same host) or "tcp" (inline in the frames)."""
+        return "shm" if self._arena is not None else "tcp"
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._arena is not None
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._in_pool(self._client.close)
-        self._pool.shutdown(wait=False)
+        if self._closed:
+            return
+        if self._connected:
+            await self._send_touches()
+            async with self._lock():
+                await self._drop_puts_locked()
+        self._closed = True
+        self._drop_idle()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return await self.connect()
 
     async def __aexit__(self, *exc) -> None:

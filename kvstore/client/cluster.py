@@ -1,6 +1,6 @@
 """`ClusterClient`: the blocking SDK for a pool of `kvtier serve --cluster` nodes.
 
-`kvstore.Client("etcd://HOST:PORT/PREFIX", namespace=ns)` returns one. It follows the
+`kvstore.connect("etcd://HOST:PORT/PREFIX", namespace=ns)` returns one. It follows the
 members through etcd (an observer: it never registers), puts each new block on
 `replicas` nodes (a preferred node first, when given, then consistent hashing over the
 live nodes), and finds blocks through the leader's cluster index, fetching each one
@@ -23,7 +23,7 @@ from kvstore.cluster.records import ClusterError, parse_etcd_url
 from kvstore.cluster.ring import HashRing
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
-from kvstore.store import MatchResult, PutStatus
+from kvstore.api import MatchResult, PutStatus
 from kvstore.wire import RemoteError
 
 _RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
@@ -191,7 +191,6 @@ class ClusterClient:
             self._forget(node)
             return [None] * len(idx)
 
-    get_n_into = get_n
 
     def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
         located = self.locate(hashes)
@@ -206,7 +205,6 @@ class ClusterClient:
                     self._forget(node)
         return found
 
-    exists_n = contains_n
 
     def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
         """The longest prefix one node holds, asked of that node itself (the index may lag

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kvstore import wire as w
+from kvstore.client import replies
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.keys import Namespace
 from transfer.shm import ShmSegment
@@ -74,10 +75,7 @@ class Connection:
             self.sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
         self.sock.settimeout(timeout_s)
         self.reader = w.FrameReader(self.sock)
-        hello = w.Hello(token=token, model=ns.model, num_layers=ns.num_layers,
-                        num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, dtype=ns.dtype,
-                        block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant,
-                        agent=want_agent, agent_key=agent_key, codec=ns.codec)
+        hello = replies.hello(ns, token, want_agent, agent_key)
         try:
             self.info: w.HelloOk = self.call(hello)[0]
         except BaseException:
@@ -98,18 +96,7 @@ class Connection:
         except socket.timeout as e:
             raise RequestTimeout(f"no reply to {op.name} from {self.addr} within "
                                  f"{self.timeout_s}s (raise timeout_s for big batches)") from e
-        return self._check(frame, op)
-
-    def _check(self, frame: w.Frame, op: w.Op) -> tuple[w.Message, int]:
-        if not frame.reply:
-            raise w.ProtocolError(f"the daemon sent a request frame ({frame.op.name})")
-        if frame.op is w.Op.ERROR:
-            msg = frame.msg
-            raise w.remote_error(w.ErrorCode(msg.code) if msg.code in w.ErrorCode._value2member_map_
-                                 else w.ErrorCode.INTERNAL, msg.message)
-        if frame.op is not op:
-            raise w.ProtocolError(f"expected a {op.name} reply, got {frame.op.name}")
-        return frame.msg, frame.payload_bytes
+        return replies.check_reply(frame, op)
 
     def call(self, msg: w.Message, payload=()) -> tuple[w.Message, int]:
         self.send(msg, payload)
@@ -135,15 +122,7 @@ class Connection:
             frame, fds = self.reader.frame_with_fds(0)
         except socket.timeout as e:
             raise RequestTimeout(f"no reply to {msg.OP.name} within {self.timeout_s}s") from e
-        try:
-            reply, _ = self._check(frame, msg.OP)
-            if len(fds) != num_fds:
-                raise w.ProtocolError(f"{msg.OP.name} reply carried {len(fds)} descriptors, "
-                                      f"not {num_fds}")
-        except BaseException:
-            w.close_fds(fds)
-            raise
-        return reply, fds
+        return replies.check_fds(frame, msg.OP, fds, num_fds), fds
 
     def staging(self, nbytes: int) -> np.ndarray:
         """This connection's staging segment (same host only), at least nbytes long: the

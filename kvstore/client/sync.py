@@ -13,53 +13,33 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import numpy as np
-import torch
 
 from kvstore import wire as w
 from kvstore.buffers import byte_rows, select_rows
 from kvstore.client.conn import Connection, LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
+from kvstore.client.putpath import DirectPuts
+from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PUT_BYTES,
+                                    TOUCH_BATCH, as_numpy, copy_row, flags_of, get_layout,
+                                    host_view, iter_rows, match_of, put_statuses, stage,
+                                    stats_of)
 from kvstore.client.shm import ArenaMap, map_arena
+from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
-from kvstore.stats import StoreStats, TierCounters, TierStats
-from kvstore.store import MatchResult, PutStatus, leading_hits
+from kvstore.stats import StoreStats
+from kvstore.api import MatchResult, PutStatus, leading_hits
 from transfer import BackendKind, TransferError
-from transfer.copy import copy_bytes
-
-PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)
-TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
-# Off the daemon's host a put moving bytes by transfer agent costs three requests; up to
-# this many bytes one request carrying them inline is faster.
-INLINE_PUT_BYTES = 512 << 10
-# On the daemon's host a put of up to this many bytes is copied into the connection's
-# staging segment and stored with one request (the daemon copies it into its slots);
-# bigger ones reserve slots, are copied there directly and committed (two requests, one
-# copy), which wins once a copy costs more than a round trip.
-STAGED_PUT_BYTES = 2 << 20
-MAX_STAGE_BYTES = 64 << 20  # the daemon's limit for one connection's staging segment
-VECTOR_READS = 32  # direct reads of more blocks take the vectorised path (measured: even
-# with a per-block loop up to ~64 blocks, ahead at 128 blocks of 64 KiB)
-
-
-def _tiers(raw: bytes) -> list[TierKind | None]:
-    return [None if b == w.MISS else TierKind(b) for b in raw]
 
 
 class Client:
-    def __new__(cls, url: str, *args, **kwargs):
-        """`etcd://...` addresses a pool of nodes: that gives a ClusterClient instead."""
-        if isinstance(url, str) and url.startswith("etcd://"):
-            from kvstore.client.cluster import ClusterClient
-            return ClusterClient(url, *args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
                  use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
                  staged_put_bytes: int = STAGED_PUT_BYTES, use_agent: bool = False,
-                 agent_backends: Sequence[BackendKind | str] = (BackendKind.TCP,)) -> None:
+                 agent_backends: Sequence[BackendKind | str] = (BackendKind.TCP,),
+                 direct_puts: bool = True) -> None:
         """`use_agent`: off the daemon's host, move block bytes with a transfer Agent
         (one-sided READ/WRITE of the daemon's arena through `agent_backends`, e.g. nixl for
         RDMA) instead of inline in the frames. On the daemon's host shared memory wins."""
@@ -78,6 +58,8 @@ class Client:
         self._lock = threading.Lock()
         self._arena: ArenaMap | None = None
         self._local: LocalAddress | None = None  # the daemon's local socket, once found
+        self._puts: DirectPuts | None = None
+        self.direct_puts = use_shm and direct_puts and DIRECT_PUTS
         self._touched: list[bytes] = []
         self._closed = False
         self.block_bytes = namespace.block_bytes
@@ -222,26 +204,69 @@ class Client:
     # ------------------------------------------------------------ writes
 
     def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
-        """Store blocks (one buffer of len(hashes) blocks, or one buffer per block)."""
+        """Store blocks (one buffer of len(hashes) blocks, or one buffer per block). On the
+        daemon's host, with no request at all while the daemon's grants last (see
+        kvstore.client.putpath); the blocks are visible to this client's next request."""
         rows = byte_rows(srcs, len(hashes), self.block_bytes)
         if not len(hashes):
             return []
+        puts = self._direct_puts()
+        if puts is not None:
+            done = puts.put_n(hashes, rows)
+            if done is not None:
+                return done
         return self._run(self._put_n, w.pack_hashes(hashes), rows)
+
+    def _direct_puts(self) -> DirectPuts | None:
+        """This client's put channel (opened on first use), when it may put with none."""
+        arena = self._arena
+        if not self.direct_puts or arena is None or arena.directory is None:
+            return None
+        with self._lock:
+            puts = self._puts
+        if puts is not None and puts.arena is arena:
+            return puts
+        self._drop_puts()
+        try:
+            puts = DirectPuts.open(self._connect(self._local), arena)
+        except (ConnectError, RequestTimeout, w.RemoteError, w.ProtocolError, OSError):
+            self.direct_puts = False  # e.g. no DRAM tier there: requests it is
+            return None
+        with self._lock:
+            self._puts = puts
+        return puts
+
+    def _flush_puts(self) -> None:
+        """What this client put with no request is committed before its next request."""
+        puts = self._puts
+        if puts is None:
+            return
+        try:
+            puts.flush()
+        except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
+            self._drop_puts()  # the daemon went away; it committed what it had
+
+    def _drop_puts(self) -> None:
+        with self._lock:
+            puts, self._puts = self._puts, None
+        if puts is not None:
+            try:
+                puts.close()
+            except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
+                pass
 
     def _put_n(self, conn: Connection, packed: bytes, rows) -> list[PutStatus]:
         conn.flush_releases()
         arena, agent = self._movers(conn)
         n, stage_limit = len(packed) // 16, min(self.staged_put_bytes, MAX_STAGE_BYTES)
         if arena is not None and n * self.block_bytes <= stage_limit:
-            staging = conn.staging(stage_limit)  # sized once for any put that stages
-            staged = staging[:n * self.block_bytes].reshape(n, self.block_bytes)
-            for i, row in enumerate(_iter_rows(rows)):
-                np.copyto(staged[i], _np(row))
+            # sized once for any put that stages
+            stage(conn.staging(stage_limit), rows, n, self.block_bytes)
             reply, _ = conn.call(w.Put(hashes=packed, staged=True))
-            return [PUT_STATUSES[s] for s in reply.statuses]
+            return put_statuses(reply.statuses)
         if arena is None and (agent is None or n * self.block_bytes <= self.inline_put_bytes):
-            reply, _ = conn.call(w.Put(hashes=packed), [_np(r) for r in _iter_rows(rows)])
-            return [PUT_STATUSES[s] for s in reply.statuses]
+            reply, _ = conn.call(w.Put(hashes=packed), [as_numpy(r) for r in iter_rows(rows)])
+            return put_statuses(reply.statuses)
         res, _ = conn.call(w.Reserve(hashes=packed))
         slots = np.frombuffer(res.slots, "<i8")
         inline, moved = [], []
@@ -249,11 +274,11 @@ class Client:
             for i, (status, slot) in enumerate(zip(res.statuses, slots.tolist())):
                 if status == 0 and slot >= 0:
                     if arena is not None:
-                        _copy(arena.rows[slot], rows[i])
+                        copy_row(arena.rows[slot], rows[i])
                     else:
                         moved.append((slot, rows[i]))
                 elif status == 0:
-                    inline.append(_np(rows[i]))
+                    inline.append(as_numpy(rows[i]))
             if moved:
                 agent.write([m[0] for m in moved], [m[1] for m in moved])
         except BaseException:
@@ -264,8 +289,9 @@ class Client:
         except w.RemoteError as e:
             if e.code is not w.ErrorCode.NO_SPACE:
                 raise
-            return [PutStatus.NO_SPACE if s == 0 else PUT_STATUSES[s] for s in res.statuses]
-        return [PUT_STATUSES[s] for s in res.statuses]
+            return [PutStatus.NO_SPACE if s == 0 else st
+                    for s, st in zip(res.statuses, put_statuses(res.statuses))]
+        return put_statuses(res.statuses)
 
     def put(self, key: bytes, value) -> PutStatus:
         return self.put_n([key], [value])[0]
@@ -283,6 +309,7 @@ class Client:
         rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
         if not len(hashes):
             return []
+        self._flush_puts()
         arena = self._arena
         if arena is None or arena.directory is None or not arena.directory.writer_alive():
             return self._run(self._get_n, w.pack_hashes(hashes), rows)
@@ -299,67 +326,9 @@ class Client:
 
     def _direct_reads(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
                       prefix: bool = False) -> tuple[list[TierKind | None], list[int]]:
-        """Copy every block the slot directory shows in a DRAM slot (with `prefix`: up to
-        the first that it does not); (tiers, indices left for the daemon). Each copy is
-        kept only if its slot's generation did not move."""
-        d, src = arena.directory, arena.array
-        dst = rows.numpy() if isinstance(rows, torch.Tensor) and rows.device.type == "cpu" \
-            else None
-        if len(hashes) > VECTOR_READS:
-            return self._direct_reads_n(arena, hashes, rows, dst, prefix)
-        tiers: list[TierKind | None] = [None] * len(hashes)
-        missed, touched = [], []
-        for i, h in enumerate(hashes):
-            if prefix and missed:
-                missed.append(i)
-                continue
-            h = bytes(h)
-            found = d.find(h)
-            if found is None:
-                missed.append(i)
-                continue
-            slot, gen = found
-            if dst is not None:
-                np.copyto(dst[i], src[slot])
-            else:
-                _copy(rows[i], arena.rows[slot])
-            if d.still_valid(slot, gen):
-                tiers[i] = TierKind.DRAM
-                touched.append(h)
-            else:
-                missed.append(i)  # the slot was reused while we copied: ask the daemon
+        """`ArenaMap.read_direct`, its hits queued for the next TOUCH."""
+        tiers, missed, touched = arena.read_direct(hashes, rows, prefix)
         if touched:
-            with self._lock:
-                self._touched += touched
-        return tiers, missed
-
-    def _direct_reads_n(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
-                        dst: np.ndarray | None, prefix: bool = False
-                        ) -> tuple[list[TierKind | None], list[int]]:
-        """`_direct_reads` for a batch: one vectorised directory lookup, one gather copy
-        into a single destination buffer, one generation check."""
-        d, src = arena.directory, arena.array
-        packed = w.pack_hashes(hashes)
-        slots, gens = d.find_n(packed)
-        if prefix:
-            slots[_first_false(slots >= 0):] = -1
-        found = np.flatnonzero(slots >= 0)
-        if dst is not None and len(found) == len(hashes):
-            # mode="clip": slots are in range already; the default "raise" buffers `out`
-            # and ran at a third of the speed
-            np.take(src, slots, axis=0, out=dst, mode="clip")
-        else:
-            for i in found.tolist():
-                _copy(rows[i], arena.rows[int(slots[i])])
-        ok = np.zeros(len(hashes), bool)
-        ok[found] = d.still_valid_n(slots[found], gens[found])
-        if prefix:
-            ok[_first_false(ok):] = False
-        tiers: list[TierKind | None] = [TierKind.DRAM if k else None for k in ok.tolist()]
-        missed = np.flatnonzero(~ok).tolist()
-        if len(missed) < len(hashes):
-            hit = np.flatnonzero(ok)
-            touched = [packed[16 * i:16 * i + 16] for i in hit.tolist()]
             with self._lock:
                 self._touched += touched
         return tiers, missed
@@ -380,7 +349,6 @@ class Client:
         except (ConnectError, RequestTimeout, w.RemoteError):
             pass  # only statistics and recency are lost
 
-    get_n_into = get_n
 
     def _get_n(self, conn: Connection, packed: bytes, rows,
                prefix: bool = False) -> list[TierKind | None]:
@@ -390,23 +358,17 @@ class Client:
         release, conn.pending_release = tuple(conn.pending_release), []
         reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release, prefix=prefix,
                                                shm=arena is not None or agent is not None))
-        tiers = _tiers(reply.tiers)
-        hits = [i for i, t in enumerate(tiers) if t is not None]
-        slots = np.frombuffer(reply.slots, "<i8") if reply.slots else None
-        if slots is not None and len(slots) != len(tiers):
-            raise w.ProtocolError(f"GET reply names {len(slots)} slots for {len(tiers)} blocks")
-        leased = [] if slots is None else [i for i in hits if slots[i] != w.NO_SLOT]
-        inline = [i for i in hits if slots is None or slots[i] == w.NO_SLOT]
-        if payload_bytes != len(inline) * self.block_bytes:
-            raise w.ProtocolError(f"GET reply carries {payload_bytes} bytes for "
-                                  f"{len(inline)} inline hits")
+        tiers, inline, leased, slots = get_layout(reply, payload_bytes, self.block_bytes)
         for i in inline:
-            _recv_row(conn, rows[i])
+            view, staging = host_view(rows[i])
+            conn.recv_into(view)
+            if staging is not None:
+                copy_row(rows[i], staging)
         if reply.lease_id:
             try:
                 if arena is not None:
                     for i in leased:
-                        _copy(rows[i], arena.rows[int(slots[i])])
+                        copy_row(rows[i], arena.rows[int(slots[i])])
                 else:
                     agent.read([int(slots[i]) for i in leased], [rows[i] for i in leased])
             finally:
@@ -420,6 +382,7 @@ class Client:
         rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
         if not len(hashes):
             return MatchResult(0, ())
+        self._flush_puts()
         tiers: list[TierKind | None] = []
         arena = self._arena
         if arena is not None and arena.directory is not None and arena.directory.writer_alive():
@@ -444,15 +407,12 @@ class Client:
 
     # ------------------------------------------------------------ metadata
 
-    def exists_n(self, hashes: Sequence[bytes]) -> list[bool]:
-        reply = self._call(w.Exists(hashes=w.pack_hashes(hashes)))
-        return [bool(b) for b in reply.flags]
+    def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        return flags_of(self._call(w.Exists(hashes=w.pack_hashes(hashes))))
 
-    contains_n = exists_n
 
     def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
-        reply = self._call(w.Match(hashes=w.pack_hashes(hashes)))
-        return MatchResult(reply.num_blocks, tuple(_tiers(reply.tiers)))
+        return match_of(self._call(w.Match(hashes=w.pack_hashes(hashes))))
 
     def remove_n(self, hashes: Sequence[bytes]) -> int:
         """Drop blocks from every tier, pinned ones included; how many went. Blocks a reader
@@ -475,22 +435,17 @@ class Client:
     def remove(self, key: bytes) -> bool:
         return self.remove_n([key]) == 1
 
-    def pin(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
-        reply = self._call(w.Pin(hashes=w.pack_hashes(hashes), ttl_s=ttl_s))
-        return [bool(b) for b in reply.flags]
+    def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
+        return flags_of(self._call(w.Pin(hashes=w.pack_hashes(hashes), ttl_s=ttl_s)))
 
-    def unpin(self, hashes: Sequence[bytes]) -> None:
+    def unpin_n(self, hashes: Sequence[bytes]) -> None:
         self._call(w.Unpin(hashes=w.pack_hashes(hashes)))
 
     def stats(self) -> StoreStats:
         touched = self._due_touches(everything=True)
         if touched:  # so the hit counts include this client's direct reads
             self._send_touches(touched)
-        r = self._call(w.Stats())
-        tiers = tuple(TierStats(TierKind(row[0]), row[1], row[2], row[3], TierCounters(*row[4:]))
-                      for row in r.tiers)
-        return StoreStats(self.ns.model, self.block_bytes, tiers, r.misses,
-                          r.open_reservations, r.open_leases)
+        return stats_of(self._call(w.Stats()), self.ns)
 
     @property
     def transport(self) -> str:
@@ -504,6 +459,8 @@ class Client:
         return self._arena is not None
 
     def _call(self, msg: w.Message):
+        self._flush_puts()
+
         def op(conn: Connection):
             conn.flush_releases()
             return conn.call(msg)[0]
@@ -516,6 +473,7 @@ class Client:
         if touched:
             self._send_touches(touched)
         self._closed = True
+        self._drop_puts()
         self._drop_idle()
         if self._arena is not None:
             self._arena.close()
@@ -530,28 +488,3 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _first_false(mask: np.ndarray) -> int:
-    """Index of the first False in a bool array (its length when there is none)."""
-    off = np.flatnonzero(~mask)
-    return int(off[0]) if off.size else len(mask)
-
-
-def _iter_rows(rows):
-    return rows if isinstance(rows, list) else list(rows)
-
-
-def _np(row: torch.Tensor) -> np.ndarray:
-    return row.numpy() if row.device.type == "cpu" else row.cpu().numpy()
-
-
-_copy = copy_bytes  # one block between the arena and a caller buffer
-
-
-def _recv_row(conn: Connection, row: torch.Tensor) -> None:
-    if row.device.type == "cpu":
-        conn.recv_into(memoryview(row.numpy()))
-        return
-    staging = torch.empty(row.numel(), dtype=torch.uint8)
-    conn.recv_into(memoryview(staging.numpy()))
-    copy_bytes(row, staging)

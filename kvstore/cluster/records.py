@@ -2,49 +2,33 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-import msgpack
+import msgspec
 
 from kvstore.errors import ConfigError, KVStoreError
-
-RECORD_VERSION = 1
+from transfer.codec import Record
 
 
 class ClusterError(KVStoreError):
     """etcd is unreachable, or the cluster state is not what this node needs."""
 
 
-@dataclass(frozen=True)
-class NodeRecord:
+class NodeRecord(Record, tag="node/2"):
     """A node's registration: where its planes listen and its transfer-agent metadata."""
+
+    ERROR = ClusterError
 
     node_id: str
     data_addr: str                 # host:port of the binary data plane
     control_url: str               # http://host:port of the control plane
     agent_metadata: bytes = b""    # transfer.Agent.metadata() of the node
-    started_at: float = field(default_factory=time.time)
-    version: int = RECORD_VERSION
+    started_at: float = msgspec.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
             raise ConfigError(f"node id {self.node_id!r} must be non-empty and contain no '/'")
-
-    def encode(self) -> bytes:
-        return msgpack.packb([self.version, self.node_id, self.data_addr, self.control_url,
-                              self.agent_metadata, self.started_at], use_bin_type=True)
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "NodeRecord":
-        try:
-            version, node_id, data_addr, control_url, meta, started = msgpack.unpackb(raw, raw=False)
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
-            raise ClusterError(f"unreadable node record in etcd: {e}") from e
-        if version != RECORD_VERSION:
-            raise ClusterError(f"node record version {version}; this build reads {RECORD_VERSION}")
-        return cls(node_id, data_addr, control_url, meta, started, version)
 
 
 class EtcdAddress(NamedTuple):

@@ -5,32 +5,27 @@ listening socket, the namespace registry (stores), then the data-plane threads. 
 shutdown the data plane stops first (in-flight ops finish), then every store closes with
 flush. Slow store work runs in the default executor, never on the event loop.
 
-Endpoints: /healthz (no auth), /stats, /metrics, /admin/namespaces, /admin/quotas,
-POST /admin/namespaces/{ns_id}/clear. With tokens configured every endpoint but /healthz
+Endpoints: /healthz (no auth), /stats, /metrics, /kv/events, /admin/namespaces,
+/admin/quotas, POST /admin/namespaces/{ns_id}/clear. With tokens configured every endpoint but /healthz
 needs `Authorization: Bearer TOKEN`; a tenant token sees only its tenant's namespaces, and
 /metrics and /admin/quotas need an admin token.
 """
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstore.cluster.messages import EVENTS_KIND_HEADER, EventBatch, Snapshot
+from kvstore.daemon import cluster, views
+from kvstore.daemon.access import (CONFIG, DATA_SOCKET, DATAPLANE, METRICS, REGISTRY, grant_of,
+                                   require_admin)
 from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.dataplane import DataPlane, listen, listen_local
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.namespaces import Hosted, Registry
-from kvstore.daemon import cluster, views
-
-CONFIG = web.AppKey("config", DaemonConfig)
-DATA_SOCKET = web.AppKey("data_socket", socket.socket)
-REGISTRY = web.AppKey("registry", Registry)
-METRICS = web.AppKey("metrics", Metrics)
-DATAPLANE = web.AppKey("dataplane", DataPlane)
-
 
 async def _listen_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
@@ -58,23 +53,6 @@ async def _dataplane_ctx(app: web.Application) -> AsyncIterator[None]:
     plane.start()
     yield
     await asyncio.get_running_loop().run_in_executor(None, plane.shutdown, cfg.shutdown_grace_s)
-
-
-def grant_of(request: web.Request) -> str:
-    """The tenant the request's bearer token grants (ADMIN for all); 401 without one."""
-    cfg = request.app[CONFIG]
-    auth = request.headers.get("Authorization", "")
-    token = auth[7:] if auth.startswith("Bearer ") else ""
-    grant = cfg.tenant_of(token)
-    if grant is None:
-        raise web.HTTPUnauthorized(text="bad or missing token: send Authorization: Bearer TOKEN\n",
-                                   headers={"WWW-Authenticate": "Bearer"})
-    return grant
-
-
-def require_admin(request: web.Request) -> None:
-    if grant_of(request) != ADMIN:
-        raise web.HTTPForbidden(text="this endpoint needs an admin token (one with no tenant)\n")
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -129,6 +107,33 @@ async def clear(request: web.Request) -> web.Response:
     return web.json_response({"cleared": f"{ns_id:016x}"})
 
 
+async def kv_events(request: web.Request) -> web.Response:
+    """GET /kv/events?ns=<namespace id, hex>[&after=<seq>]: a namespace's KV events after
+    `after` (an EventBatch), or, when some are gone or `after` is omitted, its content (a
+    Snapshot); the EVENTS_KIND_HEADER says which. What a router outside the cluster (the
+    one of `kvtier cluster`) follows to know what this node holds. Visible as /stats is."""
+    grant = grant_of(request)
+    try:
+        ns_id = int(request.query["ns"], 16)
+        after = int(request.query["after"]) if "after" in request.query else None
+    except (KeyError, ValueError):
+        raise web.HTTPBadRequest(text="GET /kv/events?ns=<namespace id in hex>[&after=<seq>]\n")
+    node = request.app[CONFIG].node_id
+    hosted: Hosted | None = request.app[REGISTRY].find(ns_id, grant)
+    if hosted is None:  # not opened (or not this token's): nothing stored
+        return _events_reply("snapshot", Snapshot(node, ns_id, -1, {}).encode())
+    events = None if after is None else hosted.events_after(after)
+    if events is not None:
+        return _events_reply("events", EventBatch(node, ns_id, events).encode())
+    seq, blocks = await asyncio.get_running_loop().run_in_executor(None, hosted.snapshot)
+    return _events_reply("snapshot", Snapshot(node, ns_id, seq, blocks).encode())
+
+
+def _events_reply(kind: str, body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="application/msgpack",
+                        headers={EVENTS_KIND_HEADER: kind})
+
+
 def create_app(cfg: DaemonConfig) -> web.Application:
     app = web.Application()
     app[CONFIG] = cfg
@@ -136,6 +141,7 @@ def create_app(cfg: DaemonConfig) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/kv/events", kv_events)
     app.router.add_get("/admin/namespaces", namespaces)
     app.router.add_get("/admin/quotas", quotas)
     app.router.add_post("/admin/namespaces/{ns_id}/clear", clear)

@@ -19,6 +19,7 @@ from aiohttp import web
 from kvstore.cluster.membership import Change, ClusterMember
 from kvstore.cluster.messages import EventBatch, Locate, Located, Snapshot
 from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
+from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.namespaces import Registry
 from kvstore.index import ClusterIndex
@@ -73,6 +74,7 @@ class ClusterAgent:
         self.service = MetadataService()
         self._reported_to: str | None = None
         self._known: set[int] = set()   # namespaces the current leader has a snapshot of
+        self._after: dict[int, int] = {}  # per namespace: the last event seq shipped
         self._failing = False
         self._tasks: list[asyncio.Task] = []
         self._http: aiohttp.ClientSession | None = None
@@ -127,15 +129,19 @@ class ClusterAgent:
             self._reported_to, self._known = leader, set()
         loop = asyncio.get_running_loop()
         for hosted in self.registry.hosted():
-            ns_id, store = hosted.ns.ns_id, hosted.store
+            ns_id = hosted.ns.ns_id
             if ns_id not in self._known:
-                seq, blocks = await loop.run_in_executor(None, store.snapshot)
+                seq, blocks = await loop.run_in_executor(None, hosted.snapshot)
                 await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, seq, blocks).encode())
                 self._known.add(ns_id)
+                self._after[ns_id] = seq
                 continue
-            events = store.drain_events()
-            if events:
-                reply = await self._post(rec, "events", EventBatch(self.cfg.node_id, ns_id, tuple(events)).encode())
+            events = hosted.events_after(self._after[ns_id])
+            if events is None:  # another reader's snapshot took them: resync
+                self._known.discard(ns_id)
+            elif events:
+                reply = await self._post(rec, "events", EventBatch(self.cfg.node_id, ns_id, events).encode())
+                self._after[ns_id] = events[-1].seq
                 if reply == b"resync":
                     self._known.discard(ns_id)
 
@@ -166,7 +172,6 @@ def _agent(request: web.Request) -> ClusterAgent:
 
 
 def _leader_only(request: web.Request) -> ClusterAgent:
-    from kvstore.daemon.app import require_admin
     require_admin(request)
     agent = _agent(request)
     if not agent.member.is_leader:
@@ -199,7 +204,6 @@ async def post_locate(request: web.Request) -> web.Response:
 
 
 async def get_nodes(request: web.Request) -> web.Response:
-    from kvstore.daemon.app import grant_of
     grant_of(request)
     agent = _agent(request)
     m = agent.member

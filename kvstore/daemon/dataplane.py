@@ -30,6 +30,7 @@ from kvstore import wire as w
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.namespaces import Registry
+from kvstore.daemon.putchannel import Drainer
 from kvstore.daemon.session import HANDLERS, Session
 from kvstore.errors import KVStoreError, StoreClosedError
 
@@ -61,13 +62,13 @@ def _timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-class Connection:
+class ServedConnection:
     def __init__(self, sock: socket.socket, server: "DataPlane", local: bool) -> None:
         self.sock, self.server = sock, server
         self.busy = False
         self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES)
         self.session = Session(sock, self.reader, server.registry, server.cfg,
-                               server.instance, server.local_name, local)
+                               server.instance, server.local_name, local, server.drainer)
 
     @property
     def authenticated(self) -> bool:
@@ -172,9 +173,10 @@ class DataPlane:
         self.cfg, self.registry, self.metrics, self.sock = cfg, registry, metrics, sock
         self.local_sock, self.local_name = local if local else (None, "")
         self.instance = secrets.token_bytes(16)  # tells clients the local socket is ours
+        self.drainer = Drainer() if self.local_sock is not None else None
         self.lock = threading.Lock()
         self.stopping = threading.Event()
-        self.conns: dict[Connection, threading.Thread] = {}
+        self.conns: dict[ServedConnection, threading.Thread] = {}
         self.num_pending = 0  # connections not yet authenticated
         self._acceptors = [threading.Thread(target=self._accept, args=(s, s is self.local_sock),
                                             name="kvtier-accept", daemon=True)
@@ -219,7 +221,7 @@ class DataPlane:
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
             _timeouts(sock, self.cfg.hello_timeout_s)
-            conn = Connection(sock, self, local)
+            conn = ServedConnection(sock, self, local)
         except OSError:
             sock.close()
             return
@@ -247,11 +249,11 @@ class DataPlane:
             return "too many connections waiting to authenticate; retry"
         return None
 
-    def authenticated(self, conn: Connection) -> None:
+    def authenticated(self, conn: ServedConnection) -> None:
         with self.lock:
             self.num_pending -= 1
 
-    def forget(self, conn: Connection) -> None:
+    def forget(self, conn: ServedConnection) -> None:
         with self.lock:
             if self.conns.pop(conn, None) is not None:
                 self.metrics.connections.dec()
@@ -283,3 +285,5 @@ class DataPlane:
         if left:
             log.warning("%d connections still busy after %.1fs; closing the stores anyway",
                         left, grace_s)
+        if self.drainer is not None:
+            self.drainer.close()

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.daemon.config import ADMIN, DaemonConfig
-from kvstore.events import TierKind
+from kvstore.events import EventRing, KVEvent, TierKind
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.wire import ErrorCode, Hello, RemoteError
@@ -55,6 +55,26 @@ class Hosted:
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
     # agent capabilities handed out, and how many live connections hold each
     _agent_keys: dict[bytes, int] = field(default_factory=dict)
+
+    # The store's events, drained into one ring every reader shares (the cluster shipper,
+    # GET /kv/events): each keeps its own "after seq N" cursor.
+    _events: EventRing = field(default_factory=EventRing)
+    _events_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def events_after(self, after: int) -> tuple[KVEvent, ...] | None:
+        """The store's events numbered after `after`, or None when some of them are gone
+        (the reader takes a `snapshot` instead)."""
+        with self._events_lock:
+            self._events.extend(self.store.drain_events())
+            return self._events.after(after)
+
+    def snapshot(self) -> tuple[int, dict[TierKind, list[bytes]]]:
+        """The store's content as of its last event (`TieredStore.snapshot`); events up to
+        it leave the ring (a reader behind them gets None and snapshots too)."""
+        with self._events_lock:
+            seq, blocks = self.store.snapshot()
+            self._events.reset(seq + 1)
+            return seq, blocks
 
     def count_lease_hits(self, n: int) -> None:
         with self._count_lock:

@@ -53,7 +53,7 @@ class DaemonProcess:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        return [*self.wrap, self.python, "-m", "kvstore.cli", "serve",
+        return [*self.wrap, self.python, "-m", "kvstore.daemon",
                 "--port", str(self.port), "--http-port", str(self.http_port),
                 "--data-dir", self.data_dir, *self.sizes, "--log-level", self.log_level,
                 *self.extra]

@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(cfg: DaemonConfig) -> None:
-    from kvstore.daemon.app import DATAPLANE, create_app
+    from kvstore.daemon.access import DATAPLANE
+    from kvstore.daemon.app import create_app
     app = create_app(cfg)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
@@ -150,7 +151,7 @@ async def serve(cfg: DaemonConfig) -> None:
 async def _join_cluster(app: web.Application, cfg: DaemonConfig, data_port: int, http_port: int):
     if not cfg.cluster:
         return None
-    from kvstore.daemon.app import REGISTRY
+    from kvstore.daemon.access import REGISTRY
     from kvstore.daemon.cluster import SLOT, ClusterAgent
     agent = ClusterAgent(cfg, app[REGISTRY], data_port, http_port)
     await agent.start()

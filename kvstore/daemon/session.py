@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from typing import Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from kvstore import wire as w
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.namespaces import Hosted, Registry, namespace_of
+from kvstore.daemon.putchannel import Drainer, PutChannel
 from kvstore.errors import ReservationError, TierIOError
 from kvstore.events import TierKind
 from kvstore.store import PutStatus, Reservation
@@ -36,9 +38,12 @@ def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
 
 class Session:
     def __init__(self, sock: socket.socket, reader: w.FrameReader, registry: Registry,
-                 cfg: DaemonConfig, instance: bytes, local_name: str, local: bool) -> None:
+                 cfg: DaemonConfig, instance: bytes, local_name: str, local: bool,
+                 drainer: Drainer | None = None) -> None:
         self.sock, self.reader, self.registry, self.cfg = sock, reader, registry, cfg
         self.instance, self.local_name, self.local = instance, local_name, local
+        self.drainer = drainer
+        self.channel: PutChannel | None = None
         self.hosted: Hosted | None = None
         self.reservations: dict[int, Reservation] = {}
         self.leases: set[int] = set()
@@ -90,6 +95,7 @@ class Session:
                                 "client; the daemon reads its tokens from --token-file)")
         hosted = self.registry.open(namespace_of(msg), grant)
         self.close_ops()
+        self._close_channel()
         self._drop_agent_key()
         self.hosted = hosted
         agent = hosted.agent if msg.agent else None
@@ -147,6 +153,37 @@ class Session:
 
     def _put_reply(self, statuses) -> None:
         self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in statuses)))
+
+    def puts(self, msg: w.Puts, payload_bytes: int) -> None:
+        """Make this connection a put channel (kvstore.daemon.putchannel)."""
+        self._same_host("PUTS")
+        if self.hosted.dram is None or self.drainer is None:
+            raise w.RemoteError(w.ErrorCode.NAMESPACE, "no DRAM tier: puts need a request")
+        if self.channel is not None:
+            raise w.RemoteError(w.ErrorCode.PROTOCOL, "this connection is a put channel already")
+        self.channel = PutChannel(self.hosted)
+        self.drainer.add(self.channel)
+        # A put channel is silent by design: no idle timeout (its grants must outlive
+        # quiet spells); it ends when the client closes it or dies (the kernel closes it).
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        fds = self.channel.fds()
+        try:
+            w.send_frame_fds(self.sock, w.PutsOk(
+                arena_id=self.hosted.dram.arena_id, capacity=self.channel.ring.capacity,
+                grant_capacity=self.channel.ring.grant_capacity), w.Op.PUTS, fds)
+        finally:
+            w.close_fds(fds)
+
+    def flush(self, msg: w.Flush, payload_bytes: int) -> None:
+        n = self.channel.drain() if self.channel is not None else 0
+        self.reply(w.Op.FLUSH, w.Ack(value=n))
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            channel, self.channel = self.channel, None
+            if self.drainer is not None:
+                self.drainer.remove(channel)
+            channel.close()
 
     def stage(self, msg: w.Stage, payload_bytes: int) -> None:
         self._same_host("STAGE")
@@ -326,6 +363,7 @@ class Session:
     def end(self) -> None:
         """Everything this connection held, given back (it closed)."""
         try:
+            self._close_channel()
             self.close_ops()
         finally:
             self.close()
@@ -346,4 +384,5 @@ HANDLERS = {w.Op.HELLO: Session.hello, w.Op.PUT: Session.put, w.Op.GET: Session.
             w.Op.ABORT: Session.abort, w.Op.EXISTS: Session.exists, w.Op.MATCH: Session.match,
             w.Op.REMOVE: Session.remove, w.Op.PIN: Session.pin, w.Op.UNPIN: Session.unpin,
             w.Op.RELEASE: Session.release, w.Op.STATS: Session.stats, w.Op.TOUCH: Session.touch,
-            w.Op.STAGE: Session.stage, w.Op.SHARE: Session.share}
+            w.Op.STAGE: Session.stage, w.Op.SHARE: Session.share, w.Op.PUTS: Session.puts,
+            w.Op.FLUSH: Session.flush}

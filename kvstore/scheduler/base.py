@@ -90,6 +90,9 @@ class ClusterView:
     prefill: tuple[PrefillLoad, ...]
     decode: tuple[DecodeLoad, ...]
     index: BlockLocator
+    # Nodes that can hand blocks to a prefill instance (a pool); None: any node in the index.
+    # A node not listed still counts for its own local prefix.
+    sources: frozenset[str] | None = None
 
 
 class Placement(NamedTuple):

@@ -4,10 +4,11 @@ cache-aware").
 For each prefill instance i the estimated TTFT is the smaller of
   local:  queue_i + prefill(uncached suffix | local prefix l_i)
   fetch:  max(queue_i, fetch time of blocks l_i..g from node j) + prefill(suffix | g)
-where node j (any node in the index, a prefill instance or a pool) holds the longest prefix
-g, and fetching is only considered when g >= balancing_threshold * l_i. The fetched blocks
-stay on i: a hot prefix gets replicated where the load lets it run soonest. The fetch runs
-while the request waits in the queue, hence the max. The decode instance is the one with
+where node j (any node in the index, a prefill instance or a pool, or only the view's
+`sources` when it names them) holds the longest prefix g, and fetching is only considered
+when g >= balancing_threshold * l_i. The fetched blocks stay on i: a hot prefix gets
+replicated where the load lets it run soonest. The fetch runs while the request waits in
+the queue, hence the max. The decode instance is the one with
 the fastest step that has KV room; with `early_reject` a request whose best estimate misses
 the TTFT or TBT SLO is refused before any work is done.
 """
@@ -34,7 +35,7 @@ class ConductorPolicy(PolicyBase):
 
     def choose(self, request: Request, view: ClusterView) -> Placement:
         match = view.index.query(request.block_hashes)
-        source, best_len = match.best()
+        source, best_len = match.best(exclude=_not_sources(match, view.sources))
         source_tiers = match.tiers(source) if source is not None else ()
         best = min(self._option(request, p, match, source, best_len, source_tiers)
                    for p in view.prefill)
@@ -68,3 +69,7 @@ class ConductorPolicy(PolicyBase):
         if placement.estimated_tbt_s > self.config.tbt_slo_s:
             return placement._replace(reject=RejectReason.TBT_SLO)
         return placement
+
+
+def _not_sources(match: PrefixMatch, sources: frozenset[str] | None) -> tuple[str, ...]:
+    return () if sources is None else tuple(n for n in match.nodes() if n not in sources)

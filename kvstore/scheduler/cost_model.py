@@ -201,10 +201,15 @@ def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillCost:
 
 
 def fit_decode(samples: Sequence[DecodeSample]) -> DecodeCost:
-    """Fit `DecodeCost` to measured decode step timings (vary batch size and KV length)."""
+    """Fit `DecodeCost` to measured decode step timings (vary batch size and KV length).
+    Samples of one batch size only (an engine that runs one sequence at a time) fit the
+    step time and the KV term; the per-sequence cost is then folded into the base."""
     b = np.array([s.batch_size for s in samples], dtype=float)
     k = np.array([s.kv_tokens for s in samples], dtype=float)
     y = np.array([s.seconds for s in samples], dtype=float)
+    if b.size and np.all(b == b[0]):
+        base, per_kv = _nonneg_lstsq(np.column_stack([np.ones_like(b), k]), y, "fit_decode")
+        return DecodeCost(float(base), 0.0, float(per_kv))
     base, per_seq, per_kv = _nonneg_lstsq(np.column_stack([np.ones_like(b), b, k]), y,
                                           "fit_decode")
     return DecodeCost(float(base), float(per_seq), float(per_kv))

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvstore.events import TierKind
 from kvstore.index import ClusterIndex
 from kvstore.scheduler.base import (ClusterView, DecodeLoad, Placement, Policy, PrefillLoad,
                                     RejectReason, Request, SchedulerConfig, cached_tokens)

@@ -4,9 +4,11 @@ A tier holds `num_slots` slots of `slot_bytes` each (one namespace's block size)
 list, and batched copy operations. It knows nothing about LRU, pins or leases: the
 `TieredStore` decides which slot holds which block and calls the tier to move bytes.
 
-Threading: `alloc_n`/`free_n` are called under the store's lock. `write_n`/`read_n` are called
-outside it, concurrently, always on slots the caller has reserved or leased, so two calls never
-touch the same slot at once.
+Threading: `alloc_n`/`free_n`/`publish_n` are called under the store's lock. `write_n`/`read_n`
+are called outside it, concurrently, always on slots the caller has reserved, leased or is
+moving (a demotion's victims stay readable at their slot until the move commits), so two
+calls never write the same slot at once. A persistent tier's `free_n` never raises: what it
+could not delete on its storage it must treat as stale at its next open.
 
 Byte arguments are uint8 torch tensors: either one 2-D tensor `[n, slot_bytes]` (one indexed
 copy for the whole batch) or a sequence of n 1-D tensors of `slot_bytes` each.
@@ -47,7 +49,12 @@ class Tier(Protocol):
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
         """Copy each slot's block into its destination. False marks a block that failed
-        verification (corrupted on disk): its destination is left unspecified."""
+        verification (corrupted on disk, unreadable): its destination is left unspecified.
+        Only StoreClosedError is raised; an I/O failure is a False (TierIOError at most)."""
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """The slot's bytes as a uint8 tensor: in place for memory tiers (the source of a
+        demotion, read outside the lock while the slot is held), a fresh copy otherwise."""
 
     def recover(self) -> list[tuple[bytes, int]]:
         """(hash, slot) for every block found at open (persistent tiers only)."""

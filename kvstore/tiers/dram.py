@@ -1,7 +1,7 @@
 """DRAM tier: a fixed-slot arena in anonymous shared memory (a memfd, `transfer.shm`).
 
-The segment starts with one 4 KiB page describing it (magic, num_slots, slot_bytes, a
-random arena id), then the slots. It has no name anywhere: another process reaches it only
+The segment starts with one 4 KiB page describing it, then the slots (the layout its
+clients share: `kvstore.arena_layout`). It has no name anywhere: another process reaches it only
 when the store's owner hands it a descriptor (`share_fds`, sent over a Unix-domain socket
 by the daemon to an authenticated client of this namespace), and then copies slots with no
 socket in between. The arena is pre-faulted at creation (first-touch faults on shared
@@ -12,27 +12,21 @@ from __future__ import annotations
 
 import os
 import secrets
-import struct
 
 import torch
 
-from kvstore.errors import ConfigError, StoreClosedError
+from kvstore.arena_layout import ARENA_ID_BYTES, META_BYTES, write_meta
 from kvstore.events import TierKind
+from kvstore.slotdir import SlotDirectory
 from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.slotdir import SlotDirectory
 from transfer.shm import ShmSegment
-
-_META = struct.Struct("<8sQQ16s")
-_META_MAGIC = b"KVTSHM02"
-META_BYTES = 4096
-ARENA_ID_BYTES = 16
 
 
 class DramTier(ArenaTier):
     def __init__(self, num_slots: int, slot_bytes: int) -> None:
         self._seg = ShmSegment.anonymous(META_BYTES + num_slots * slot_bytes, "kvtier-arena")
         self.arena_id = secrets.token_bytes(ARENA_ID_BYTES)
-        _META.pack_into(self._seg._mm, 0, _META_MAGIC, num_slots, slot_bytes, self.arena_id)
+        write_meta(self._seg._mm, num_slots, slot_bytes, self.arena_id)
         arena = torch.frombuffer(self._seg._mm, dtype=torch.uint8)[META_BYTES:]
         super().__init__(TierKind.DRAM, arena.view(num_slots, slot_bytes))
         try:
@@ -77,43 +71,3 @@ def _cuda_pin(arena: torch.Tensor) -> bool:
         return False
     err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
     return int(err) == 0
-
-
-class DramArenaReader:
-    """Maps a DRAM arena from a descriptor another process shared (read-only), to copy
-    slots it holds leases on. Takes ownership of `fd`."""
-
-    def __init__(self, fd: int) -> None:
-        self._seg = ShmSegment.from_fd(fd, writable=False)
-        try:
-            self.num_slots, self.slot_bytes, self.arena_id = arena_meta(self._seg.array)
-        except ConfigError:
-            self._seg.close()
-            raise
-        self._closed = False
-
-    def read_into(self, slot: int, dst) -> None:
-        """Copy slot `slot` into the writable buffer `dst` (slot_bytes long)."""
-        if self._closed:
-            raise StoreClosedError("DRAM arena reader is closed")
-        if not 0 <= slot < self.num_slots:
-            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-        start = META_BYTES + slot * self.slot_bytes
-        memoryview(dst).cast("B")[:] = self._seg.array[start:start + self.slot_bytes].data
-
-    def read(self, slot: int) -> bytes:
-        out = bytearray(self.slot_bytes)
-        self.read_into(slot, out)
-        return bytes(out)
-
-    def close(self) -> None:
-        self._closed = True
-        self._seg.close()
-
-
-def arena_meta(view) -> tuple[int, int, bytes]:
-    """(num_slots, slot_bytes, arena id) of a mapped arena's first page."""
-    magic, num_slots, slot_bytes, arena_id = _META.unpack_from(view, 0)
-    if magic != _META_MAGIC or len(view) < META_BYTES + num_slots * slot_bytes:
-        raise ConfigError("that shared memory is not a kvtier DRAM arena")
-    return num_slots, slot_bytes, arena_id

@@ -118,7 +118,11 @@ class SsdTier:
             self._held[bytes(h)] = (slot, c)
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
+        """Straight into host destinations (one preadv per run of slots); device ones
+        through a host buffer."""
         self._check_open()
+        if isinstance(dsts, torch.Tensor) and dsts.device.type == "cpu":
+            return self.slabs.read_n(slots, hashes, [memoryview(r) for r in dsts.numpy()])
         on_host = [d.device.type == "cpu" for d in dsts]
         views = [memoryview(d.numpy()) if host else memoryview(np.empty(self.slot_bytes, np.uint8))
                  for d, host in zip(dsts, on_host)]
@@ -183,6 +187,16 @@ class SsdTier:
 
     def _table(self):
         return [(h, slot, c) for h, (slot, c) in list(self._held.items())]
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """A copy of the block in `slot` (read and verified: an SSD slot has no in-memory
+        view; the store never demotes from its last tier)."""
+        self._check_open()
+        ((_, block_hash, _),) = self.slabs.headers([slot])
+        out = np.empty(self.slot_bytes, np.uint8)
+        if block_hash is None or not self.slabs.read_n([slot], [block_hash], [memoryview(out)])[0]:
+            raise TierIOError(f"SSD slot {slot} of {self.path} holds no intact block")
+        return torch.from_numpy(out)
 
     def locate(self, block_hash: bytes) -> tuple[str, int] | None:
         """Where a stored block's payload lies on disk: (slab file, byte offset), or None."""

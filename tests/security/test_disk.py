@@ -161,7 +161,7 @@ def test_a_corrupted_sst_costs_nothing_and_fsck_reports_it(make_daemon, tmp_path
     ssd = str(data / f"{NS.ns_id:016x}" / "ssd")
     (sst,) = glob.glob(os.path.join(ssd, "index", "*.sst"))
     _flip(sst, os.path.getsize(sst) // 3)
-    fsck = [sys.executable, "-m", "kvstore.cli", "fsck", ssd]
+    fsck = [sys.executable, "-m", "kvtier", "fsck", ssd]
     report = subprocess.run(fsck, cwd=ROOT, capture_output=True, text=True)
     assert report.returncode == 1 and "damaged" in report.stdout, report.stdout + report.stderr
     d.start()  # recovery sets the index aside and rebuilds it from the slab file

@@ -98,6 +98,7 @@ def test_connections_are_capped_and_the_unauthenticated_ones_more_so(make_daemon
             assert reply.msg.code == w.ErrorCode.UNAVAILABLE and "authenticate" in reply.msg.message
         for s in idle:
             s.close()
+        assert wait_for(lambda: metric(d, "kvtier_connections ") == 0)  # the daemon saw them go
         authed = []
         for _ in range(8):
             s = raw_conn(d)

@@ -25,7 +25,7 @@ from ..errors import Fault, TransferError
 from ..handle import Transfer
 from ..memory import Region
 from ..metadata import AgentMetadata
-from ..types import BackendKind, MemKind, Notification, Op
+from ..types import BackendKind, Notification
 from .base import AgentContext, Job, quiet_ucx_without_rdma
 
 

@@ -8,7 +8,6 @@ go over the notifier the agent supplies (the tcp control path), after the copy.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import numpy as np

@@ -14,7 +14,7 @@ from ..memory import Region, host_views
 from ..metadata import AgentMetadata
 from ..types import BackendKind, Op
 from .base import AgentContext, Job
-from .tcp_conn import Connection, Request
+from .tcp_conn import PeerConnection, PendingOp
 from .tcp_server import Server
 from .tcp_wire import Kind, frame
 
@@ -22,7 +22,7 @@ from .tcp_wire import Kind, frame
 class _PeerConns:
     def __init__(self, meta: AgentMetadata, num_conns: int):
         self.meta = meta
-        self.conns: list[Connection | None] = [None] * num_conns
+        self.conns: list[PeerConnection | None] = [None] * num_conns
         self.rr = itertools.count()
         self.lock = threading.Lock()
 
@@ -66,7 +66,7 @@ class TcpBackend:
     def reaches(self, peer: AgentMetadata, remote_ids: np.ndarray) -> bool:
         return peer.tcp_addr is not None and peer.name in self._peers
 
-    def _conn(self, name: str) -> Connection:
+    def _conn(self, name: str) -> PeerConnection:
         """A live connection to the peer, round-robin; reconnects a dead slot lazily."""
         p = self._peers.get(name)
         if p is None:
@@ -78,7 +78,7 @@ class TcpBackend:
                 if conn is not None:
                     conn.close()
                 p.conns[slot] = None
-                conn = Connection(self.ctx.config, p.meta.tcp_addr, p.meta.agent_id,
+                conn = PeerConnection(self.ctx.config, p.meta.tcp_addr, p.meta.agent_id,
                                   self.ctx.name, p.meta.access_key)
                 p.conns[slot] = conn
             return conn
@@ -97,7 +97,7 @@ class TcpBackend:
             return [slice(None)]
         return list(np.array_split(np.arange(job.lengths.size), n))
 
-    def _request(self, seq: int, xfer: Transfer, job: Job, sel) -> Request:
+    def _request(self, seq: int, xfer: Transfer, job: Job, sel) -> PendingOp:
         ids, offs, lens = job.remote_ids[sel], job.remote_offsets[sel], job.lengths[sel]
         wire = [seq, ids.astype("<i8").tobytes(), offs.astype("<i8").tobytes(),
                 lens.astype("<i8").tobytes()]
@@ -106,15 +106,15 @@ class TcpBackend:
                                    job.local_offsets[sel], lens, incoming)
         nbytes = int(lens.sum())
         if incoming:
-            return Request(seq, Kind.READ, frame(Kind.READ, wire + [None]), xfer, recv=views,
+            return PendingOp(seq, Kind.READ, frame(Kind.READ, wire + [None]), xfer, recv=views,
                            recv_bytes=nbytes, finish=finish, then_notify=job.notify)
-        return Request(seq, Kind.WRITE, frame(Kind.WRITE, wire + [job.notify], nbytes), xfer,
+        return PendingOp(seq, Kind.WRITE, frame(Kind.WRITE, wire + [job.notify], nbytes), xfer,
                        send=views)
 
     def notify(self, peer: str, payload: bytes, xfer: Transfer) -> None:
         conn = self._conn(peer)
         seq = conn.next_seq()
-        conn.submit(Request(seq, Kind.NOTIFY, frame(Kind.NOTIFY, [seq, payload]), xfer))
+        conn.submit(PendingOp(seq, Kind.NOTIFY, frame(Kind.NOTIFY, [seq, payload]), xfer))
 
     def close(self) -> None:
         for name in list(self._peers):

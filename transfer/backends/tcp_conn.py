@@ -22,7 +22,7 @@ from .tcp_wire import Kind, Progress, frame, recv_frame, recv_views, send_views,
 
 
 @dataclass(eq=False)
-class Request:
+class PendingOp:
     """One frame to send and what to do with its reply."""
 
     seq: int
@@ -36,15 +36,15 @@ class Request:
     then_notify: bytes | None = None  # READ with a notification: NOTIFY after the data
 
 
-class Connection:
+class PeerConnection:
     def __init__(self, config: AgentConfig, addr: tuple[str, int], peer_agent_id: str,
                  my_name: str, key: bytes = b""):
         self.config = config
         self.progress = Progress()
         self._dead: TransferError | None = None
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
-        self._inflight: deque[Request] = deque()
+        self._queue: queue.SimpleQueue[PendingOp | None] = queue.SimpleQueue()
+        self._inflight: deque[PendingOp] = deque()
         self._has_inflight = threading.Condition(self._lock)
         self._seq = 0
         self.sock = self._connect(addr, peer_agent_id, my_name, key)
@@ -81,7 +81,7 @@ class Connection:
             self._seq += 1
             return self._seq
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: PendingOp) -> None:
         with self._lock:
             if self._dead is not None:
                 raise self._dead
@@ -121,7 +121,7 @@ class Connection:
         except TransferError as e:
             self._die(e)
 
-    def _recv_reply(self, req: Request) -> None:
+    def _recv_reply(self, req: PendingOp) -> None:
         kind, header, plen = recv_frame(self.sock, self.progress, self.config.io_timeout_s,
                                         self._is_dead, req.recv_bytes, idle_ok=False)
         if not header or header[0] != req.seq:
@@ -140,13 +140,13 @@ class Connection:
             raise TransferError(Fault.PROTOCOL, f"unexpected {kind.name} reply to "
                                 f"{req.kind.name} (payload {plen})")
 
-    def _complete(self, req: Request) -> None:
+    def _complete(self, req: PendingOp) -> None:
         if req.then_notify is None:
             req.xfer._done_part()
             return
         seq = self.next_seq()
         try:
-            self.submit(Request(seq, Kind.NOTIFY, frame(Kind.NOTIFY, [seq, req.then_notify]),
+            self.submit(PendingOp(seq, Kind.NOTIFY, frame(Kind.NOTIFY, [seq, req.then_notify]),
                                 req.xfer))
         except TransferError as e:
             req.xfer._fail(e)

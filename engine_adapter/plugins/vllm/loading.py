@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine_adapter.plugins.base import KVStoreLike
+from kvstore.api import BlockStore
 from engine_adapter.plugins.vllm.metadata import BlockTransfer
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -37,7 +37,7 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
 
 
 class LayerwiseLoader:
-    def __init__(self, store: KVStoreLike, views: Sequence[torch.Tensor], block_shape: tuple,
+    def __init__(self, store: BlockStore, views: Sequence[torch.Tensor], block_shape: tuple,
                  dtype: torch.dtype) -> None:
         self.store, self.dtype, self.block_shape = store, dtype, tuple(block_shape)
         self.views = [numpy_view(v) for v in views]   # each [num_blocks, 2, bt, H, D]

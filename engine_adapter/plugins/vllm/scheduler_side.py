@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from engine_adapter.plugins.base import KVStoreLike
+from kvstore.api import BlockStore
 from engine_adapter.plugins.vllm.metadata import BlockTransfer, KVTierMetadata
 from kvstore.keys import Namespace, hash_blocks
 
@@ -30,7 +30,7 @@ class _Request:
 
 
 class SchedulerSide:
-    def __init__(self, ns: Namespace, store: KVStoreLike, async_load: bool = False,
+    def __init__(self, ns: Namespace, store: BlockStore, async_load: bool = False,
                  save_decode: bool = False) -> None:
         self.ns, self.store, self.async_load, self.save_decode = ns, store, async_load, save_decode
         self.requests: dict[str, _Request] = {}

@@ -19,7 +19,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from engine_adapter.plugins.base import KVStoreLike
+from kvstore.api import BlockStore
 from engine_adapter.plugins.vllm import layout
 from engine_adapter.plugins.vllm.loading import LayerwiseLoader, numpy_view
 from engine_adapter.plugins.vllm.metadata import KVTierMetadata
@@ -27,7 +27,7 @@ from kvstore.keys import Namespace
 
 
 class WorkerSide:
-    def __init__(self, ns: Namespace, store: KVStoreLike, torch_dtype: torch.dtype) -> None:
+    def __init__(self, ns: Namespace, store: BlockStore, torch_dtype: torch.dtype) -> None:
         self.ns, self.store, self.dtype = ns, store, torch_dtype
         self.names: list[str] = []
         self.loader: LayerwiseLoader | None = None

@@ -1,5 +1,4 @@
 """Membership and leader election against a real etcd server."""
-import asyncio
 import itertools
 
 import pytest
@@ -14,7 +13,7 @@ _prefixes = itertools.count()
 
 def address(etcd):
     # a fresh key prefix per test so tests never see each other's nodes
-    return parse_etcd_url(f"{etcd.url}-{next(_prefixes)}")
+    return parse_etcd_url(etcd.url(f"kvtier-test-{next(_prefixes)}"))
 
 
 def member(addr, name, **kw):

@@ -59,7 +59,7 @@ class Lab:
         a = self.net.addr(i)
         log = open(self.tmp / f"n{i}.log", "ab")
         return self.net.popen(i, [
-            sys.executable, "-m", "kvstore.cli", "serve", "--host", a, "--advertise", a,
+            sys.executable, "-m", "kvstore.daemon", "--host", a, "--advertise", a,
             "--port", "7481", "--http-port", "7480", "--data-dir", str(self.tmp / f"n{i}"),
             "--dram-size", "256KiB", "--ssd-size", "16MiB", "--token-file", str(self.tmp / "tokens"),
             "--cluster", self.etcd_url, "--node-id", f"n{i}", "--cluster-ttl", "2",

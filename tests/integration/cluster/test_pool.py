@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from kvstore import Client
+import kvstore
 from kvstore.client.cluster import ClusterClient
 from kvstore.keys import hash_blocks
 from kvstore.store import PutStatus
@@ -23,7 +23,7 @@ _pools = itertools.count()
 
 class Pool:
     def __init__(self, etcd, tmp_path, n: int, *extra: str) -> None:
-        self.url = f"{etcd.url}-pool{next(_pools)}"
+        self.url = etcd.url(f"kvtier-test-pool{next(_pools)}")
         self.extra = extra
         self.tmp_path = tmp_path
         self.nodes = {f"n{i}": self._daemon(f"n{i}") for i in range(n)}
@@ -130,7 +130,7 @@ def test_nodes_join_and_agree_on_a_leader(pool):
 
 
 def test_blocks_spread_over_the_nodes_and_all_come_back(pool):
-    with Client(pool.url, namespace=NS) as c:
+    with kvstore.connect(pool.url, namespace=NS) as c:
         assert isinstance(c, ClusterClient) and set(c.nodes()) == set(pool.nodes)
         hashes = chain(1, 60)
         assert c.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 60

@@ -79,7 +79,7 @@ def test_without_exported_arenas_the_client_falls_back_to_inline_bytes(make_daem
 def test_an_unknown_agent_backend_is_a_clear_error(tmp_path):
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--agent-backends",
+    done = subprocess.run([sys.executable, "-m", "kvstore.daemon", "--agent-backends",
                            "rdma", "--data-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode != 0 and "agent backend 'rdma'" in done.stderr + done.stdout

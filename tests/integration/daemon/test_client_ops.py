@@ -46,7 +46,7 @@ def test_put_get_byte_exact_tensor_and_numpy(client):
     assert all(t is not None for t in client.get_n(hs, dst))
     assert torch.equal(dst, src)
     arrays = [np.zeros(BB, np.uint8) for _ in hs]
-    assert None not in client.get_n_into(hs, arrays)
+    assert None not in client.get_n(hs, arrays)
     assert all((a == block_of(h, BB)).all() for a, h in zip(arrays, hs))
     assert client.get(hs[3]) == block_of(hs[3], BB).tobytes()
 
@@ -64,14 +64,14 @@ def test_misses_leave_destination_alone(client):
 def test_metadata_ops_match_store_semantics(client):
     hs = chain(20 + PATHS.index(client.test_path), 8)
     client.put_n(hs[:5], [block_of(h, BB) for h in hs[:5]])
-    assert client.exists_n(hs) == [True] * 5 + [False] * 3
+    assert client.contains_n(hs) == [True] * 5 + [False] * 3
     assert client.contains_n(hs[4:6]) == [True, False]
     m = client.match_prefix(hs)
     assert m.num_blocks == 5 and all(isinstance(t, TierKind) for t in m.tiers)
     assert client.remove(hs[2]) is True and client.remove(hs[2]) is False
     assert client.match_prefix(hs).num_blocks == 2
-    assert client.pin(hs[:3]) == [True, True, False]
-    client.unpin(hs[:2])
+    assert client.pin_n(hs[:3]) == [True, True, False]
+    client.unpin_n(hs[:2])
     s = client.stats()
     assert s.block_bytes == BB and sum(t.used_blocks for t in s.tiers) >= 4
 
@@ -92,7 +92,7 @@ def test_async_client_same_surface(daemon):
             results = await asyncio.gather(c.get_n(hs[:3], dst[:3]), c.get_n(hs[3:], dst[3:]))
             assert None not in results[0] + results[1] and (dst == src).all()
             assert (await c.match_prefix(hs)).num_blocks == 6
-            assert await c.exists_n(hs[:1]) == [True]
+            assert await c.contains_n(hs[:1]) == [True]
             assert await c.get(hs[0]) == src[0].tobytes()
             assert await c.remove(hs[5])
             assert (await c.stats()).block_bytes == BB

@@ -90,8 +90,8 @@ def _churn(url: str, start: int, rounds: int, latest, stop) -> None:
 
 
 def test_readers_never_accept_bytes_of_a_reused_slot(make_daemon, monkeypatch):
-    import kvstore.client.sync
-    monkeypatch.setattr(kvstore.client.sync, "VECTOR_READS", 4)  # 8-block reads: vectorised
+    import kvstore.client.shm
+    monkeypatch.setattr(kvstore.client.shm, "VECTOR_READS", 4)  # 8-block reads: vectorised
     daemon = make_daemon("--ssd-size", "0", "--dram-size", "4MiB")
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
@@ -175,12 +175,12 @@ def test_kvtier_stats_shows_direct_and_leased_hits(make_daemon):
     with Client(daemon.url, namespace=NS) as c:
         c.put_n(hashes, [block_of(h, NS.block_bytes) for h in hashes])
         c.get_n(hashes, np.empty((2, NS.block_bytes), np.uint8))
-    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "stats", "--url", daemon.http],
+    done = subprocess.run([sys.executable, "-m", "kvtier", "stats", "--url", daemon.http],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "hits=2 misses=0 (same-host direct 2, leased 0)" in done.stdout
     assert "dram  2/64 blocks" in done.stdout
-    bad = subprocess.run([sys.executable, "-m", "kvstore.cli", "stats", "--url",
+    bad = subprocess.run([sys.executable, "-m", "kvtier", "stats", "--url",
                           f"http://127.0.0.1:{daemon.port}"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "control-plane" in bad.stderr

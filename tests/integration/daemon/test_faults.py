@@ -114,7 +114,7 @@ def test_disconnect_mid_put_leaves_nothing(daemon):
         deadline = time.monotonic() + 10
         while c.stats().open_reservations and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert c.stats().open_reservations == 0 and c.exists_n(hs) == [False] * 4
+        assert c.stats().open_reservations == 0 and c.contains_n(hs) == [False] * 4
     with raw_conn(daemon) as s:  # shm-style put: reserve, then the client dies before commit
         hello(s)
         w.send_frame(s, w.Reserve(hashes=w.pack_hashes(hs)), w.Op.RESERVE, False)
@@ -124,7 +124,7 @@ def test_disconnect_mid_put_leaves_nothing(daemon):
         while c.stats().open_reservations and time.monotonic() < deadline:
             time.sleep(0.05)
         assert c.stats().open_reservations == 0
-        assert c.exists_n(hs) == [False] * 4  # nothing half-written became visible
+        assert c.contains_n(hs) == [False] * 4  # nothing half-written became visible
         assert c.put_n(hs, [block_of(h, BB) for h in hs]) == [PutStatus.STORED] * 4
 
 
@@ -133,9 +133,9 @@ def test_full_store_reports_no_space(make_daemon):
     with Client(d.url, namespace=NS) as c:
         hs = hash_blocks(NS, np.arange(6 * 16))
         assert c.put_n(hs[:4], [block_of(h, BB) for h in hs[:4]]) == [PutStatus.STORED] * 4
-        assert c.pin(hs[:4]) == [True] * 4
+        assert c.pin_n(hs[:4]) == [True] * 4
         assert c.put_n(hs[4:], [block_of(h, BB) for h in hs[4:]]) == [PutStatus.NO_SPACE] * 2
-        c.unpin(hs[:4])
+        c.unpin_n(hs[:4])
         assert c.put_n(hs[4:], [block_of(h, BB) for h in hs[4:]]) == [PutStatus.STORED] * 2
 
 
@@ -154,8 +154,8 @@ def test_auth_token_and_tenant_isolation(make_daemon, tmp_path):
             Client(d.url, token="bob-secret", namespace=bob) as b:
         hs = hash_blocks(NS, np.arange(32))  # same raw hashes in both namespaces
         a.put_n(hs, [block_of(h, BB) for h in hs])
-        assert b.exists_n(hs) == [False, False] and b.get(hs[0]) is None
-        assert b.remove_n(hs) == 0 and a.exists_n(hs) == [True, True]
+        assert b.contains_n(hs) == [False, False] and b.get(hs[0]) is None
+        assert b.remove_n(hs) == 0 and a.contains_n(hs) == [True, True]
     import urllib.error
     with pytest.raises(urllib.error.HTTPError) as e:
         d.get_json("/stats")
@@ -168,7 +168,7 @@ def test_auth_token_and_tenant_isolation(make_daemon, tmp_path):
 def test_non_loopback_bind_without_token_refused(tmp_path):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--host", "0.0.0.0",
+    r = subprocess.run([sys.executable, "-m", "kvstore.daemon", "--host", "0.0.0.0",
                         "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "token" in r.stderr
 
@@ -244,7 +244,7 @@ def test_staged_puts_reach_ssd_when_dram_is_pinned_full(make_daemon):
         assert c.uses_shm and c.staged_put_bytes >= 8 * BB
         first = hash_blocks(NS, np.arange(4 * 16) + 77)
         c.put_n(first, np.stack([block_of(h, BB) for h in first]))
-        assert c.pin(first) == [True] * 4
+        assert c.pin_n(first) == [True] * 4
         more = hash_blocks(NS, np.arange(8 * 16) + 10**5)
         assert c.put_n(more, np.stack([block_of(h, BB) for h in more])) == \
             [PutStatus.STORED] * 8

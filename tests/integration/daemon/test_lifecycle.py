@@ -72,7 +72,7 @@ def test_timeout_and_unreachable_errors(make_daemon):
     c = Client(d.url, namespace=NS)
     d.stop()
     with pytest.raises(ConnectError, match="kvtier serve"):
-        c.exists_n(hash_blocks(NS, np.arange(16)))
+        c.contains_n(hash_blocks(NS, np.arange(16)))
     c.close()
 
 
@@ -99,7 +99,7 @@ def test_metrics_admin_and_config_file(make_daemon, tmp_path):
     req = urllib.request.Request(f"{d.http}/admin/namespaces/{ns_row['ns_id']}/clear", method="POST")
     urllib.request.urlopen(req, timeout=5).read()
     with Client(d.url, namespace=NS) as c:
-        assert c.exists_n(hs) == [False] * 10
+        assert c.contains_n(hs) == [False] * 10
 
 
 def test_a_stopped_daemon_is_a_clear_timeout(make_daemon):

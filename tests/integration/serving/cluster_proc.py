@@ -27,7 +27,7 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvtier-cluster-", suffix=".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "cluster", "--port", str(self.port), *args],
+            [sys.executable, "-m", "kvtier", "cluster", "--port", str(self.port), *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 420.0) -> "Cluster":

@@ -76,6 +76,18 @@ def test_shared_prefix_reports_cached_tokens(cluster):
     assert metric(cluster, "kvtier_cached_prompt_tokens_total") > 0
 
 
+def test_decode_loads_the_handed_off_prompt_from_the_pool(cluster):
+    # the prefill answers with its first token before its last blocks are committed; the
+    # decode worker waits for them and loads the whole prompt instead of recomputing it
+    before = metric(cluster, "kvtier_decode_loaded_tokens_total")
+    prompt = SYSTEM + " A question nobody asked before: why is the sky dark at night?"
+    status, msg = cluster.post_json("/v1/completions", {"prompt": prompt, "max_tokens": 3,
+                                                        "temperature": 0, "ignore_eos": True})
+    assert status == 200, msg
+    full_blocks = msg["usage"]["prompt_tokens"] // 16
+    assert metric(cluster, "kvtier_decode_loaded_tokens_total") - before >= 16 * (full_blocks - 1)
+
+
 def test_bad_request_is_a_clear_400(cluster):
     status, msg = cluster.post_json("/v1/completions", {"prompt": "hi", "n": 3})
     assert status == 400 and "n = 1" in msg["error"]["message"]

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import msgpack
 import pytest
 
+from engine_adapter.serving.protocol import PROTOCOL_VERSION
+
 from .cluster_proc import ROOT, free_port
 
 pytestmark = pytest.mark.timeout(400)
@@ -56,7 +58,7 @@ class WorkerProc:
 
     def generate(self, rid: str, prompt: list[int], max_tokens: int) -> dict:
         """The last streamed event of a greedy generation (token ids accumulate)."""
-        body = msgpack.packb({"version": 1, "request_id": rid, "prompt_token_ids": prompt,
+        body = msgpack.packb({"version": PROTOCOL_VERSION, "request_id": rid, "prompt_token_ids": prompt,
                               "params": {"temperature": 0, "max_tokens": max_tokens,
                                          "ignore_eos": True}})
         status, raw = self._request("POST", "/generate", body)

@@ -46,8 +46,14 @@ def test_clear_errors():
     assert e.value.code is w.ErrorCode.TOO_LARGE
     with pytest.raises(w.ProtocolError, match="multiple of 16"):
         w.Put(hashes=b"short")
-    with pytest.raises(w.ProtocolError, match="must be int"):
-        w.Commit(reservation_id="7")
+    import msgspec
+    bad = msgspec.msgpack.encode(["7"])  # a Commit whose reservation id is a string
+    with pytest.raises(w.ProtocolError, match="Expected `int`"):
+        w.decode_header(w.Op.COMMIT, False, bad)
+    with pytest.raises(w.ProtocolError, match="Expected `array`"):
+        w.decode_header(w.Op.COMMIT, False, msgspec.msgpack.encode({"reservation_id": 7}))
+    with pytest.raises(w.ProtocolError, match="at most"):
+        w.decode_header(w.Op.COMMIT, False, msgspec.msgpack.encode([7, 8]))
 
 
 def test_send_frame_gathers_payload():

@@ -10,6 +10,7 @@ import torch
 from engine_adapter.config import ModelConfig
 from engine_adapter.errors import ModelLoadError
 from engine_adapter.loader import from_hf_dir, from_state_dict, from_transformers
+from engine_adapter.hf_config import model_config_from_hf
 
 
 def _load(name):
@@ -98,11 +99,11 @@ def llama_dict(**fields):
 ])
 def test_a_field_whose_math_is_not_implemented_is_refused_by_name(fields, named):
     with pytest.raises(ModelLoadError, match=named):
-        ModelConfig.from_hf(llama_dict(**fields))
+        model_config_from_hf(llama_dict(**fields))
 
 
 def test_neutral_values_and_gguf_load():
-    cfg = ModelConfig.from_hf(llama_dict(partial_rotary_factor=1.0, num_local_experts=0,
+    cfg = model_config_from_hf(llama_dict(partial_rotary_factor=1.0, num_local_experts=0,
                                          quantization_config={"quant_method": "gguf"}))
     assert cfg.hidden_act == "silu" and cfg.sliding_window is None
 
@@ -112,15 +113,15 @@ def test_weights_the_config_has_no_use_for_are_an_error():
     state = hf.state_dict()
     hf.config.attention_bias = False          # the config forgets the biases the weights have
     with pytest.raises(ModelLoadError, match=r"12 weights .* not used .*self_attn\.[kqov]_proj\.bias"):
-        from_state_dict(ModelConfig.from_hf(hf.config), state)
+        from_state_dict(model_config_from_hf(hf.config), state)
     extra = {**make_hf("llama", 4, 2, 16, False, None, num_hidden_layers=3).state_dict(),
              "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}
     with pytest.raises(ModelLoadError, match="q_norm"):
-        from_state_dict(ModelConfig.from_hf(hf.config), extra)
+        from_state_dict(model_config_from_hf(hf.config), extra)
 
 
 def test_missing_weights_are_named():
     hf = hf_model("llama-mlp_bias")
     state = {k: v for k, v in hf.state_dict().items() if not k.endswith("layers.1.mlp.up_proj.bias")}
     with pytest.raises(ModelLoadError, match=r"missing \['layers.1.mlp.up_proj.bias'\]"):
-        from_state_dict(ModelConfig.from_hf(hf.config), state)
+        from_state_dict(model_config_from_hf(hf.config), state)

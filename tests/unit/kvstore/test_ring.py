@@ -49,3 +49,18 @@ def test_cluster_messages_roundtrip_and_refuse_garbage():
     for bad in (b"\xc1", b"\x90", EventBatch("n1", 7, (ev,)).encode()[:-5]):
         with pytest.raises(ClusterError):
             EventBatch.decode(bad)
+
+
+def test_a_record_of_another_kind_or_a_short_hash_is_refused_by_name():
+    import msgspec
+    import pytest
+    from kvstore.cluster.messages import EventBatch, Locate
+    from kvstore.cluster.records import ClusterError, NodeRecord
+    with pytest.raises(ClusterError, match="Invalid value 'snapshot/2'"):
+        EventBatch.decode(msgspec.msgpack.encode(["snapshot/2", "n1", 7, []]))
+    with pytest.raises(ClusterError, match="length"):
+        Locate.decode(Locate(7, (KEYS[0][:15],)).encode())
+    rec = NodeRecord("n1", "127.0.0.1:1", "http://127.0.0.1:2")
+    assert NodeRecord.decode(rec.encode()) == rec
+    with pytest.raises(ClusterError, match="contain no '/'"):
+        NodeRecord.decode(rec.encode().replace(b"n1", b"n/"))

@@ -11,7 +11,7 @@ from kvstore.errors import ConfigError
 from kvstore.events import TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
-from kvstore.tiers.slotdir import PROBES, SlotDirectory, SlotDirectoryReader
+from kvstore.slotdir import ALIVE_CHECK_S, PROBES, SlotDirectory, SlotDirectoryReader
 
 NS = Namespace("slotdir-test", num_layers=1, num_kv_heads=1, head_dim=16)  # 1 KiB blocks
 
@@ -189,8 +189,9 @@ def test_a_dead_writer_is_seen_at_once(tmp_path):
     import signal
     import subprocess
     import sys
+    import time
 
-    code = ("import os, sys, time; from kvstore.tiers.slotdir import SlotDirectory; "
+    code = ("import os, sys, time; from kvstore.slotdir import SlotDirectory; "
             "d = SlotDirectory(8); d.publish([2], [bytes(range(16))]); "
             "print(os.getpid(), d.share_fd(), flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -200,6 +201,7 @@ def test_a_dead_writer_is_seen_at_once(tmp_path):
         assert reader.writer_alive() and reader.find(bytes(range(16)))[0] == 2
         child.send_signal(signal.SIGKILL)
         child.wait()
+        time.sleep(ALIVE_CHECK_S)  # the lock is probed at most this often
         assert not reader.writer_alive()
         reader.close()
     finally:

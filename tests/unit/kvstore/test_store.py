@@ -347,7 +347,7 @@ def test_a_second_process_reads_a_leased_block_from_the_dram_arena(tmp_path):
         lease = s.acquire_n(CHAIN[2:3])
         kind, slot = lease.hits[0]
         arena_fd, dir_fd = s.tier(TierKind.DRAM).share_fds()  # as the daemon hands them out
-        code = ("import sys; from kvstore.tiers.dram import DramArenaReader; "
+        code = ("import sys; from kvstore.arena_layout import DramArenaReader; "
                 "r = DramArenaReader(int(sys.argv[1])); "
                 "sys.stdout.buffer.write(r.read(int(sys.argv[2])))")
         try:

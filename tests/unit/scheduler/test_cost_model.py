@@ -61,6 +61,14 @@ def test_fit_link_recovers_bandwidth():
     assert fitted.latency_s == pytest.approx(2e-4, rel=1e-4)
 
 
+def test_fit_decode_of_one_batch_size_folds_the_sequence_cost_into_the_base():
+    truth = DecodeCost(0.05, 0.01, 2e-5)
+    samples = [DecodeSample(1, k, truth.step_s(1, k)) for k in (100, 1000, 2000)]
+    fitted = fit_decode(samples)
+    assert fitted.per_seq_s == 0 and fitted.base_s == pytest.approx(0.06, rel=1e-6)
+    assert fitted.step_s(1, 1500) == pytest.approx(truth.step_s(1, 1500), rel=1e-6)
+
+
 def test_fit_rejects_degenerate_samples():
     with pytest.raises(FitError):
         fit_prefill([PrefillSample(100, 0, 0.1)])

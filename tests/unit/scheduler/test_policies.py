@@ -90,6 +90,17 @@ def test_conductor_fetches_from_pool_node():
     assert placement.fetch_node == "pool" and placement.fetch_blocks == 20
 
 
+def test_conductor_fetches_only_from_listed_sources():
+    # "a" holds 18 blocks but only the pool can hand blocks over (serving workers' own
+    # caches are not sources): busy "a" or recompute on "b", never a fetch from "a"
+    view = cluster({"a": 18, "pool": 12}, {"a": 30.0, "b": 0.0}, extra_nodes=["pool"])
+    view = ClusterView(view.prefill, view.decode, view.index, sources=frozenset({"pool"}))
+    placement = make_policy(PolicyKind.CONDUCTOR).place(request(), view)
+    assert (placement.prefill_node, placement.fetch_node, placement.fetch_blocks) == ("b", "pool", 12)
+    no_pool = ClusterView(view.prefill, view.decode, view.index, sources=frozenset())
+    assert make_policy(PolicyKind.CONDUCTOR).place(request(), no_pool).fetch_blocks == 0
+
+
 def test_conductor_respects_balancing_threshold():
     # local 10, remote 12: 1.2x < 2.0 threshold, so no fetch even though it would help
     view = cluster({"a": 12, "b": 10}, {"a": 50.0, "b": 0.0})

@@ -66,6 +66,13 @@ def test_write_read_byte_exact(tier, batched):
     assert torch.equal(out2[0], data[3]) and torch.equal(out2[1], data[1])
 
 
+def test_slot_view_holds_the_block(tier):
+    slots = tier.alloc_n(2)
+    data = _blocks(2)
+    tier.write_n(slots, HASHES[:2], data)
+    assert torch.equal(tier.slot_view(slots[1]).reshape(-1), data[1])
+
+
 def test_overwrite_after_free(tier):
     slots = tier.alloc_n(1)
     tier.write_n(slots, HASHES[:1], _blocks(1, seed=1))

@@ -7,7 +7,8 @@ import torch
 
 from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.tiers.dram import DramArenaReader, DramTier
+from kvstore.arena_layout import DramArenaReader
+from kvstore.tiers.dram import DramTier
 
 NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 HASHES = hash_blocks(NS, list(range(40)))
@@ -33,7 +34,7 @@ def test_another_process_maps_the_shared_arena_and_reads_a_slot_byte_exact():
     data = _blocks(3)
     tier.write_n(slots, HASHES[:3], data)
     arena_fd, dir_fd = tier.share_fds()
-    code = ("import sys, xxhash; from kvstore.tiers.dram import DramArenaReader; "
+    code = ("import sys, xxhash; from kvstore.arena_layout import DramArenaReader; "
             "r = DramArenaReader(int(sys.argv[1])); b = r.read(int(sys.argv[2])); "
             "print(r.slot_bytes, xxhash.xxh3_64_hexdigest(b), r.arena_id.hex()); r.close()")
     try:

@@ -1,17 +1,17 @@
-"""`kvtier`: the command line. Each subcommand is a (configure parser, run) pair.
+"""`kvtier`: the command line. Each subcommand is a (configure parser, run) pair; only the
+chosen command's parser is built (its module imported), so `kvtier hash` loads no server.
 
     kvtier hash --model NAME ... 1 2 3 ...   block hashes of a token sequence
     kvtier fsck DIR [--repair]               verify every block of an SSD tier directory
-    kvtier bench NAME [ARGS...]              run a benchmark from a source checkout's bench/
+    kvtier bench NAME [ARGS...]              run a benchmark of the bench package
     kvtier serve [--dram-size 4GiB ...]      run a store daemon (see `kvtier serve --help`)
     kvtier stats [--url http://HOST:7480]    a running daemon's figures
     kvtier cluster [--prefill N --decode M | --colocated K]   store + workers + OpenAI API
-    kvtier demo                              pooled cluster vs colocated baseline on a workload
+    kvtier demo                              no pool vs pool vs prefill/decode + pool, one run
 """
 from __future__ import annotations
 
 import argparse
-import os
 import runpy
 import sys
 from typing import Callable
@@ -19,8 +19,9 @@ from typing import Callable
 from kvstore.errors import KVStoreError
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-BENCHES = {"store": "store_tiers.py", "transfer": "transfer.py", "kernels": "kernels.py",
-           "sched": "sched_trace.py"}
+BENCHES = {"store": "store_tiers", "service": "store_service", "transfer": "transfer_backends",
+           "kernels": "paged_kernels", "sched": "sched_trace", "ttft": "ttft",
+           "plugins": "plugins", "cluster": "cluster"}
 
 
 def _hash_args(p: argparse.ArgumentParser) -> None:
@@ -81,14 +82,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_run(args: argparse.Namespace) -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "bench", BENCHES[args.name])
-    if not os.path.exists(script):
-        print(f"kvtier bench needs a source checkout: {script} is missing. Clone the repository "
-              "and run `make demo` or `python bench/...` there.", file=sys.stderr)
-        return 2
-    sys.argv = [script, *args.bench_args]
-    runpy.run_path(script, run_name="__main__")
+    sys.argv = [f"kvtier bench {args.name}", *args.bench_args]
+    runpy.run_module(f"bench.{BENCHES[args.name]}", run_name="__main__", alter_sys=True)
     return 0
 
 
@@ -109,7 +104,8 @@ def _stats_args(p: argparse.ArgumentParser) -> None:
 
 def _stats_run(args: argparse.Namespace) -> int:
     from kvstore.client.http import print_stats
-    return print_stats(args.url, args.token or os.environ.get("KVTIER_TOKEN", ""))
+    from kvstore import env
+    return print_stats(args.url, args.token or env.token())
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
@@ -123,19 +119,19 @@ def _cluster_run(args: argparse.Namespace) -> int:
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    from engine_adapter.serving.demo import configure
+    from kvtier.demo import configure
     configure(p)
 
 
 def _demo_run(args: argparse.Namespace) -> int:
-    from engine_adapter.serving.demo import run
+    from kvtier.demo import run
     return run(args)
 
 
 COMMANDS: list[Command] = [
     ("hash", "print the block hashes of a token sequence", _hash_args, _hash_run),
     ("fsck", "verify (and repair) the blocks of an SSD tier directory", _fsck_args, _fsck_run),
-    ("bench", "run a benchmark (store, transfer, kernels, sched) and print its figures",
+    ("bench", "run a benchmark (" + ", ".join(BENCHES) + ") and print its figures",
      _bench_args, _bench_run),
     ("serve", "run a store daemon node (DRAM + SSD tiers; GPU where present)", _serve_args,
      _serve_run),
@@ -143,25 +139,31 @@ COMMANDS: list[Command] = [
      _stats_run),
     ("cluster", "run a store node, prefill/decode workers and an OpenAI-compatible API on "
      "this host", _cluster_args, _cluster_run),
-    ("demo", "replay a prefix-sharing workload on the pooled cluster and on the colocated "
-     "baseline; print the figures and write a TTFT chart", _demo_args, _demo_run),
+    ("demo", "replay long multi-turn conversations on the same workers without a pool, "
+     "sharing a pool, and split into prefill/decode over the pool; print each figure with "
+     "its ratio to the no-pool baseline and write a TTFT chart", _demo_args, _demo_run),
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command listed; only `command`'s own options configured (its imports done)."""
     parser = argparse.ArgumentParser(
         prog="kvtier", description="kvtier: a disaggregated KV-cache store for LLM serving "
         "(GPU / DRAM / SSD tiers, NIXL-like transfers, cache-aware scheduling).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text, configure, run in COMMANDS:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        configure(p)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+        if name == command:
+            configure(p)
         p.set_defaults(run=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    names = {c[0] for c in COMMANDS}
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in names else None).parse_args(argv)
     try:
         return args.run(args)
     except KVStoreError as e:

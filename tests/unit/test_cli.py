@@ -3,7 +3,7 @@ import sys
 
 import torch
 
-from kvstore.cli import main
+from kvtier.cli import main
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.tiers.slabfile import stride_of
 from kvstore.tiers.ssd import SsdTier
@@ -12,7 +12,7 @@ NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", 
 
 
 def test_help_explains_every_command():
-    out = subprocess.run([sys.executable, "-m", "kvstore.cli", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kvtier", "--help"], capture_output=True,
                          text=True, check=True).stdout
     for name in ("hash", "fsck", "bench"):
         assert name in out

@@ -1,4 +1,4 @@
-"""Placement: which block is in which slot of which tier, the LRU lists, and demotion.
+"""TierMap: which block is in which slot of which tier, the LRU lists, and demotion.
 
 Not thread-safe: every method runs under the TieredStore's lock. Invariant: a hash is in
 `lru[t]` exactly when its entry lives in tier t and is evictable (committed, no readers,
@@ -56,7 +56,7 @@ class Move(NamedTuple):
     dst_slots: list[int]
 
 
-class Placement:
+class TierMap:
     def __init__(self, tiers: Sequence[Tier], node_id: str, event_buffer: int, block_bytes: int) -> None:
         self.tiers = list(tiers)
         self.node_id, self.block_bytes = node_id, block_bytes

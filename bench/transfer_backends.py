@@ -30,11 +30,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-from transfer import (Agent, AgentConfig, BackendKind, DescList, Op, ShmSegment,  # noqa: E402
+from transfer import (Agent, AgentConfig, BackendKind, DescList, Op, ShmSegment,
                       TransferError, backends)
 
 KIB, MIB = 1 << 10, 1 << 20

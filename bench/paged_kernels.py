@@ -10,7 +10,6 @@ path) on small shapes and says so. Never asserts.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -19,11 +18,9 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import Row, add_common_args, report  # noqa: E402
+from kvtier.report import Row, add_common_args, report
 
-from kernels import cache as kv_cache  # noqa: E402
+from kernels import cache as kv_cache
 
 
 class Config(NamedTuple):

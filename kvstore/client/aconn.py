@@ -1,0 +1,211 @@
+"""One data-plane connection of the asyncio SDK: the frames of `conn.Connection`, read and
+written on the event loop itself (a non-blocking socket and the loop's sock_* calls; no
+thread). Payload bytes are received straight into the caller's buffer (sock_recv_into)
+and sent gathered from the caller's buffers (sendmsg), as the blocking connection does.
+
+A connection is used by one coroutine at a time (the client's pool hands it out); a
+coroutine cancelled mid-frame leaves it in an unknown state, so the pool closes it."""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+
+import numpy as np
+
+from kvstore import wire as w
+from kvstore.client import replies
+from kvstore.client.conn import Address, LocalAddress
+from kvstore.client.errors import ConnectError, RequestTimeout
+from kvstore.keys import Namespace
+from transfer.shm import ShmSegment
+
+CHUNK = 16 << 10  # one recv for a frame's prefix and header in the common case
+
+
+async def _resolve(loop, addr: Address) -> tuple[int, tuple]:
+    """(family, sockaddr) of a daemon address: an IP literal as it is, a host name through
+    the loop's resolver (which runs getaddrinfo on the loop's default thread pool)."""
+    try:
+        ip = ipaddress.ip_address(addr.host)
+    except ValueError:
+        infos = await loop.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
+        return infos[0][0], infos[0][4]
+    return (socket.AF_INET6 if ip.version == 6 else socket.AF_INET), (addr.host, addr.port)
+
+
+class AsyncConnection:
+    def __init__(self, sock: socket.socket, addr: Address | LocalAddress,
+                 timeout_s: float) -> None:
+        self.sock, self.addr, self.timeout_s = sock, addr, timeout_s
+        self.local = isinstance(addr, LocalAddress)
+        self.loop = asyncio.get_running_loop()
+        self.pending_release: list[int] = []
+        self.info: w.HelloOk | None = None
+        self._buf = b""  # bytes read past the last header (a payload's start)
+        self._staging: ShmSegment | None = None
+
+    @classmethod
+    async def open(cls, addr: Address | LocalAddress, token: str, ns: Namespace,
+                   timeout_s: float, connect_timeout_s: float) -> AsyncConnection:
+        """Connect and say HELLO; ConnectError when nothing answers at `addr`."""
+        family = socket.AF_UNIX if isinstance(addr, LocalAddress) else socket.AF_INET
+        target = "\0" + addr.name if family == socket.AF_UNIX else None
+        loop = asyncio.get_running_loop()
+        try:
+            if target is None:
+                family, target = await _resolve(loop, addr)
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:
+            raise ConnectError(f"cannot reach the kvtier daemon at {addr} ({e}); "
+                               "is `kvtier serve` running there?") from e
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                await loop.sock_connect(sock, target)
+        except (OSError, TimeoutError) as e:
+            sock.close()
+            raise ConnectError(f"cannot reach the kvtier daemon at {addr} ({e or 'timed out'}"
+                               "); is `kvtier serve` running there?") from e
+        if family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        conn = cls(sock, addr, timeout_s)
+        try:
+            conn.info = (await conn.call(replies.hello(ns, token)))[0]
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    # ------------------------------------------------------------ requests
+
+    async def call(self, msg: w.Message, payload=()) -> tuple[w.Message, int]:
+        """Send a request, read its reply's header (its payload, if any, comes next)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._send(msg, payload)
+                frame = await self._frame()
+        except TimeoutError as e:
+            raise RequestTimeout(f"no reply to {msg.OP.name} from {self.addr} within "
+                                 f"{self.timeout_s}s (raise timeout_s for big batches)") from e
+        return replies.check_reply(frame, msg.OP)
+
+    async def call_fds(self, msg: w.Message, num_fds: int) -> tuple[w.Message, list[int]]:
+        """A request whose reply carries `num_fds` descriptors (local socket only); the
+        caller owns them."""
+        if self._buf:
+            raise w.ProtocolError("descriptors expected at a frame boundary, bytes were pending")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._send(msg, ())
+                while True:
+                    await self._ready(self.loop.add_reader, self.loop.remove_reader)
+                    try:
+                        data, fds, flags, _ = socket.recv_fds(self.sock, CHUNK, w.MAX_FDS)
+                        break
+                    except BlockingIOError:
+                        continue
+                try:
+                    if not data:
+                        raise ConnectionError("peer closed the connection")
+                    if flags & socket.MSG_CTRUNC:
+                        raise w.ProtocolError("more descriptors than a reply may carry")
+                    self._buf = data
+                    frame = await self._frame()
+                except BaseException:
+                    w.close_fds(fds)
+                    raise
+        except TimeoutError as e:
+            raise RequestTimeout(f"no reply to {msg.OP.name} within {self.timeout_s}s") from e
+        return replies.check_fds(frame, msg.OP, fds, num_fds), fds
+
+    async def recv_into(self, view: memoryview) -> None:
+        """Fill `view` with payload bytes: buffered ones first, then from the socket."""
+        k = min(len(self._buf), view.nbytes)
+        if k:
+            view[:k] = self._buf[:k]
+            self._buf = self._buf[k:]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while k < view.nbytes:
+                    got = await self.loop.sock_recv_into(self.sock, view[k:])
+                    if not got:
+                        raise ConnectionError("peer closed the connection mid-frame")
+                    k += got
+        except TimeoutError as e:
+            raise RequestTimeout(f"payload from {self.addr} stalled for "
+                                 f"{self.timeout_s}s") from e
+
+    async def flush_releases(self) -> None:
+        if self.pending_release:
+            ids, self.pending_release = tuple(self.pending_release), []
+            await self.call(w.Release(lease_ids=ids))
+
+    async def staging(self, nbytes: int) -> np.ndarray:
+        """This connection's staging segment, at least nbytes long (see Connection)."""
+        if self._staging is None or self._staging.size < nbytes:
+            reply, (fd,) = await self.call_fds(w.Stage(nbytes=nbytes), 1)
+            self._drop_staging()
+            self._staging = ShmSegment.from_fd(fd, writable=True, size=reply.nbytes)
+        return self._staging.array
+
+    def close(self) -> None:
+        self._drop_staging()
+        self.sock.close()
+
+    # ------------------------------------------------------------ frames
+
+    async def _frame(self) -> w.Frame:
+        op_code, reply, header_len, payload_len = w.decode_prefix(
+            await self._take(w.PREFIX.size), 1 << 62)
+        msg = w.decode_header(op_code, reply, await self._take(header_len))
+        return w.Frame(w.Op(op_code), reply, msg, payload_len)
+
+    async def _take(self, n: int) -> bytes:
+        if len(self._buf) < n:
+            parts, have = [self._buf], len(self._buf)
+            while have < n:
+                chunk = await self.loop.sock_recv(self.sock, max(CHUNK, n - have))
+                if not chunk:
+                    raise ConnectionError("peer closed the connection mid-frame")
+                parts.append(chunk)
+                have += len(chunk)
+            self._buf = b"".join(parts)
+        out, self._buf = self._buf[:n], self._buf[n:]
+        return out
+
+    async def _send(self, msg: w.Message, payload) -> None:
+        """One frame and its payload buffers, gathered by sendmsg (no join)."""
+        views = [memoryview(b).cast("B") for b in payload]
+        head = w.encode(msg, msg.OP, False, sum(v.nbytes for v in views))
+        if not views:
+            await self.loop.sock_sendall(self.sock, head)
+            return
+        bufs = [memoryview(head), *views]
+        while bufs:
+            try:
+                sent = self.sock.sendmsg(bufs[:256])
+            except BlockingIOError:
+                await self._ready(self.loop.add_writer, self.loop.remove_writer)
+                continue
+            while bufs and sent >= len(bufs[0]):
+                sent -= len(bufs.pop(0))
+            if sent:
+                bufs[0] = bufs[0][sent:]
+
+    async def _ready(self, add, remove) -> None:
+        """Wait until the socket is readable (add_reader) or writable (add_writer)."""
+        fd = self.sock.fileno()
+        ready = self.loop.create_future()
+        add(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            remove(fd)
+
+    def _drop_staging(self) -> None:
+        if self._staging is not None:
+            self._staging, segment = None, self._staging
+            segment.close()

@@ -1,0 +1,126 @@
+"""Same-host puts with no request: the client side of a put channel (kvstore.putring).
+
+A dedicated local-socket connection asks for a put channel once; the daemon hands over a
+ring in shared memory and an eventfd doorbell, and keeps granting DRAM slots through the
+ring. A put then copies each new block into a granted slot of the arena this client maps,
+appends (hash, slot) records, rings the doorbell and returns: STORED for what it wrote,
+EXISTS for blocks the slot directory already shows. The daemon commits them shortly after;
+`flush` (done before any request that must see them) waits for that with one FLUSH. When
+grants or ring room run short, the caller falls back to the staged put (one request).
+
+A block the daemon already held outside DRAM (on SSD) is written again and reported
+STORED here; the daemon keeps its copy and frees the slot (content-addressed: same bytes).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Sequence
+
+from kvstore import wire as w
+from kvstore.api import PutStatus
+from kvstore.client.conn import Connection
+from kvstore.client.shm import ArenaMap
+from kvstore.putring import PutRing
+from transfer.copy import copy_bytes
+from transfer.shm import ShmSegment
+
+
+class DirectPuts:
+    """One put channel. `conn` (a blocking client's) carries FLUSH; an asyncio client
+    passes None and sends its FLUSH itself when `pending`."""
+
+    def __init__(self, reply: w.PutsOk, fds: list[int], arena: ArenaMap,
+                 conn: Connection | None = None) -> None:
+        ring_fd, self.doorbell = fds
+        if reply.arena_id != arena.arena_id:
+            w.close_fds(fds)
+            raise w.ProtocolError("the put channel's arena is not the one this client maps")
+        try:
+            self.segment = ShmSegment.from_fd(ring_fd, writable=True)  # owns ring_fd now
+        except BaseException:
+            os.close(self.doorbell)
+            raise
+        try:
+            self.ring = PutRing(self.segment.array)
+        except BaseException:
+            os.close(self.doorbell)
+            self.segment.close()
+            raise
+        self.conn, self.arena = conn, arena
+        self.grants: list[int] = []  # slots taken from the ring, not used yet
+        self.unseen: set[bytes] = set()  # put, maybe not committed yet (EXISTS if put again)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def open(cls, conn: Connection, arena: ArenaMap) -> "DirectPuts":
+        """Ask for a put channel on `conn` (a fresh local-socket connection it keeps)."""
+        try:
+            reply, fds = conn.call_fds(w.Puts(), 2)
+            return cls(reply, fds, arena, conn)
+        except BaseException:
+            conn.close()
+            raise
+
+    def put_n(self, hashes: Sequence[bytes], rows) -> list[PutStatus] | None:
+        """Put with no request, or None (nothing written) when there are not enough granted
+        slots or ring room for this batch right now: use a request then. With a `conn`, one
+        FLUSH first tries to top the grants up."""
+        directory = self.arena.directory
+        if directory.closed or not directory.writer_alive():
+            return None  # the daemon (or this namespace's store) is gone: ask it anew
+        with self.lock:
+            if not self.ring.pending():
+                self.unseen.clear()  # all committed: the slot directory shows them now
+            new, seen = [], set(self.unseen)
+            for i, h in enumerate(hashes):
+                h = bytes(h)
+                if h not in seen and directory.find(h) is None:
+                    new.append(i)
+                seen.add(h)
+            if not self._enough(len(new)):
+                if self.conn is None:
+                    return None
+                # the daemon's drainer is behind (a busy host): one FLUSH commits and
+                # tops the grants up at once, cheaper than a put request per batch
+                self.conn.call(w.Flush())
+                if not self._enough(len(new)):
+                    return None
+            slots = [self.grants.pop() for _ in new]
+            for i, slot in zip(new, slots):
+                copy_bytes(self.arena.rows[slot], rows[i])
+            self.ring.push([bytes(hashes[i]) for i in new], slots)
+            self.unseen.update(bytes(hashes[i]) for i in new)
+            if new:
+                os.eventfd_write(self.doorbell, 1)
+        stored = set(new)
+        return [PutStatus.STORED if i in stored else PutStatus.EXISTS
+                for i in range(len(hashes))]
+
+    def _enough(self, n: int) -> bool:
+        """Are there n granted slots and n ring entries free (taking what the ring has)?"""
+        if len(self.grants) < n:
+            self.grants += self.ring.take_grants(self.ring.grant_capacity)
+        return len(self.grants) >= n and self.ring.room() >= n
+
+    def pending(self) -> bool:
+        """Are puts published that the daemon has not committed yet?"""
+        return bool(self.ring.pending())
+
+    def flush(self) -> None:
+        """Every put so far is committed (visible to any request) when this returns."""
+        with self.lock:
+            if self.ring.pending():
+                self.conn.call(w.Flush())
+
+    def close(self) -> None:
+        """Flush, then end the channel (the daemon takes back the slots still granted).
+        Without a `conn`, the caller flushes and closes its connection first."""
+        try:
+            if self.conn is not None:
+                self.flush()
+        finally:
+            if self.conn is not None:
+                self.conn.close()
+            os.close(self.doorbell)
+            self.segment.close()

@@ -1,0 +1,135 @@
+"""The half of each SDK op that does no I/O, shared by `Client` (blocking) and `AsyncClient`
+(asyncio): checking a reply frame, reading what it says, and the copies between caller
+buffers and the daemon's shared memory. The two clients differ only in how they wait."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvstore import wire as w
+from kvstore.events import TierKind
+from kvstore.keys import Namespace
+from kvstore.stats import StoreStats, TierCounters, TierStats
+from kvstore.api import MatchResult, PutStatus
+from transfer.copy import copy_bytes
+
+PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)
+# Off the daemon's host a put moving bytes by transfer agent costs three requests; up to
+# this many bytes one request carrying them inline is faster.
+INLINE_PUT_BYTES = 512 << 10
+# On the daemon's host a put of up to this many bytes is copied into the connection's
+# staging segment and stored with one request (the daemon copies it into its slots);
+# bigger ones reserve slots, are copied there directly and committed (two requests, one
+# copy), which wins once a copy costs more than a round trip.
+STAGED_PUT_BYTES = 2 << 20
+MAX_STAGE_BYTES = 64 << 20  # the daemon's limit for one connection's staging segment
+TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
+
+
+def check_reply(frame: w.Frame, op: w.Op) -> tuple[w.Message, int]:
+    """The reply to `op` and its payload length; an ERROR frame raises its RemoteError."""
+    if not frame.reply:
+        raise w.ProtocolError(f"the daemon sent a request frame ({frame.op.name})")
+    if frame.op is w.Op.ERROR:
+        msg = frame.msg
+        raise w.remote_error(w.ErrorCode(msg.code) if msg.code in w.ErrorCode._value2member_map_
+                             else w.ErrorCode.INTERNAL, msg.message)
+    if frame.op is not op:
+        raise w.ProtocolError(f"expected a {op.name} reply, got {frame.op.name}")
+    return frame.msg, frame.payload_bytes
+
+
+def check_fds(frame: w.Frame, op: w.Op, fds: list[int], num_fds: int) -> w.Message:
+    """A reply that must carry `num_fds` descriptors; closes them all when it raises."""
+    try:
+        reply, _ = check_reply(frame, op)
+        if len(fds) != num_fds:
+            raise w.ProtocolError(f"{op.name} reply carried {len(fds)} descriptors, "
+                                  f"not {num_fds}")
+    except BaseException:
+        w.close_fds(fds)
+        raise
+    return reply
+
+
+def tiers_of(raw: bytes) -> list[TierKind | None]:
+    return [None if b == w.MISS else TierKind(b) for b in raw]
+
+
+def put_statuses(statuses) -> list[PutStatus]:
+    return [PUT_STATUSES[s] for s in statuses]
+
+
+def hello(ns: Namespace, token: str, want_agent: bool = False,
+          agent_key: bytes = b"") -> w.Hello:
+    return w.Hello(token=token, model=ns.model, num_layers=ns.num_layers,
+                   num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, dtype=ns.dtype,
+                   block_tokens=ns.block_tokens, revision=ns.revision, tenant=ns.tenant,
+                   agent=want_agent, agent_key=agent_key, codec=ns.codec)
+
+
+class GetLayout(NamedTuple):
+    """Where a GET reply's hits are: `inline` (indices whose bytes follow the reply, in
+    order) and `leased` (indices to copy from `slots`, leased until released)."""
+    tiers: list[TierKind | None]
+    inline: list[int]
+    leased: list[int]
+    slots: np.ndarray | None
+
+
+def get_layout(reply: w.GetOk, payload_bytes: int, block_bytes: int) -> GetLayout:
+    tiers = tiers_of(reply.tiers)
+    hits = [i for i, t in enumerate(tiers) if t is not None]
+    slots = np.frombuffer(reply.slots, "<i8") if reply.slots else None
+    if slots is not None and len(slots) != len(tiers):
+        raise w.ProtocolError(f"GET reply names {len(slots)} slots for {len(tiers)} blocks")
+    leased = [] if slots is None else [i for i in hits if slots[i] != w.NO_SLOT]
+    inline = [i for i in hits if slots is None or slots[i] == w.NO_SLOT]
+    if payload_bytes != len(inline) * block_bytes:
+        raise w.ProtocolError(f"GET reply carries {payload_bytes} bytes for "
+                              f"{len(inline)} inline hits")
+    return GetLayout(tiers, inline, leased, slots)
+
+
+def match_of(reply: w.MatchOk) -> MatchResult:
+    return MatchResult(reply.num_blocks, tuple(tiers_of(reply.tiers)))
+
+
+def flags_of(reply) -> list[bool]:
+    return [bool(b) for b in reply.flags]
+
+
+def stats_of(reply: w.StatsOk, ns: Namespace) -> StoreStats:
+    tiers = tuple(TierStats(TierKind(row[0]), row[1], row[2], row[3], TierCounters(*row[4:]))
+                  for row in reply.tiers)
+    return StoreStats(ns.model, ns.block_bytes, tiers, reply.misses, reply.open_reservations,
+                      reply.open_leases)
+
+
+def iter_rows(rows):
+    return rows if isinstance(rows, list) else list(rows)
+
+
+def as_numpy(row: torch.Tensor) -> np.ndarray:
+    return row.numpy() if row.device.type == "cpu" else row.cpu().numpy()
+
+
+def stage(staging: np.ndarray, rows, n: int, block_bytes: int) -> None:
+    """Copy n blocks into the front of a staging segment."""
+    staged = staging[:n * block_bytes].reshape(n, block_bytes)
+    for i, row in enumerate(iter_rows(rows)):
+        np.copyto(staged[i], as_numpy(row))
+
+
+copy_row = copy_bytes  # one block between the arena and a caller buffer
+
+
+def host_view(row: torch.Tensor) -> tuple[memoryview, torch.Tensor | None]:
+    """Where to receive a row's bytes: the row itself (host memory), or a host staging
+    tensor to copy to the device row afterwards (returned second)."""
+    if row.device.type == "cpu":
+        return memoryview(row.numpy()), None
+    staging = torch.empty(row.numel(), dtype=torch.uint8)
+    return memoryview(staging.numpy()), staging

@@ -1,0 +1,35 @@
+"""The control plane's typed app state and its token checks, shared by every route module
+(`app`, `cluster`), so the route modules import this, not each other."""
+from __future__ import annotations
+
+import socket
+
+from aiohttp import web
+
+from kvstore.daemon.config import ADMIN, DaemonConfig
+from kvstore.daemon.dataplane import DataPlane
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.namespaces import Registry
+
+CONFIG = web.AppKey("config", DaemonConfig)
+DATA_SOCKET = web.AppKey("data_socket", socket.socket)
+REGISTRY = web.AppKey("registry", Registry)
+METRICS = web.AppKey("metrics", Metrics)
+DATAPLANE = web.AppKey("dataplane", DataPlane)
+
+
+def grant_of(request: web.Request) -> str:
+    """The tenant the request's bearer token grants (ADMIN for all); 401 without one."""
+    cfg = request.app[CONFIG]
+    auth = request.headers.get("Authorization", "")
+    token = auth[7:] if auth.startswith("Bearer ") else ""
+    grant = cfg.tenant_of(token)
+    if grant is None:
+        raise web.HTTPUnauthorized(text="bad or missing token: send Authorization: Bearer TOKEN\n",
+                                   headers={"WWW-Authenticate": "Bearer"})
+    return grant
+
+
+def require_admin(request: web.Request) -> None:
+    if grant_of(request) != ADMIN:
+        raise web.HTTPForbidden(text="this endpoint needs an admin token (one with no tenant)\n")

@@ -1,0 +1,137 @@
+"""The daemon side of same-host puts with no request (the ring layout: kvstore.putring).
+
+A local connection that sends PUTS becomes a put channel: the daemon creates its ring
+(anonymous shared memory) and an eventfd doorbell, hands both over, and keeps the ring
+stocked with granted DRAM slots. One thread (`Drainer`) waits on every channel's doorbell
+with epoll and commits what each ring holds: it checks each record's slot against what it
+granted that channel, binds and publishes the blocks (`TieredStore.commit_granted`), then
+tops the grants up again. A FLUSH request drains its channel at once (read-your-writes for
+the client's next request); closing the connection drains it a last time and gives every
+slot it still held back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+
+from kvstore.daemon.namespaces import Hosted
+from kvstore.putring import PutRing, ring_bytes
+from transfer import ShmSegment
+
+log = logging.getLogger("kvtier.puts")
+RING_CAPACITY = 1024
+GRANT_CAPACITY = 256
+GRANT_BYTES = 64 << 20  # at most this much DRAM held in grants by one channel
+
+
+class PutChannel:
+    def __init__(self, hosted: Hosted) -> None:
+        self.hosted, self.store = hosted, hosted.store
+        dram = hosted.dram
+        # a small arena grants nothing (its clients put with a request): grants are slots
+        # no other put can use, so they stay a small share of it
+        self.target = min(GRANT_CAPACITY, dram.num_slots // 16,
+                          GRANT_BYTES // hosted.ns.block_bytes)
+        self.segment = ShmSegment.anonymous(ring_bytes(RING_CAPACITY, GRANT_CAPACITY),
+                                            "kvtier-putring")
+        self.ring = PutRing(self.segment.array, RING_CAPACITY, GRANT_CAPACITY)
+        self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.granted: set[int] = set()  # granted to this channel and not yet committed
+        self.lock = threading.Lock()
+        self.closed = False
+        self._top_up()
+
+    def fds(self) -> list[int]:
+        """Descriptors for the client (send, then close): the ring (read-write), the bell."""
+        return [self.segment.share_fd(writable=True), os.dup(self.doorbell)]
+
+    def drain(self) -> int:
+        """Commit every record the client published; top the grants up. How many."""
+        with self.lock:
+            if self.closed:
+                return 0
+            hashes, slots = self.ring.peek()
+            mine = [(h, s) for h, s in zip(hashes, slots) if s in self.granted]
+            if len(mine) < len(hashes):
+                log.warning("a put channel named %d slots it was not granted (ignored)",
+                            len(hashes) - len(mine))
+            if mine:
+                self.granted.difference_update(s for _, s in mine)
+                self.store.commit_granted([h for h, _ in mine], [s for _, s in mine])
+            self.ring.consume(len(hashes))
+            self._top_up()
+            return len(mine)
+
+    def _top_up(self) -> None:
+        want = min(self.target - len(self.granted), self.ring.grant_room())
+        if want > 0:
+            slots = self.store.grant_n(want)
+            self.granted.update(slots)
+            self.ring.push_grants(slots)
+
+    def close(self) -> None:
+        """The connection ended: commit what is published, give every other slot back."""
+        try:
+            self.drain()
+        finally:
+            with self.lock:
+                self.closed = True
+                left, self.granted = list(self.granted), set()
+            self.store.release_granted(left)
+            os.close(self.doorbell)
+            self.segment.close()
+
+
+class Drainer:
+    """One thread that commits every channel's ring when its doorbell rings (and, as a
+    safety net, every DRAIN_S even if a doorbell was missed)."""
+
+    DRAIN_S = 0.5
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._channels: dict[int, PutChannel] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-puts", daemon=True)
+        self._thread.start()
+
+    def add(self, ch: PutChannel) -> None:
+        with self._lock:
+            self._channels[ch.doorbell] = ch
+            self._epoll.register(ch.doorbell, select.EPOLLIN)
+
+    def remove(self, ch: PutChannel) -> None:
+        with self._lock:
+            if self._channels.pop(ch.doorbell, None) is not None:
+                try:
+                    self._epoll.unregister(ch.doorbell)
+                except (ValueError, OSError):
+                    pass  # the drainer has stopped (shutdown)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self._epoll.poll(self.DRAIN_S)
+                with self._lock:
+                    ready = [self._channels.get(fd) for fd, _ in events] if events else \
+                        list(self._channels.values())
+                for ch in filter(None, ready):
+                    self._ring(ch)
+            except Exception:  # noqa: BLE001 - logged; the thread must outlive any one error
+                log.exception("draining put channels failed; carrying on")
+
+    @staticmethod
+    def _ring(ch: PutChannel) -> None:
+        try:
+            os.eventfd_read(ch.doorbell)
+        except (BlockingIOError, OSError):
+            pass  # nothing rang (the periodic pass), or the channel just closed
+        ch.drain()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._epoll.close()

@@ -1,0 +1,75 @@
+"""Granted DRAM slots: the store side of same-host puts with no request.
+
+A same-host writer is granted free DRAM slots ahead of time (`grant_n`), copies blocks into
+them itself, and later names which hash each slot holds (`commit_granted`): the store then
+binds and publishes them, as a reservation's commit would. A hash the store already holds
+gives its slot back (EXISTS: content-addressed, nothing is lost). Slots granted and never
+committed go back with `release_granted` (the daemon does it when the writer's channel
+closes). Until committed, a granted slot belongs to no block: nothing reads or evicts it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvstore.api import PutStatus
+from kvstore.events import EventKind, TierKind
+from kvstore.tiermap import Entry, State
+
+
+GRANTED_SHARE = 4  # at most 1/4 of the DRAM tier is granted at once, over all writers
+
+
+class Grants:
+    """Mixin of TieredStore (its lock `_lock`, tier map `_p`, `_granted`)."""
+
+    def grant_n(self, n: int) -> list[int]:
+        """Up to n free DRAM slots reserved for a same-host writer (room made below first)."""
+        i = self._tier_index(TierKind.DRAM)
+        if i is None or n <= 0:
+            return []
+        self._make_room_in(i, n)
+        with self._lock:
+            self._check_open()
+            tier = self._p.tiers[i]
+            k = min(n, tier.num_free(), tier.num_slots // GRANTED_SHARE - len(self._granted))
+            slots = (tier.alloc_n(k) if k > 0 else None) or []
+            self._granted.update(slots)
+            return slots
+
+    def commit_granted(self, hashes: Sequence[bytes], slots: Sequence[int]) -> list[PutStatus]:
+        """Bind each granted slot to the block written into it and publish it. Per block:
+        STORED, EXISTS (its slot given back) or NO_SPACE (that slot was not granted)."""
+        out, new = [], []
+        with self._lock:
+            self._check_open()
+            p, i = self._p, self._tier_index(TierKind.DRAM)
+            for h, slot in zip(map(bytes, hashes), slots):
+                if slot not in self._granted:
+                    out.append(PutStatus.NO_SPACE)
+                    continue
+                self._granted.discard(slot)
+                if h in p.entries:
+                    p.tiers[i].free_n([slot], [h])
+                    out.append(PutStatus.EXISTS)
+                    continue
+                e = p.entries[h] = Entry(h, i, slot, State.COMMITTED)
+                new.append(e)
+                out.append(PutStatus.STORED)
+            for e in reversed(new):
+                p.make_evictable(e)
+            if new:
+                p.tiers[i].publish_n([e.slot for e in new], [e.hash for e in new])
+                p.counters[i].bytes_in += len(new) * self.ns.block_bytes
+                p.emit(EventKind.STORED, i, [e.hash for e in new])
+        return out
+
+    def release_granted(self, slots: Sequence[int]) -> None:
+        """Granted slots nobody will commit go back to the free list."""
+        with self._lock:
+            if self._closed:
+                return
+            mine = [s for s in slots if s in self._granted]
+            self._granted.difference_update(mine)
+            i = self._tier_index(TierKind.DRAM)
+            if mine and i is not None:
+                self._p.tiers[i].free_n(mine, [b""] * len(mine))

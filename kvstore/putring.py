@@ -1,0 +1,118 @@
+"""Same-host puts with no request: a client writes blocks into DRAM slots the daemon granted
+it in advance, then appends (hash, slot) commit records to a ring both share.
+
+One ring per put channel (a local-socket connection of one client), in anonymous shared
+memory the daemon creates and hands over with the channel (`kvstore.daemon.putchannel`):
+
+    header (64 B)        u64 x 8: magic, capacity, commit write, commit read,
+                         grant write, grant read, grant capacity, closed
+    commits[capacity]    16-byte block hash + int64 slot   (client writes, daemon reads)
+    grants[gcapacity]    int64 slot                        (daemon writes, client reads)
+
+Single producer, single consumer on each ring: the writer fills entries, then advances its
+index; the reader reads the index, then the entries, then advances its own. x86-64 keeps
+stores in program order and loads in program order (TSO), which is all this needs; other
+CPUs keep the request paths (`DIRECT_PUTS` is False there). A client wakes the daemon with
+an eventfd after a batch; nothing waits for the commit. The daemon checks every record's
+slot against what it granted that channel, so a confused or hostile client can only waste
+its own grants.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from kvstore.slotdir import DIRECT_READS
+
+MAGIC = 0x4B56545055545247  # "KVTPUTRG"
+HEADER_WORDS = 8
+M, CAP, CW, CR, GW, GR, GCAP, CLOSED = range(HEADER_WORDS)
+RECORD = np.dtype([("hash", "V16"), ("slot", "<i8")])
+DIRECT_PUTS = DIRECT_READS  # the same memory-ordering assumption as the slot directory
+_SLOT = struct.Struct("<q")
+
+
+def ring_bytes(capacity: int, grant_capacity: int) -> int:
+    return 8 * HEADER_WORDS + RECORD.itemsize * capacity + 8 * grant_capacity
+
+
+class PutRing:
+    """Views over one ring's shared memory (a uint8 numpy array)."""
+
+    def __init__(self, buf: np.ndarray, capacity: int | None = None,
+                 grant_capacity: int | None = None) -> None:
+        # a memoryview: indexing one word costs ~0.1 us (a numpy scalar ~1 us)
+        self.head = memoryview(buf[:8 * HEADER_WORDS]).cast("Q")
+        if capacity is not None:  # the creator lays it out
+            for k in range(HEADER_WORDS):
+                self.head[k] = 0
+            self.head[CAP], self.head[GCAP] = capacity, grant_capacity
+            self.head[M] = MAGIC
+        if self.head[M] != MAGIC:
+            raise ValueError("not a kvtier put ring")
+        cap, gcap = int(self.head[CAP]), int(self.head[GCAP])
+        if buf.nbytes < ring_bytes(cap, gcap):
+            raise ValueError("put ring shorter than its header says")
+        off = 8 * HEADER_WORDS
+        self._commit_bytes = memoryview(buf[off:off + RECORD.itemsize * cap])
+        self.commits = buf[off:off + RECORD.itemsize * cap].view(RECORD)
+        off += RECORD.itemsize * cap
+        self.grants = buf[off:off + 8 * gcap].view("<i8")
+        self.capacity, self.grant_capacity = cap, gcap
+
+    # ---------------------------------------------------------------- client side
+
+    def room(self) -> int:
+        """Commit records the client may append now."""
+        return self.capacity - int(self.head[CW] - self.head[CR])
+
+    def push(self, hashes: list[bytes], slots: list[int]) -> None:
+        """Append commit records (the caller checked `room`), then publish them."""
+        w, size = int(self.head[CW]), RECORD.itemsize
+        for k, (h, slot) in enumerate(zip(hashes, slots)):
+            at = ((w + k) % self.capacity) * size
+            self._commit_bytes[at:at + size] = bytes(h) + _SLOT.pack(slot)
+        self.head[CW] = w + len(slots)  # after the records: the daemon sees them whole
+
+    def pending(self) -> int:
+        """Commit records the daemon has not taken yet."""
+        return int(self.head[CW] - self.head[CR])
+
+    def take_grants(self, n: int) -> list[int]:
+        """Up to n granted slots."""
+        r, w = int(self.head[GR]), int(self.head[GW])
+        k = min(n, w - r)
+        out = self.grants[np.arange(r, r + k) % self.grant_capacity].tolist() if k else []
+        self.head[GR] = r + k
+        return out
+
+    # ---------------------------------------------------------------- daemon side
+
+    def peek(self) -> tuple[list[bytes], list[int]]:
+        """Every published commit record, oldest first, left in the ring: `consume` them
+        once committed, so that `pending` stays non-zero until the slot directory shows
+        them (the client's EXISTS answer for a block put twice rests on that)."""
+        r, w = int(self.head[CR]), int(self.head[CW])
+        n = max(0, min(w - r, self.capacity))
+        idx = (np.arange(r, r + n) % self.capacity) if n else np.empty(0, np.int64)
+        recs = self.commits[idx]
+        return [bytes(v) for v in recs["hash"]], recs["slot"].tolist()
+
+    def consume(self, n: int) -> None:
+        """The n oldest records are committed: their ring entries are free again."""
+        self.head[CR] = int(self.head[CR]) + n
+
+    def grant_room(self) -> int:
+        return self.grant_capacity - int(self.head[GW] - self.head[GR])
+
+    def push_grants(self, slots: list[int]) -> None:
+        w = int(self.head[GW])
+        for k, slot in enumerate(slots):
+            self.grants[(w + k) % self.grant_capacity] = slot
+        self.head[GW] = w + len(slots)
+
+    def unclaimed_grants(self) -> list[int]:
+        """Granted slots the client has not taken (given back when the channel ends)."""
+        r, w = int(self.head[GR]), int(self.head[GW])
+        return [int(self.grants[i % self.grant_capacity]) for i in range(r, w)]

@@ -1,0 +1,6 @@
+"""`python -m kvtier ...` is the `kvtier` command."""
+import sys
+
+from kvtier.cli import main
+
+sys.exit(main())

@@ -1,0 +1,207 @@
+"""The asyncio SDK against a real daemon: the same op suite as `Client` on each path it
+takes (same host with and without the put channel, TCP), checked against a dict model,
+with no thread started; concurrency, cancellation, a restarted daemon, a silent peer."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore import AsyncClient, Client
+from kvstore import wire as w
+from kvstore.client import ConnectError, RequestTimeout
+from kvstore.events import TierKind
+from kvstore.keys import hash_blocks
+from kvstore.store import PutStatus
+
+from .conftest import NS, block_of
+
+BB = NS.block_bytes
+PATHS = {  # name -> AsyncClient options, and the transport it must end up on
+    "shm": (dict(), "shm"),
+    "staged": (dict(direct_puts=False), "shm"),
+    "reserve": (dict(direct_puts=False, staged_put_bytes=0), "shm"),
+    "tcp": (dict(use_shm=False), "tcp"),
+}
+
+
+def chain(seed: int, n: int) -> list[bytes]:
+    return hash_blocks(NS, np.arange(n * NS.block_tokens) + seed * 3_000_017)
+
+
+def blocks(hs) -> np.ndarray:
+    return np.stack([block_of(h, BB) for h in hs])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_op_suite_matches_a_dict_model_on_every_path(make_daemon, path):
+    opts, transport = PATHS[path]
+    d = make_daemon("--dram-size", "1MiB")
+    model: dict[bytes, np.ndarray] = {}
+    seed = 10 + list(PATHS).index(path)
+    threads = threading.active_count()
+
+    async def main():
+        async with AsyncClient(d.url, namespace=NS, **opts) as c:
+            assert c.transport == transport
+            hs = chain(seed, 40)
+            # a batch put as one buffer, then per-block buffers of several kinds
+            assert await c.put_n(hs[:20], blocks(hs[:20])) == [PutStatus.STORED] * 20
+            model.update(zip(hs[:20], blocks(hs[:20])))
+            srcs = [torch.from_numpy(block_of(h, BB)) for h in hs[20:30]]
+            st = await c.put_n(hs[18:30], [block_of(h, BB) for h in hs[18:20]] + srcs)
+            assert st == [PutStatus.EXISTS] * 2 + [PutStatus.STORED] * 10
+            model.update((h, block_of(h, BB)) for h in hs[20:30])
+            assert await c.put(hs[30], bytearray(block_of(hs[30], BB))) is PutStatus.STORED
+            model[hs[30]] = block_of(hs[30], BB)
+
+            # reads: a batch with holes, each hit byte-exact, misses None
+            ask = hs[25:35]
+            out = np.full((len(ask), BB), 7, np.uint8)
+            tiers = await c.get_n(ask, out)
+            for h, t, row in zip(ask, tiers, out):
+                assert (t is not None) == (h in model)
+                if h in model:
+                    assert np.array_equal(row, model[h])
+            assert await c.contains_n(ask) == [h in model for h in ask]
+            m = await c.match_prefix(hs)
+            assert m.num_blocks == 31 and len(m.tiers) == 31
+            pre = np.zeros((40, BB), np.uint8)
+            got = await c.get_prefix_n(hs, pre)
+            assert got.num_blocks == 31 and np.array_equal(pre[:31], blocks(hs[:31]))
+            assert not pre[31:].any(), "blocks past the prefix were written"
+            assert await c.get(hs[3]) == model[hs[3]].tobytes()
+            assert await c.get(hs[39]) is None
+            t = torch.zeros(BB, dtype=torch.uint8)
+            assert await c.get_into(hs[4], t) is not None and bytes(t.numpy()) == model[hs[4]].tobytes()
+
+            # pins, removal, stats
+            assert await c.pin_n(hs[:2] + hs[39:]) == [True, True, False]
+            await c.unpin_n(hs[:2])
+            assert await c.remove_n(hs[:5] + hs[39:]) == 5
+            for h in hs[:5]:
+                model.pop(h)
+            assert await c.contains_n(hs[:6]) == [False] * 5 + [True]
+            assert not await c.remove(hs[0])
+            s = await c.stats()
+            # (a put channel's granted slots count as used until it puts into them)
+            assert s.block_bytes == BB and s.tiers[0].used_blocks >= len(model)
+            assert await c.contains_n(hs) == [h in model for h in hs]
+            assert threading.active_count() == threads, "the asyncio client started a thread"
+
+    asyncio.run(main())
+    # the blocking client (another process would do) sees exactly the model
+    with Client(d.url, namespace=NS, use_shm=False) as sync:
+        hs = list(model)
+        out = np.zeros((len(hs), BB), np.uint8)
+        assert None not in sync.get_n(hs, out)
+        assert all(np.array_equal(out[i], model[h]) for i, h in enumerate(hs))
+
+
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+def test_many_concurrent_calls_on_a_small_pool(make_daemon, path):
+    d = make_daemon("--dram-size", "2MiB")
+    opts, _ = PATHS[path]
+    hs = chain(30, 256)
+
+    async def worker(c, k):
+        mine = hs[k * 8:(k + 1) * 8]
+        assert await c.put_n(mine, blocks(mine)) == [PutStatus.STORED] * 8
+        out = np.zeros((8, BB), np.uint8)
+        for _ in range(3):
+            assert None not in await c.get_n(mine, out)
+            assert np.array_equal(out, blocks(mine))
+
+    async def main():
+        async with AsyncClient(d.url, namespace=NS, pool_size=2, **opts) as c:
+            await asyncio.gather(*(worker(c, k) for k in range(32)))
+            assert len(c._idle) <= 2
+
+    asyncio.run(main())
+
+
+def test_payloads_bigger_than_the_socket_buffers(make_daemon):
+    """Megabytes inline over TCP: many partial sends and receives on the loop."""
+    d = make_daemon("--dram-size", "64MiB")
+    hs = chain(40, 2048)  # 8 MiB of 4 KiB blocks in one request each way
+
+    async def main():
+        async with AsyncClient(d.url, namespace=NS, use_shm=False) as c:
+            assert await c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * len(hs)
+            out = np.zeros((len(hs), BB), np.uint8)
+            assert None not in await c.get_n(hs, out)
+            assert np.array_equal(out, blocks(hs))
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_call_leaves_no_broken_connection(make_daemon):
+    d = make_daemon("--dram-size", "64MiB")
+    hs = chain(50, 2048)
+
+    async def main():
+        async with AsyncClient(d.url, namespace=NS, use_shm=False, pool_size=1) as c:
+            await c.put_n(hs, blocks(hs))
+            for delay in (0, 0.0005, 0.002):
+                task = asyncio.ensure_future(c.get_n(hs, np.zeros((len(hs), BB), np.uint8)))
+                await asyncio.sleep(delay)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                out = np.zeros((4, BB), np.uint8)  # the next call reads its own reply
+                assert None not in await c.get_n(hs[:4], out)
+                assert np.array_equal(out, blocks(hs[:4]))
+
+    asyncio.run(main())
+
+
+def test_a_restarted_daemon_is_reached_on_a_fresh_connection(make_daemon):
+    d = make_daemon()
+    async def main():
+        for k, opts in enumerate((dict(), dict(use_shm=False))):
+            hs = chain(60 + k, 6)
+            async with AsyncClient(d.url, namespace=NS, **opts) as c:
+                await c.put_n(hs[:3], blocks(hs[:3]))
+                assert await c.contains_n(hs[:3]) == [True] * 3
+                d.stop()
+                d.start()  # same port, new arena and local socket
+                assert await c.put_n(hs[3:], blocks(hs[3:])) == [PutStatus.STORED] * 3
+                out = np.zeros((3, BB), np.uint8)
+                assert await c.get_n(hs[3:], out) == [TierKind.DRAM] * 3
+                assert np.array_equal(out, blocks(hs[3:]))
+
+    asyncio.run(main())
+
+
+def test_wrong_token_unreachable_daemon_and_silent_peer(make_daemon, tmp_path):
+    (tmp_path / "tokens").write_text("s3cret\n")
+    d = make_daemon("--token-file", str(tmp_path / "tokens"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts (the kernel's backlog) and never answers
+
+    async def main():
+        with pytest.raises(w.AuthError):
+            await AsyncClient(d.url, "wrong", namespace=NS).connect()
+        async with AsyncClient(d.url, "s3cret", namespace=NS) as c:
+            assert c.uses_shm
+        with pytest.raises(ConnectError, match="kvtier serve"):
+            await AsyncClient(f"kvtier://127.0.0.1:{free}", namespace=NS).connect()
+        port = silent.getsockname()[1]
+        with pytest.raises(RequestTimeout, match="HELLO"):
+            await AsyncClient(f"kvtier://127.0.0.1:{port}", namespace=NS,
+                              timeout_s=0.5).connect()
+        with pytest.raises(ValueError, match="namespace"):
+            AsyncClient(d.url)
+
+    try:
+        asyncio.run(main())
+    finally:
+        silent.close()

@@ -1,0 +1,146 @@
+"""Same-host puts with no request (put channels): blocks written into granted DRAM slots,
+committed by the daemon from a shared ring. Byte-exact for every reader, visible to the
+client's own next request, no slot leaked when a client dies or lies, and no lost put when
+the daemon goes away."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+from kvstore import Client
+from kvstore import wire as w
+from kvstore.events import TierKind
+from kvstore.keys import hash_blocks
+from kvstore.putring import PutRing
+from kvstore.store import PutStatus
+from transfer.shm import ShmSegment
+
+from .conftest import NS, ROOT, block_of
+
+BB = NS.block_bytes
+
+
+def chain(seed: int, n: int) -> list[bytes]:
+    return hash_blocks(NS, np.arange(n * NS.block_tokens) + seed * 7_000_003)
+
+
+def blocks(hs):
+    return np.stack([block_of(h, BB) for h in hs])
+
+
+def op_count(daemon, op: str) -> float:
+    text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
+    found = re.findall(rf'^kvtier_ops_total{{op="{op}",outcome="ok"}} (\S+)$', text, re.M)
+    return float(found[0]) if found else 0.0
+
+
+def dram_used(daemon) -> int:
+    (ns,) = [n for n in daemon.get_json("/stats")["namespaces"] if n["model"] == NS.model]
+    return next(t["used_blocks"] for t in ns["tiers"] if t["tier"] == "dram")
+
+
+def test_puts_send_no_request_and_every_reader_sees_the_bytes(make_daemon):
+    daemon = make_daemon("--dram-size", "4MiB")  # 1024 slots: a channel is granted 64
+    hs = chain(1, 6)
+    with Client(daemon.url, namespace=NS) as c, \
+            Client(daemon.url, namespace=NS, use_shm=False) as tcp:
+        c.put_n(hs[:1], blocks(hs[:1]))  # opens the put channel
+        assert c._puts is not None
+        puts_before = op_count(daemon, "put")
+        assert c.put_n(hs, blocks(hs)) == [PutStatus.EXISTS] + [PutStatus.STORED] * 5
+        assert c.put_n(hs[2:3], blocks(hs[2:3])) == [PutStatus.EXISTS]  # even uncommitted
+        assert op_count(daemon, "put") == puts_before, "a direct put sent a PUT"
+        assert c.contains_n(hs) == [True] * 6  # its own next request sees them (FLUSH)
+        out = np.zeros((6, BB), np.uint8)
+        assert tcp.get_n(hs, out) == [TierKind.DRAM] * 6
+        assert np.array_equal(out, blocks(hs))
+
+
+def test_grants_run_out_and_puts_fall_back_to_a_request(make_daemon):
+    d = make_daemon("--dram-size", "64KiB")  # 16 slots: a channel is granted 2
+    hs = chain(2, 12)
+    with Client(d.url, namespace=NS) as c:
+        assert c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * 12
+        out = np.zeros((12, BB), np.uint8)
+        assert None not in c.get_n(hs, out) and np.array_equal(out, blocks(hs))
+    assert op_count(d, "put") >= 1, "12 blocks cannot all have fitted 2 grants"
+
+
+KILLED_WRITER = """
+import os, sys, numpy as np
+from kvstore import Client
+from kvstore.keys import Namespace, hash_blocks
+ns = Namespace("test-model", num_layers=1, num_kv_heads=1, head_dim=64)
+c = Client(sys.argv[1], namespace=ns)
+hs = hash_blocks(ns, np.arange(3 * 16) + 99)
+c.put_n(hs, np.full((3, ns.block_bytes), 5, np.uint8))
+print(len(c._puts.grants), flush=True)
+os.kill(os.getpid(), 9)  # holding granted slots, some never committed
+"""
+
+
+def test_a_killed_writer_leaks_no_granted_slot(make_daemon):
+    d = make_daemon("--dram-size", "64KiB")
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        c.contains_n(chain(3, 1))  # the namespace exists
+    out = subprocess.run([sys.executable, "-c", KILLED_WRITER, d.url], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == -9 and out.stdout.strip(), out.stderr
+    deadline = time.monotonic() + 10
+    while dram_used(d) != 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dram_used(d) == 3, "granted slots outlived their channel"
+    hs = chain(4, 13)  # every other slot can be used again
+    with Client(d.url, namespace=NS, direct_puts=False) as c:
+        assert c.put_n(hs, blocks(hs)).count(PutStatus.STORED) == 13
+
+
+def test_a_ring_naming_slots_it_was_not_granted_commits_nothing(daemon):
+    with Client(daemon.url, namespace=NS, use_shm=False) as probe:
+        name = probe._run(lambda conn: conn.info.local_socket)
+    from kvstore.client.conn import Connection, LocalAddress
+    conn = Connection(LocalAddress(name), "", NS, 5, 5)
+    reply, (ring_fd, bell) = conn.call_fds(w.Puts(), 2)
+    seg = ShmSegment.from_fd(ring_fd, writable=True)
+    ring = PutRing(seg.array)
+    granted = set(ring.take_grants(ring.grant_capacity))
+    stranger = next(s for s in range(10_000) if s not in granted)
+    hs = chain(5, 2)
+    ring.push(hs, [stranger, stranger + 1 if stranger + 1 not in granted else stranger])
+    conn.call(w.Flush())
+    with Client(daemon.url, namespace=NS, use_shm=False) as c:
+        assert c.contains_n(hs) == [False, False]
+    conn.close()
+    seg.close()
+    import os
+    os.close(bell)
+
+
+def test_a_daemon_restart_loses_no_acknowledged_put(make_daemon):
+    d = make_daemon()
+    hs = chain(6, 8)
+    with Client(d.url, namespace=NS) as c:
+        c.put_n(hs[:4], blocks(hs[:4]))
+        assert c.contains_n(hs[:4]) == [True] * 4
+        d.stop()
+        d.start()  # same port; its arena, directory and channels are new
+        assert c.put_n(hs[4:], blocks(hs[4:])) == [PutStatus.STORED] * 4
+        out = np.zeros((4, BB), np.uint8)
+        assert c.get_n(hs[4:], out) == [TierKind.DRAM] * 4 and np.array_equal(out, blocks(hs[4:]))
+
+
+def test_a_quiet_put_channel_outlives_the_idle_timeout(make_daemon):
+    d = make_daemon("--idle-timeout", "1")
+    hs = chain(7, 4)
+    with Client(d.url, namespace=NS) as c:
+        c.put_n(hs[:2], blocks(hs[:2]))
+        puts = c._puts
+        time.sleep(2)  # longer than the idle timeout: the channel must still hold its grants
+        assert c.put_n(hs[2:], blocks(hs[2:])) == [PutStatus.STORED] * 2 and c._puts is puts
+        out = np.zeros((4, BB), np.uint8)
+        assert c.get_n(hs, out) == [TierKind.DRAM] * 4 and np.array_equal(out, blocks(hs))

@@ -1,0 +1,44 @@
+"""The put ring's two sides in one process: records stay pending until the daemon side
+consumes them after committing, wrap-around, and a client that lies about its index."""
+import numpy as np
+
+from kvstore.putring import CW, PutRing, ring_bytes
+
+
+def ring(cap=4, gcap=4):
+    buf = np.zeros(ring_bytes(cap, gcap), np.uint8)
+    return PutRing(buf, cap, gcap), PutRing(buf)  # daemon side (creator), client side
+
+
+def test_records_stay_pending_until_consumed():
+    daemon, client = ring()
+    client.push([b"a" * 16, b"b" * 16], [3, 5])
+    assert daemon.peek() == ([b"a" * 16, b"b" * 16], [3, 5])
+    assert client.pending() == 2 and client.room() == 2, "peek alone frees nothing"
+    daemon.consume(2)
+    assert client.pending() == 0 and client.room() == 4
+    assert daemon.peek() == ([], [])
+
+
+def test_wraps_around():
+    daemon, client = ring(cap=3)
+    for k in range(7):
+        client.push([bytes([k]) * 16], [k])
+        assert daemon.peek() == ([bytes([k]) * 16], [k])
+        daemon.consume(1)
+
+
+def test_a_lying_write_index_reads_at_most_capacity():
+    daemon, client = ring(cap=4)
+    client.head[CW] = 1 << 40
+    hashes, slots = daemon.peek()
+    assert len(hashes) == len(slots) == 4
+
+
+def test_grants_flow_the_other_way():
+    daemon, client = ring(gcap=3)
+    daemon.push_grants([7, 8])
+    assert daemon.grant_room() == 1
+    assert client.take_grants(5) == [7, 8] and client.take_grants(1) == []
+    daemon.push_grants([9])
+    assert daemon.unclaimed_grants() == [9]
