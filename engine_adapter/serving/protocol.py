@@ -19,7 +19,7 @@ _LEN = struct.Struct(">I")
 T = TypeVar("T")
 
 
-class ProtocolError(ValueError):
+class MessageError(ValueError):
     """A message from another process does not parse or has the wrong version."""
 
 
@@ -94,16 +94,16 @@ def unpack(cls: type[T], raw: bytes) -> T:
     try:
         d = msgpack.unpackb(raw, raw=False)
     except (ValueError, msgpack.exceptions.ExtraData) as e:
-        raise ProtocolError(f"{cls.__name__}: not msgpack ({e})") from e
+        raise MessageError(f"{cls.__name__}: not msgpack ({e})") from e
     if not isinstance(d, dict) or d.pop("version", None) != PROTOCOL_VERSION:
-        raise ProtocolError(f"{cls.__name__}: not protocol version {PROTOCOL_VERSION}")
+        raise MessageError(f"{cls.__name__}: not protocol version {PROTOCOL_VERSION}")
     names = {f.name: f for f in dataclasses.fields(cls)}
     try:
         kw = {k: tuple(v) if isinstance(v, list) and "tuple" in str(names[k].type) else v
               for k, v in d.items()}
         return cls(**kw)
     except (KeyError, TypeError) as e:
-        raise ProtocolError(f"{cls.__name__}: bad fields ({e})") from e
+        raise MessageError(f"{cls.__name__}: bad fields ({e})") from e
 
 
 def frame(msg: Any) -> bytes:

@@ -33,7 +33,7 @@ from engine_adapter.serving.calibrate import Calibration, calibrate
 from engine_adapter.serving.engine_loop import EngineLoop
 from engine_adapter.serving.kv_events import CacheEventLog
 from kvstore.cluster.messages import EVENTS_KIND_HEADER
-from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, PrefillResult, ProtocolError,
+from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, PrefillResult, MessageError,
                                              Role, TokenEvent, WorkerInfo, frame, pack, unpack)
 from engine_adapter.workers import Handoff
 
@@ -155,7 +155,7 @@ async def _submit(request: web.Request, rid: str, prompt, params: SamplingParams
 async def _body(request: web.Request, cls):
     try:
         return unpack(cls, await request.read())
-    except ProtocolError as e:
+    except MessageError as e:
         raise web.HTTPBadRequest(text=str(e)) from e
 
 
