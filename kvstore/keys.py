@@ -18,8 +18,9 @@ import functools
 import math
 import struct
 from dataclasses import dataclass
-from typing import Iterable, NewType, Sequence
+from typing import Annotated, Iterable, NewType, Sequence
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -27,6 +28,8 @@ BlockHash = NewType("BlockHash", bytes)
 """16 bytes; the key of one block of one namespace."""
 
 HASH_BYTES = 16
+# A block hash as a field of a `transfer.codec.Record`: decoding refuses any other length.
+HashField = Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
 KV_LAYOUT = "LKTHD"  # [num_layers, 2 (K,V), block_tokens, num_kv_heads, head_dim]
 _RECIPE = b"kvtier/block-hash/v1"
 MAX_DIM = 1 << 16          # each of layers, kv heads, head_dim, block_tokens

@@ -6,16 +6,10 @@ version); a record of another tag, a field of the wrong type or a block hash tha
 """
 from __future__ import annotations
 
-from typing import Annotated
-
-import msgspec
-
 from kvstore.cluster.records import ClusterError
 from kvstore.events import KVEvent, TierKind
-from kvstore.keys import HASH_BYTES
+from kvstore.keys import HashField
 from transfer.codec import Record
-
-Hash = Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
 
 
 EVENTS_KIND_HEADER = "X-Kvtier-Events"  # "events" or "snapshot": which a reply carries
@@ -39,14 +33,14 @@ class Snapshot(Message, tag="snapshot/2"):
     node_id: str
     ns_id: int
     seq: int
-    blocks: dict[TierKind, list[Hash]]
+    blocks: dict[TierKind, list[HashField]]
 
 
 class Locate(Message, tag="locate/2"):
     """Which nodes hold each of `hashes` (namespace `ns_id`), and the longest prefix per node."""
 
     ns_id: int
-    hashes: tuple[Hash, ...]
+    hashes: tuple[HashField, ...]
 
 
 class Located(Message, tag="located/2"):
