@@ -3,55 +3,63 @@
     handoff = PrefillWorker(engine_a).prefill(prompt, params)   # computes, publishes blocks
     out = DecodeWorker(engine_b).decode([handoff])[0]           # loads blocks, keeps decoding
 
-A `Handoff` is what crosses between the two (msgpack bytes, so processes can pass it on
-any channel): the prompt, the first token, the sampling parameters and the sampler's
-generator state, so seeded sampling continues exactly where the prefill left off. The
-prompt's full blocks travel through the store; the decode worker recomputes only the
-trailing partial block (and the first token's K/V).
+A `Handoff` is what crosses between the two (a `transfer.codec.Record`, tag "handoff/2",
+so processes can pass its bytes on any channel): the prompt, the first token, the sampling
+parameters and the sampler's generator state, so seeded sampling continues exactly where
+the prefill left off. Bytes that are not a handoff raise InvalidRequestError. The prompt's
+full blocks travel through the store; the decode worker recomputes only the trailing
+partial block (and the first token's K/V).
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Sequence
 
-import msgpack
 import torch
 
 from engine_adapter.engine import LLMEngine, Prompt
 from engine_adapter.errors import InvalidRequestError
-from engine_adapter.request import FinishReason, RequestOutput
+from engine_adapter.request import FinishReason, Request, RequestOutput
 from engine_adapter.sampling import SamplingParams
+from kvstore.keys import HashField
+from transfer.codec import Record
 
-HANDOFF_VERSION = 1
 
+class Handoff(Record, tag="handoff/2"):
+    ERROR = InvalidRequestError
 
-@dataclass(frozen=True)
-class Handoff:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     first_token_id: int
     params: SamplingParams
     generator_state: bytes | None      # torch.Generator state after the first sample
-    block_hashes: tuple[bytes, ...]    # the prompt's full blocks, as published
+    block_hashes: tuple[HashField, ...]  # the prompt's full blocks, as published
     finish_reason: FinishReason | None  # set when the first token already ended the request
 
-    def to_bytes(self) -> bytes:
-        d = dataclasses.asdict(self)
-        d["params"] = dataclasses.asdict(self.params)
-        d["finish_reason"] = None if self.finish_reason is None else self.finish_reason.value
-        return msgpack.packb({"version": HANDOFF_VERSION, **d}, use_bin_type=True)
-
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "Handoff":
-        d = msgpack.unpackb(raw, raw=False)
-        if d.pop("version", None) != HANDOFF_VERSION:
-            raise InvalidRequestError(f"handoff is not version {HANDOFF_VERSION}")
-        d["params"] = SamplingParams.from_dict(d["params"])
-        d["finish_reason"] = None if d["finish_reason"] is None else FinishReason(d["finish_reason"])
-        d["prompt_token_ids"] = tuple(d["prompt_token_ids"])
-        d["block_hashes"] = tuple(d["block_hashes"])
-        return cls(**d)
+    def of(cls, req: Request, params: SamplingParams, block_tokens: int) -> Handoff:
+        """The handoff of `req`, prefilled with max_tokens=1 for a request under `params`."""
+        reason = req.finish_reason
+        if reason is FinishReason.LENGTH and params.max_tokens > 1:
+            reason = None  # only our max_tokens=1 ended it: decoding continues
+        gen = None if req.generator is None else bytes(req.generator.get_state().numpy().tobytes())
+        num_full = req.num_prompt_tokens // block_tokens
+        return cls(req.request_id, tuple(req.token_ids[:req.num_prompt_tokens]),
+                   req.output_token_ids[0], params, gen,
+                   tuple(bytes(h) for h in req.block_hashes[:num_full]), reason)
+
+    def generator(self) -> torch.Generator | None:
+        """The sampler's generator where the prefill left it (None for a greedy request);
+        InvalidRequestError when the state is not one torch's CPU generator takes."""
+        if self.generator_state is None:
+            return None
+        gen = torch.Generator()
+        try:
+            gen.set_state(torch.frombuffer(bytearray(self.generator_state), dtype=torch.uint8))
+        except (RuntimeError, ValueError) as e:
+            raise InvalidRequestError(f"handoff {self.request_id!r}: bad generator state "
+                                      f"({len(self.generator_state)} bytes): {e}") from e
+        return gen
 
 
 class Worker:
@@ -79,17 +87,7 @@ class PrefillWorker:
         while any(not r.finished for r in reqs):
             self.engine.step()
         self.engine.connector.flush()  # published before anyone is told to fetch
-        return [self._handoff(r, params) for r in reqs]
-
-    def _handoff(self, req, params: SamplingParams) -> Handoff:
-        reason = req.finish_reason
-        if reason is FinishReason.LENGTH and params.max_tokens > 1:
-            reason = None  # only our max_tokens=1 ended it: decoding continues
-        gen = None if req.generator is None else bytes(req.generator.get_state().numpy().tobytes())
-        num_full = req.num_prompt_tokens // self.engine.config.block_tokens
-        return Handoff(req.request_id, tuple(req.token_ids[:req.num_prompt_tokens]),
-                       req.output_token_ids[0], params, gen,
-                       tuple(bytes(h) for h in req.block_hashes[:num_full]), reason)
+        return [Handoff.of(r, params, self.engine.config.block_tokens) for r in reqs]
 
 
 class DecodeWorker:
@@ -106,7 +104,7 @@ class DecodeWorker:
                                                    h.finish_reason, 0, 0, 0)
                 continue
             reqs.append(self.engine.add_request(list(h.prompt_token_ids), h.params, h.request_id,
-                                                [h.first_token_id], _generator(h.generator_state)))
+                                                [h.first_token_id], h.generator()))
             self._check_namespace(h, reqs[-1].block_hashes)
         while any(not r.finished for r in reqs):
             self.engine.step()
@@ -118,11 +116,3 @@ class DecodeWorker:
             self.engine.abort(h.request_id)
             raise InvalidRequestError(f"handoff {h.request_id!r} was prefilled in another namespace "
                                       "(model, dtype, block size or tenant differ)")
-
-
-def _generator(state: bytes | None) -> torch.Generator | None:
-    if state is None:
-        return None
-    gen = torch.Generator()
-    gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    return gen

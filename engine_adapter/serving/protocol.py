@@ -59,7 +59,7 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    handoff: bytes            # engine_adapter.Handoff.to_bytes()
+    handoff: bytes            # engine_adapter.Handoff.encode()
     first_token_id: int
     first_text: str
     finished: bool

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from engine_adapter.config import EngineConfig
 from engine_adapter.errors import InvalidRequestError
-from engine_adapter.request import FinishReason, Request
+from engine_adapter.request import Request
 from engine_adapter.sampling import SamplingParams
 from engine_adapter.serving.calibrate import Calibration, calibrate
 from engine_adapter.serving.engine_loop import EngineLoop
@@ -184,16 +184,11 @@ async def _prefill(request: web.Request) -> web.Response:
 
 
 def _prefill_result(req: Request, params: SamplingParams, block_tokens: int) -> PrefillResult:
-    reason = req.finish_reason
-    if reason is FinishReason.LENGTH and params.max_tokens > 1:
-        reason = None  # only our max_tokens=1 ended it: decoding continues
-    gen = None if req.generator is None else bytes(req.generator.get_state().numpy().tobytes())
-    hashes = _prompt_hashes(req, block_tokens)
-    handoff = Handoff(req.request_id, tuple(req.token_ids[:req.num_prompt_tokens]),
-                      req.output_token_ids[0], params, gen, hashes, reason)
-    return PrefillResult(handoff.to_bytes(), handoff.first_token_id, req.text, reason is not None,
-                         None if reason is None else reason.value, req.num_local_hit_tokens,
-                         req.num_loaded_tokens, req.num_model_tokens, hashes)
+    h = Handoff.of(req, params, block_tokens)
+    reason = None if h.finish_reason is None else h.finish_reason.value
+    return PrefillResult(h.encode(), h.first_token_id, req.text, reason is not None, reason,
+                         req.num_local_hit_tokens, req.num_loaded_tokens, req.num_model_tokens,
+                         h.block_hashes)
 
 
 async def _stream(request: web.Request, rid: str, q: asyncio.Queue) -> web.StreamResponse:
@@ -216,13 +211,10 @@ async def _stream(request: web.Request, rid: str, q: asyncio.Queue) -> web.Strea
 
 async def _decode(request: web.Request) -> web.StreamResponse:
     try:
-        h = Handoff.from_bytes(await request.read())
-    except (InvalidRequestError, ValueError, TypeError) as e:
+        h = Handoff.decode(await request.read())
+        gen = h.generator()
+    except InvalidRequestError as e:
         raise web.HTTPBadRequest(text=f"bad handoff: {e}") from e
-    gen = None
-    if h.generator_state is not None:
-        gen = torch.Generator()
-        gen.set_state(torch.frombuffer(bytearray(h.generator_state), dtype=torch.uint8))
     await _blocks_committed(request.app[LOOP_KEY].engine, h.block_hashes)
     q = await _submit(request, h.request_id, h.prompt_token_ids, h.params,
                       _first_with_stats(request), output_token_ids=[h.first_token_id],

@@ -42,7 +42,7 @@ def main(where: str, handoff_path: str) -> None:
             handoffs += PrefillWorker(engine).prefill(PROMPTS, params)
         engine.close()
     with open(handoff_path, "wb") as f:
-        f.write(msgpack.packb([h.to_bytes() for h in handoffs]))
+        f.write(msgpack.packb([h.encode() for h in handoffs]))
 
 
 if __name__ == "__main__":

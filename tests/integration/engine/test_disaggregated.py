@@ -42,7 +42,7 @@ def run_prefill_child(where: str, handoff_path: str) -> list[Handoff]:
     subprocess.run([sys.executable, os.path.join(HERE, "prefill_child.py"), where, handoff_path],
                    check=True, timeout=120, env=env)
     with open(handoff_path, "rb") as f:
-        return [Handoff.from_bytes(raw) for raw in msgpack.unpackb(f.read())]
+        return [Handoff.decode(raw) for raw in msgpack.unpackb(f.read())]
 
 
 def decode_both_passes(model, store, handoffs):
@@ -72,7 +72,7 @@ def test_in_process_prefill_to_decode_handoff():
     ns = LLMEngine(model, child.ENGINE).ns
     with TieredStore(ns, StoreConfig(tiers=(TierConfig("dram", 64),))) as store:
         prefill = LLMEngine(model, child.ENGINE, store=store)
-        handoffs = [Handoff.from_bytes(h.to_bytes()) for params in (child.PARAMS, child.GREEDY)
+        handoffs = [Handoff.decode(h.encode()) for params in (child.PARAMS, child.GREEDY)
                     for h in PrefillWorker(prefill).prefill(child.PROMPTS, params)]
         prefill.close()
         assert_like_colocated(*decode_both_passes(model, store, handoffs))
