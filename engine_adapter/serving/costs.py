@@ -4,9 +4,8 @@ decode, the pool link from timed reads of the pool. Nothing here is a hand-set f
 """
 from __future__ import annotations
 
-from kvstore.scheduler.cost_model import (CostModel, DecodeSample, LinkCost, PrefillSample,
-                                          TransferCost, TransferSample, fit_decode, fit_link,
-                                          fit_prefill)
+from kvstore.scheduler.cost_model import (CostModel, LinkCost, TransferCost, fit_decode,
+                                          fit_link, fit_prefill)
 
 from engine_adapter.serving.protocol import Role, WorkerInfo
 
@@ -16,11 +15,9 @@ NO_LINK = LinkCost(latency_s=0.0, bytes_per_s=float("inf"))
 
 def fit_cost_model(infos: list[WorkerInfo], block_tokens: int, block_bytes: int) -> CostModel:
     """Raises `kvstore.scheduler.cost_model.FitError` when the samples cannot be fitted."""
-    prefill = [PrefillSample(*s) for i in infos if Role(i.role) is not Role.DECODE
-               for s in i.prefill_samples]
-    decode = [DecodeSample(*s) for i in infos if Role(i.role) is not Role.PREFILL
-              for s in i.decode_samples]
-    loads = [TransferSample(*s) for i in infos for s in i.load_samples]
+    prefill = [s for i in infos if i.role is not Role.DECODE for s in i.prefill_samples]
+    decode = [s for i in infos if i.role is not Role.PREFILL for s in i.decode_samples]
+    loads = [s for i in infos for s in i.load_samples]
     # Blocks are fetched from the pool's DRAM; its SSD tier (when configured) and the
     # workers' own memory are priced like it, since only DRAM reads were measured.
     link = fit_link(loads) if loads else NO_LINK

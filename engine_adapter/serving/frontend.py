@@ -23,8 +23,10 @@ from aiohttp import web
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
+from engine_adapter.request import FinishReason
+from engine_adapter.sampling import SamplingParams
 from engine_adapter.serving import openai_api as api
-from engine_adapter.serving.protocol import GenerateRequest, Role, pack
+from engine_adapter.serving.protocol import GenerateRequest, Role
 from engine_adapter.serving.router import (NoWorkerError, Router, WorkerDiedError,
                                            WorkerRejectedError)
 
@@ -82,8 +84,7 @@ def create_app(cfg: FrontendConfig, router: Router, tokenizer: Any = None) -> we
         tok = loop.run_in_executor(None, _load_tokenizer) if tokenizer is None else None
         await router.start(cfg.startup_timeout_s)
         app[TOKENIZER_KEY] = tokenizer if tok is None else await tok
-        from kvstore.keys import Namespace
-        app[NS_KEY] = Namespace(*router.workers[0].info.ns_fields)
+        app[NS_KEY] = router.workers[0].info.ns
         watch = asyncio.create_task(router.watch())
         yield
         watch.cancel()
@@ -175,21 +176,21 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(400, f"the body is not JSON: {e}", "invalid_request_error")
     try:
         req = api.parse(body, chat, app[CFG_KEY].model)
+        params = SamplingParams.from_dict(req.params)
         ids = _tokenize(app, req)
         if not ids:
             raise api.BadRequest("the prompt is empty")
-    except (api.BadRequest, ValueError, TypeError) as e:
+    except (api.BadRequest, ValueError, TypeError) as e:  # InvalidRequestError is a ValueError
         m.requests.labels("invalid").inc()
         return _error(400, str(e), "invalid_request_error")
     rid = f"cmpl-{uuid.uuid4().hex[:16]}"
     try:
-        pw, dw, _, est = app[ROUTER_KEY].place(_hashes(app, ids), len(ids),
-                                               req.params["max_tokens"])
+        pw, dw, _, est = app[ROUTER_KEY].place(_hashes(app, ids), len(ids), params.max_tokens)
     except NoWorkerError as e:
         m.requests.labels("unavailable").inc()
         return _error(503, str(e), "service_unavailable")
     headers = {"X-Kvtier-Prefill-Worker": pw.name, "X-Kvtier-Decode-Worker": dw.name}
-    gen = _generate(app, rid, ids, req.params, pw, dw, est)
+    gen = _generate(app, rid, ids, params, pw, dw, est)
     if req.stream:
         return await _stream(request, req, rid, gen, headers)
     return await _unary(req, rid, gen, headers, m)
@@ -222,7 +223,7 @@ class _Booking:
 async def _first(router, pw, dw, g: GenerateRequest, m: Metrics):
     """(first event, the rest of the stream or None, cached prompt tokens)."""
     if pw.role is Role.COLOCATED:
-        events = router.stream(pw, "/generate", pack(g))
+        events = router.stream(pw, "/generate", g.encode())
         first = await events.__anext__()
         local, loaded = first.num_local_hit_tokens, first.num_loaded_tokens
     else:
@@ -235,8 +236,8 @@ async def _first(router, pw, dw, g: GenerateRequest, m: Metrics):
     return first, events, local + loaded
 
 
-async def _generate(app: web.Application, rid: str, ids: list[int], params: dict, pw, dw,
-                    est) -> AsyncIterator[Progress]:
+async def _generate(app: web.Application, rid: str, ids: list[int], params: SamplingParams,
+                    pw, dw, est) -> AsyncIterator[Progress]:
     """Progress of one request, recording its metrics; raises the router's errors."""
     router, m = app[ROUTER_KEY], app[METRICS_KEY]
     start, n_prompt, booking = time.perf_counter(), len(ids), _Booking(pw, est)
@@ -248,10 +249,11 @@ async def _generate(app: web.Application, rid: str, ids: list[int], params: dict
         booking.prefilled()
         first_at = time.perf_counter()
         m.ttft.observe(first_at - start)
-        last = Progress(first.text, len(first.token_ids), first.finish_reason, cached, n_prompt)
+        last = Progress(first.text, len(first.token_ids), _reason(first.finish_reason), cached,
+                        n_prompt)
         yield last
         if events is not None and not first.finished:
-            async for last in _rest(dw, events, n_prompt + params["max_tokens"], cached,
+            async for last in _rest(dw, events, n_prompt + params.max_tokens, cached,
                                     n_prompt, m):
                 yield last
         if last.num_tokens > 1:
@@ -277,7 +279,8 @@ async def _rest(dw, events, kv_tokens: int, cached: int, n_prompt: int,
         async for ev in events:
             if dw.role is Role.DECODE:  # stats ride on a decode stream's first event only
                 m.decode_loaded_tokens.inc(ev.num_loaded_tokens)
-            yield Progress(ev.text, len(ev.token_ids), ev.finish_reason, cached, n_prompt)
+            yield Progress(ev.text, len(ev.token_ids), _reason(ev.finish_reason), cached,
+                           n_prompt)
     finally:
         dw.streams -= 1
         dw.kv_tokens -= kv_tokens
@@ -289,7 +292,12 @@ class _FirstEvent(NamedTuple):
     token_ids: tuple[int, ...]
     text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
+
+
+def _reason(reason: FinishReason | None) -> str | None:
+    """The OpenAI finish_reason string ("stop", "length") of a worker's FinishReason."""
+    return None if reason is None else reason.value
 
 
 def _count_prompt(m: Metrics, n_prompt: int, local: int, loaded: int) -> None:

@@ -1,26 +1,36 @@
 """Wire messages between the router and the worker processes (msgpack, never pickle).
 
-Unary calls carry one msgpack body; streams are a sequence of frames, each a 4-byte
-big-endian length followed by one msgpack map. Every message carries `version`.
+    GET  /info                                    -> WorkerInfo
+    POST /prefill   GenerateRequest               -> PrefillResult        (role prefill)
+    POST /generate  GenerateRequest               -> TokenEvent frames    (role colocated)
+    POST /decode    engine_adapter.workers.Handoff -> TokenEvent frames   (role decode)
+
+Each message is a `transfer.codec.Record`: a msgpack array of its fields in declaration
+order, its tag first ("<message>/<version>"). msgspec checks every field while decoding, so
+bytes of another message or version, a field of the wrong type, a block hash that is not
+16 bytes or sampling parameters SamplingParams refuses are a `MessageError`, which a worker
+answers with HTTP 400. A unary call carries one message as its body; a stream is a sequence
+of frames, each a 4-byte big-endian length followed by one message.
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import struct
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import msgpack
+from engine_adapter.request import FinishReason
+from engine_adapter.sampling import SamplingParams
+from kvstore.keys import HashField, Namespace
+from kvstore.scheduler.cost_model import DecodeSample, PrefillSample, TransferSample
+from transfer.codec import Record
 
-PROTOCOL_VERSION = 2
 MSGPACK = "application/msgpack"
 _LEN = struct.Struct(">I")
-T = TypeVar("T")
+M = TypeVar("M", bound=Record)
 
 
 class MessageError(ValueError):
-    """A message from another process does not parse or has the wrong version."""
+    """Bytes from another process that are not the message expected (see the module doc)."""
 
 
 class Role(enum.Enum):
@@ -29,91 +39,71 @@ class Role(enum.Enum):
     COLOCATED = "colocated"
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
+class Message(Record):
+    ERROR = MessageError
+
+
+class WorkerInfo(Message, tag="worker-info/3"):
     """What a worker tells the router about itself (GET /info)."""
 
     name: str
-    role: str
+    role: Role
     model: str
     pid: int
     num_blocks: int
     block_tokens: int
     max_model_len: int
-    ns_fields: tuple          # Namespace(*ns_fields) rebuilds the worker's block namespace
+    ns: Namespace             # the worker's block namespace
     threads: int = 1          # its torch threads
     # timings measured at start (serving.calibrate), for the router's cost model:
-    prefill_samples: tuple = ()   # (new tokens, cached prefix tokens, seconds)
-    decode_samples: tuple = ()    # (batch size, KV tokens, seconds) per decode step
-    load_samples: tuple = ()      # (bytes read from the pool, seconds)
+    prefill_samples: tuple[PrefillSample, ...] = ()
+    decode_samples: tuple[DecodeSample, ...] = ()   # one decode step each
+    load_samples: tuple[TransferSample, ...] = ()   # reads from the pool
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
+class GenerateRequest(Message, tag="generate/3"):
     """Prefill (role prefill: first token only) or a whole generation (role colocated)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    params: dict              # SamplingParams fields
+    params: SamplingParams
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    handoff: bytes            # engine_adapter.Handoff.encode()
+class PrefillResult(Message, tag="prefill-result/3"):
+    handoff: bytes            # an encoded Handoff: the body the decode worker is sent
     first_token_id: int
     first_text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_local_hit_tokens: int
     num_loaded_tokens: int
     num_model_tokens: int
-    block_hashes: tuple[bytes, ...]   # full prompt blocks now in this worker's cache and the pool
+    block_hashes: tuple[HashField, ...]  # full prompt blocks now in this worker's cache and the pool
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(Message, tag="token-event/3"):
     """One streamed step: new token ids and the cumulative output text so far."""
 
     token_ids: tuple[int, ...]
     text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_local_hit_tokens: int = 0
     num_loaded_tokens: int = 0
     num_model_tokens: int = 0
-    block_hashes: tuple[bytes, ...] = ()
+    block_hashes: tuple[HashField, ...] = ()
     error: str | None = None
 
 
-def pack(msg: Any) -> bytes:
-    return msgpack.packb({"version": PROTOCOL_VERSION, **dataclasses.asdict(msg)},
-                         use_bin_type=True)
-
-
-def unpack(cls: type[T], raw: bytes) -> T:
-    try:
-        d = msgpack.unpackb(raw, raw=False)
-    except (ValueError, msgpack.exceptions.ExtraData) as e:
-        raise MessageError(f"{cls.__name__}: not msgpack ({e})") from e
-    if not isinstance(d, dict) or d.pop("version", None) != PROTOCOL_VERSION:
-        raise MessageError(f"{cls.__name__}: not protocol version {PROTOCOL_VERSION}")
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    try:
-        kw = {k: tuple(v) if isinstance(v, list) and "tuple" in str(names[k].type) else v
-              for k, v in d.items()}
-        return cls(**kw)
-    except (KeyError, TypeError) as e:
-        raise MessageError(f"{cls.__name__}: bad fields ({e})") from e
-
-
-def frame(msg: Any) -> bytes:
-    body = pack(msg)
+def frame(msg: Record) -> bytes:
+    body = msg.encode()
     return _LEN.pack(len(body)) + body
 
 
-async def read_frame(content, cls: type[T]) -> T | None:
+async def read_frame(content, cls: type[M]) -> M | None:
     """The next frame from an aiohttp StreamReader; None at a clean end of stream.
-    Raises asyncio.IncompleteReadError when the peer vanished mid-frame."""
+    Raises asyncio.IncompleteReadError when the peer vanished mid-frame, and cls.ERROR
+    when the frame is not a `cls`."""
     if content.at_eof():
         return None
     head = await content.read(_LEN.size)
@@ -122,4 +112,4 @@ async def read_frame(content, cls: type[T]) -> T | None:
     if len(head) < _LEN.size:
         head += await content.readexactly(_LEN.size - len(head))
     (n,) = _LEN.unpack(head)
-    return unpack(cls, await content.readexactly(n))
+    return cls.decode(await content.readexactly(n))

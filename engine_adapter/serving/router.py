@@ -25,7 +25,7 @@ import aiohttp
 from engine_adapter.serving.costs import describe, fit_cost_model
 from engine_adapter.serving.event_feed import KVEventFeed
 from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, PrefillResult, Role,
-                                             TokenEvent, WorkerInfo, pack, read_frame, unpack)
+                                             TokenEvent, WorkerInfo, read_frame)
 from kvstore.index import ClusterIndex
 from kvstore.scheduler import (ClusterView, DecodeLoad, Placement, PolicyKind, PrefillLoad,
                                Request, SchedulerConfig, make_policy)
@@ -99,8 +99,7 @@ class Router:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10))
         await asyncio.gather(*(self._wait_ready(w, timeout_s) for w in self.workers))
         info = self.workers[0].info
-        from kvstore.keys import Namespace
-        ns = Namespace(*info.ns_fields)
+        ns = info.ns
         self.cost = fit_cost_model([w.info for w in self.workers], info.block_tokens,
                                    ns.block_bytes)
         self._policy = make_policy(self.policy_kind, SchedulerConfig(cost=self.cost))
@@ -131,7 +130,7 @@ class Router:
                                       "while starting; see its output above")
             try:
                 async with self._session.get(w.url + "/info") as r:
-                    w.info = unpack(WorkerInfo, await r.read())
+                    w.info = WorkerInfo.decode(await r.read())
                     return
             except aiohttp.ClientError:
                 await asyncio.sleep(0.25)
@@ -187,14 +186,14 @@ class Router:
     # ---- calls to workers ---------------------------------------------------------------
     async def prefill(self, w: WorkerHandle, g: GenerateRequest) -> PrefillResult:
         try:
-            async with self._session.post(w.url + "/prefill", data=pack(g),
+            async with self._session.post(w.url + "/prefill", data=g.encode(),
                                           headers={"Content-Type": MSGPACK}) as r:
                 body = await r.read()
                 if r.status == 400:
                     raise WorkerRejectedError(body.decode(errors="replace"))
                 if r.status != 200:
                     raise WorkerDiedError(f"prefill worker {w.name} answered HTTP {r.status}")
-                return unpack(PrefillResult, body)
+                return PrefillResult.decode(body)
         except (aiohttp.ClientError, asyncio.IncompleteReadError) as e:
             raise self._died(w, e) from e
 

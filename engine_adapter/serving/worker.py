@@ -33,8 +33,8 @@ from engine_adapter.serving.calibrate import Calibration, calibrate
 from engine_adapter.serving.engine_loop import EngineLoop
 from engine_adapter.serving.kv_events import CacheEventLog
 from kvstore.cluster.messages import EVENTS_KIND_HEADER
-from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, PrefillResult, MessageError,
-                                             Role, TokenEvent, WorkerInfo, frame, pack, unpack)
+from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, MessageError, PrefillResult,
+                                             Role, TokenEvent, WorkerInfo, frame)
 from engine_adapter.workers import Handoff
 
 
@@ -89,13 +89,9 @@ def create_app(cfg: WorkerConfig, engine,
                calibration: Calibration | None = None) -> web.Application:
     app = web.Application(client_max_size=64 * 2**20)
     ns, c = engine.ns, calibration or Calibration((), (), ())
-    app[INFO_KEY] = WorkerInfo(cfg.name, cfg.role.value, engine.model.config.name, os.getpid(),
+    app[INFO_KEY] = WorkerInfo(cfg.name, cfg.role, engine.model.config.name, os.getpid(),
                                engine.config.num_blocks, engine.config.block_tokens,
-                               engine.max_model_len,
-                               (ns.model, ns.num_layers, ns.num_kv_heads, ns.head_dim, ns.dtype,
-                                ns.block_tokens, ns.revision, ns.tenant), cfg.threads,
-                               tuple(map(tuple, c.prefill)), tuple(map(tuple, c.decode)),
-                               tuple(map(tuple, c.load)))
+                               engine.max_model_len, ns, cfg.threads, c.prefill, c.decode, c.load)
     app[EVENTS_KEY] = events = CacheEventLog(cfg.name, ns.ns_id, engine.pool.cached)
     events.update()  # what calibration left in the cache is the starting point
 
@@ -114,7 +110,7 @@ def create_app(cfg: WorkerConfig, engine,
 
 
 async def _info(request: web.Request) -> web.Response:
-    return web.Response(body=pack(request.app[INFO_KEY]), content_type=MSGPACK)
+    return web.Response(body=request.app[INFO_KEY].encode(), content_type=MSGPACK)
 
 
 async def _kv_events(request: web.Request) -> web.Response:
@@ -127,7 +123,7 @@ async def _kv_events(request: web.Request) -> web.Response:
 
 
 def _event(req: Request, with_stats: bool, block_tokens: int = 0) -> TokenEvent:
-    reason = None if req.finish_reason is None else req.finish_reason.value
+    reason = req.finish_reason
     if not with_stats:
         return TokenEvent(tuple(req.output_token_ids), req.text, req.finished, reason)
     return TokenEvent(tuple(req.output_token_ids), req.text, req.finished, reason,
@@ -152,27 +148,19 @@ async def _submit(request: web.Request, rid: str, prompt, params: SamplingParams
     return q
 
 
-async def _body(request: web.Request, cls):
+async def _generate_request(request: web.Request) -> GenerateRequest:
+    """The body as a GenerateRequest (its sampling parameters checked); a 400 if it is not one."""
     try:
-        return unpack(cls, await request.read())
+        return GenerateRequest.decode(await request.read())
     except MessageError as e:
         raise web.HTTPBadRequest(text=str(e)) from e
 
 
-async def _generate_body(request: web.Request) -> tuple[GenerateRequest, SamplingParams]:
-    """The request and its sampling parameters; a 400 for bad parameters."""
-    g: GenerateRequest = await _body(request, GenerateRequest)
-    try:
-        return g, SamplingParams.from_dict(g.params)
-    except InvalidRequestError as e:
-        raise web.HTTPBadRequest(text=str(e)) from e
-
-
 async def _prefill(request: web.Request) -> web.Response:
-    g, params = await _generate_body(request)
+    g = await _generate_request(request)
     q = await _submit(request, g.request_id, g.prompt_token_ids,
-                      replace(params, max_tokens=1),
-                      lambda r: _prefill_result(r, params, request.app[INFO_KEY].block_tokens))
+                      replace(g.params, max_tokens=1),
+                      lambda r: _prefill_result(r, g.params, request.app[INFO_KEY].block_tokens))
     try:
         item = await q.get()
     except asyncio.CancelledError:
@@ -180,14 +168,13 @@ async def _prefill(request: web.Request) -> web.Response:
         raise
     if isinstance(item, BaseException):
         raise web.HTTPBadRequest(text=str(item))
-    return web.Response(body=pack(item), content_type=MSGPACK)
+    return web.Response(body=item.encode(), content_type=MSGPACK)
 
 
 def _prefill_result(req: Request, params: SamplingParams, block_tokens: int) -> PrefillResult:
     h = Handoff.of(req, params, block_tokens)
-    reason = None if h.finish_reason is None else h.finish_reason.value
-    return PrefillResult(h.encode(), h.first_token_id, req.text, reason is not None, reason,
-                         req.num_local_hit_tokens, req.num_loaded_tokens, req.num_model_tokens,
+    return PrefillResult(h.encode(), h.first_token_id, req.text, h.finish_reason is not None,
+                         h.finish_reason, req.num_local_hit_tokens, req.num_loaded_tokens, req.num_model_tokens,
                          h.block_hashes)
 
 
@@ -251,8 +238,8 @@ def _first_with_stats(request: web.Request):
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    g, params = await _generate_body(request)
-    q = await _submit(request, g.request_id, g.prompt_token_ids, params,
+    g = await _generate_request(request)
+    q = await _submit(request, g.request_id, g.prompt_token_ids, g.params,
                       _first_with_stats(request))
     return await _stream(request, g.request_id, q)
 

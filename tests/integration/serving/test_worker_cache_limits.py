@@ -1,20 +1,24 @@
 """A serving worker process with a tiny KV cache (4 blocks of 16 tokens, SmolLM2): a request
 that can never fit is answered with an error at once, requests that exactly fill the cache
 finish, many of them at once all finish (preempting each other) with the tokens each gets
-alone, and the worker keeps serving. Each path must end: the tests carry timeouts."""
+alone, a body that is not the message expected is a 400, and the worker keeps serving. Each
+path must end: the tests carry timeouts."""
 from __future__ import annotations
 
 import http.client
+import random
 import struct
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import msgpack
+import msgspec
 import pytest
 
-from engine_adapter.serving.protocol import PROTOCOL_VERSION
+from engine_adapter.request import FinishReason
+from engine_adapter.sampling import SamplingParams
+from engine_adapter.serving.protocol import GenerateRequest, TokenEvent
 
 from .cluster_proc import ROOT, free_port
 
@@ -56,20 +60,21 @@ class WorkerProc:
         finally:
             conn.close()
 
-    def generate(self, rid: str, prompt: list[int], max_tokens: int) -> dict:
+    def generate(self, rid: str, prompt: list[int], max_tokens: int) -> TokenEvent:
         """The last streamed event of a greedy generation (token ids accumulate)."""
-        body = msgpack.packb({"version": PROTOCOL_VERSION, "request_id": rid, "prompt_token_ids": prompt,
-                              "params": {"temperature": 0, "max_tokens": max_tokens,
-                                         "ignore_eos": True}})
-        status, raw = self._request("POST", "/generate", body)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        status, raw = self.post("/generate", GenerateRequest(rid, tuple(prompt), params).encode())
         assert status == 200, raw
         events, pos = [], 0
         while pos < len(raw):
             (n,) = struct.unpack_from(">I", raw, pos)
-            events.append(msgpack.unpackb(raw[pos + 4:pos + 4 + n], raw=False))
+            events.append(TokenEvent.decode(raw[pos + 4:pos + 4 + n]))
             pos += 4 + n
-        assert events and events[-1]["finished"], events
+        assert events and events[-1].finished, events
         return events[-1]
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        return self._request("POST", path, body)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -97,11 +102,11 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def test_a_request_that_can_never_fit_is_refused_and_the_worker_keeps_serving(worker):
     over = worker.generate("over", prompt(40, 1), CAPACITY + 2 - 40)   # one token past the cache
-    assert over["error"] and "max_tokens" in over["error"] and "4" in over["error"]
+    assert over.error and "max_tokens" in over.error and "4" in over.error
     too_long = worker.generate("too-long", prompt(CAPACITY + 1, 2), 1)
-    assert too_long["error"] and "prompt needs 5 KV blocks" in too_long["error"]
+    assert too_long.error and "prompt needs 5 KV blocks" in too_long.error
     ok = worker.generate("after", prompt(5, 3), 4)
-    assert ok["error"] is None and len(ok["token_ids"]) == 4
+    assert ok.error is None and len(ok.token_ids) == 4
 
 
 def test_requests_at_the_limit_finish_alone_and_all_at_once(worker):
@@ -110,12 +115,33 @@ def test_requests_at_the_limit_finish_alone_and_all_at_once(worker):
     alone = {}
     for rid, p, m in cases:
         last = worker.generate(f"alone-{rid}", p, m)
-        assert last["error"] is None and last["finish_reason"] == "length"
-        alone[rid] = last["token_ids"]
+        assert last.error is None and last.finish_reason is FinishReason.LENGTH
+        alone[rid] = last.token_ids
         assert len(alone[rid]) == m          # the cache exactly full at the end
     with ThreadPoolExecutor(len(cases)) as pool:
         together = list(pool.map(lambda c: worker.generate(*c), cases))
     for (rid, _, _), last in zip(cases, together):
-        assert last["error"] is None and last["token_ids"] == alone[rid]
-    assert worker.generate("still-serving", prompt(5, 9), 3)["error"] is None
+        assert last.error is None and last.token_ids == alone[rid]
+    assert worker.generate("still-serving", prompt(5, 9), 3).error is None
+    assert worker.proc.poll() is None
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=2)
+BAD_BODIES = [
+    ("/generate", random.Random(0).randbytes(64), "malformed GenerateRequest"),
+    ("/generate", TokenEvent((), "", True, None).encode(), "Invalid value 'token-event/3'"),
+    ("/generate", GenerateRequest("ids", ("1", "2"), GREEDY).encode(), "Expected `int`"),
+    ("/generate", msgspec.msgpack.encode(["generate/3", "p", [1, 2], {"temperature": -1.0}]),
+     "temperature must be >= 0"),
+    ("/prefill", GenerateRequest("cut", (1, 2, 3), GREEDY).encode()[:-3], "truncated"),
+    ("/decode", GenerateRequest("h", (1, 2), GREEDY).encode(), "bad handoff"),
+]
+
+
+@pytest.mark.parametrize("path, body, why", BAD_BODIES, ids=[why for _, _, why in BAD_BODIES])
+def test_a_body_that_is_not_the_message_expected_is_a_400_and_the_worker_keeps_serving(
+        worker, path, body, why):
+    status, text = worker.post(path, body)
+    assert status == 400 and why in text.decode(), text
+    assert worker.generate("then", prompt(5, 4), 2).error is None
     assert worker.proc.poll() is None
