@@ -1,7 +1,8 @@
 """The one message codec of kvtier: msgspec Structs encoded as msgpack arrays.
 
 Every format kvtier sends or stores (the daemon's wire frames, the cluster's messages and
-node records, transfer-agent metadata) is a `Record`: its fields in declaration order, first
+node records, transfer-agent metadata, the serving router's and workers' messages, the
+engine's prefill-to-decode handoff) is a `Record`: its fields in declaration order, first
 a tag naming the format and its version, so a record of another kind or version is refused
 by name. msgspec checks every field's type while decoding, in C, and builds nothing a
 schema does not name. It sits at the bottom layer so the transfer layer can use it too.
