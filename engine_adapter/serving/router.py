@@ -28,7 +28,7 @@ from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, PrefillRe
                                              TokenEvent, WorkerInfo, read_frame)
 from kvstore.index import ClusterIndex
 from kvstore.scheduler import (ClusterView, DecodeLoad, Placement, PolicyKind, PrefillLoad,
-                               Request, SchedulerConfig, make_policy)
+                               RouteRequest, SchedulerConfig, make_policy)
 from kvstore.scheduler.base import prefill_estimate_s
 from kvstore.scheduler.cost_model import CostModel
 
@@ -168,7 +168,7 @@ class Router:
             raise NoWorkerError(f"no live {'prefill' if not prefill else 'decode'} worker is left; "
                                 "restart the cluster (see the log for which worker died and why)")
         self._next_id += 1
-        req = Request(self._next_id, 0.0, num_prompt_tokens, max_tokens, prompt_hashes)
+        req = RouteRequest(self._next_id, 0.0, num_prompt_tokens, max_tokens, prompt_hashes)
         view = ClusterView(
             tuple(PrefillLoad(w.name, w.queued_s) for w in prefill),
             tuple(DecodeLoad(w.name, w.streams, w.kv_tokens,

@@ -32,7 +32,7 @@ class RejectReason(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Request:
+class RouteRequest:
     """One inference request as the scheduler sees it. `block_hashes` name its full prompt
     blocks in order, each chained on everything before it."""
 
@@ -44,11 +44,11 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.input_tokens <= 0:
-            raise ValueError(f"Request.input_tokens must be > 0, got {self.input_tokens}")
+            raise ValueError(f"RouteRequest.input_tokens must be > 0, got {self.input_tokens}")
         if self.output_tokens < 0:
-            raise ValueError(f"Request.output_tokens must be >= 0, got {self.output_tokens}")
+            raise ValueError(f"RouteRequest.output_tokens must be >= 0, got {self.output_tokens}")
         if self.arrival_s < 0:
-            raise ValueError(f"Request.arrival_s must be >= 0, got {self.arrival_s}")
+            raise ValueError(f"RouteRequest.arrival_s must be >= 0, got {self.arrival_s}")
 
 
 @dataclass(frozen=True)
@@ -115,28 +115,28 @@ class Policy(Protocol):
 
     kind: PolicyKind
 
-    def place(self, request: Request, view: ClusterView) -> Placement: ...
+    def place(self, request: RouteRequest, view: ClusterView) -> Placement: ...
 
 
 # ---- shared estimates ------------------------------------------------------------------
-def cached_tokens(request: Request, blocks: int, block_tokens: int) -> int:
+def cached_tokens(request: RouteRequest, blocks: int, block_tokens: int) -> int:
     """Prompt tokens covered by `blocks` leading blocks, leaving at least one to compute."""
     return min(blocks * block_tokens, request.input_tokens - 1)
 
 
-def prefill_estimate_s(request: Request, blocks: int, cost: CostModel) -> float:
+def prefill_estimate_s(request: RouteRequest, blocks: int, cost: CostModel) -> float:
     """Prefill seconds for `request` with `blocks` leading blocks already available."""
     cached = cached_tokens(request, blocks, cost.block_tokens)
     return cost.prefill.time_s(request.input_tokens - cached, cached)
 
 
-def decode_estimate_s(request: Request, load: DecodeLoad, cost: CostModel) -> float:
+def decode_estimate_s(request: RouteRequest, load: DecodeLoad, cost: CostModel) -> float:
     """Decode step seconds on `load` once `request` joins its batch."""
     kv = load.kv_tokens + request.input_tokens + request.output_tokens
     return cost.decode.step_s(load.batch_size + 1, kv)
 
 
-def choose_decode(request: Request, view: ClusterView, cost: CostModel) -> tuple[str, float]:
+def choose_decode(request: RouteRequest, view: ClusterView, cost: CostModel) -> tuple[str, float]:
     """The decode instance with the fastest step once `request` joins, among those with KV
     room for it; when none has room, the one with the most free KV (the request waits)."""
     need = request.input_tokens + request.output_tokens
@@ -164,9 +164,9 @@ class PolicyBase(abc.ABC):
     def __init__(self, config: SchedulerConfig, seed: int = 0) -> None:
         self.config = config
 
-    def place(self, request: Request, view: ClusterView) -> Placement:
+    def place(self, request: RouteRequest, view: ClusterView) -> Placement:
         return no_instance(view) or self.choose(request, view)
 
     @abc.abstractmethod
-    def choose(self, request: Request, view: ClusterView) -> Placement:
+    def choose(self, request: RouteRequest, view: ClusterView) -> Placement:
         """Placement on a view that has prefill and decode instances."""

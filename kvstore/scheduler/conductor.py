@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from kvstore.index import PrefixMatch
 from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, PrefillLoad,
-                                    RejectReason, Request, choose_decode,
+                                    RejectReason, RouteRequest, choose_decode,
                                     prefill_estimate_s)
 
 
@@ -33,7 +33,7 @@ class _Option(NamedTuple):
 class ConductorPolicy(PolicyBase):
     kind = PolicyKind.CONDUCTOR
 
-    def choose(self, request: Request, view: ClusterView) -> Placement:
+    def choose(self, request: RouteRequest, view: ClusterView) -> Placement:
         match = view.index.query(request.block_hashes)
         source, best_len = match.best(exclude=_not_sources(match, view.sources))
         source_tiers = match.tiers(source) if source is not None else ()
@@ -45,7 +45,7 @@ class ConductorPolicy(PolicyBase):
                               best.fetch_blocks, best.ttft_s, tbt)
         return self._maybe_reject(placement)
 
-    def _option(self, request: Request, load: PrefillLoad, match: PrefixMatch,
+    def _option(self, request: RouteRequest, load: PrefillLoad, match: PrefixMatch,
                 source: str | None, best_len: int, source_tiers: tuple) -> _Option:
         cost = self.config.cost
         local = match.length(load.node_id)

@@ -2,7 +2,7 @@
 decode step; blind to where prefixes are cached."""
 from __future__ import annotations
 
-from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, Request,
+from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, RouteRequest,
                                     choose_decode,
                                     prefill_estimate_s)
 
@@ -10,7 +10,7 @@ from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKi
 class LeastLoadedPolicy(PolicyBase):
     kind = PolicyKind.LEAST_LOADED
 
-    def choose(self, request: Request, view: ClusterView) -> Placement:
+    def choose(self, request: RouteRequest, view: ClusterView) -> Placement:
         prefill = min(view.prefill, key=lambda p: (p.queue_s, p.node_id))
         decode_node, tbt = choose_decode(request, view, self.config.cost)
         ttft = prefill.queue_s + prefill_estimate_s(request, 0, self.config.cost)

@@ -3,7 +3,7 @@ estimated TTFT counting only the prefix cached on that instance itself; no fetch
 other nodes. With equal queues this is the instance with the longest local hit."""
 from __future__ import annotations
 
-from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, Request,
+from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, RouteRequest,
                                     choose_decode,
                                     prefill_estimate_s)
 
@@ -11,7 +11,7 @@ from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKi
 class PrefixPolicy(PolicyBase):
     kind = PolicyKind.PREFIX
 
-    def choose(self, request: Request, view: ClusterView) -> Placement:
+    def choose(self, request: RouteRequest, view: ClusterView) -> Placement:
         match = view.index.query(request.block_hashes)
         cost = self.config.cost
         best = min(

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random as _random
 
-from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, Request,
+from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, RouteRequest,
                                     SchedulerConfig)
 
 
@@ -14,7 +14,7 @@ class RandomPolicy(PolicyBase):
         super().__init__(config, seed)
         self._rng = _random.Random(seed)
 
-    def choose(self, request: Request, view: ClusterView) -> Placement:
+    def choose(self, request: RouteRequest, view: ClusterView) -> Placement:
         prefill = self._rng.choice(view.prefill)
         decode = self._rng.choice(view.decode)
         return Placement(prefill.node_id, decode.node_id)

@@ -1,7 +1,7 @@
 """Round-robin placement: even request counts, blind to load and cache."""
 from __future__ import annotations
 
-from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, Request,
+from kvstore.scheduler.base import (PolicyBase, ClusterView, Placement, PolicyKind, RouteRequest,
                                     SchedulerConfig)
 
 
@@ -12,7 +12,7 @@ class RoundRobinPolicy(PolicyBase):
         super().__init__(config, seed)
         self._next = seed
 
-    def choose(self, request: Request, view: ClusterView) -> Placement:
+    def choose(self, request: RouteRequest, view: ClusterView) -> Placement:
         n = self._next
         self._next += 1
         prefill = view.prefill[n % len(view.prefill)]

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from kvstore.index import ClusterIndex
 from kvstore.scheduler.base import (ClusterView, DecodeLoad, Placement, Policy, PrefillLoad,
-                                    RejectReason, Request, SchedulerConfig, cached_tokens)
+                                    RejectReason, RouteRequest, SchedulerConfig, cached_tokens)
 from kvstore.scheduler.sim_instances import BlockCache, DecodeInstance, PrefillInstance
 
 POOL_NODE = "pool"
@@ -104,7 +104,7 @@ class Simulator:
         self.outcomes: dict[int, RequestOutcome] = {}
 
     # ---- main loop ----------------------------------------------------------------------
-    def run(self, requests: Sequence[Request], progress=None) -> list[RequestOutcome]:
+    def run(self, requests: Sequence[RouteRequest], progress=None) -> list[RequestOutcome]:
         """Replay `requests` (sorted by arrival); one outcome per request, by request id."""
         speed = self.config.speedup
         for req in requests:
@@ -163,7 +163,7 @@ class Simulator:
                        for d in self.decode)
         return ClusterView(prefill, decode, self.index)
 
-    def _dispatch(self, req: Request, now_s: float) -> None:
+    def _dispatch(self, req: RouteRequest, now_s: float) -> None:
         placement = self.policy.place(req, self._view(now_s))
         if placement.reject is not None:
             self._record(RequestOutcome(req.request_id, now_s, placement.reject,
@@ -177,7 +177,7 @@ class Simulator:
         self._pending[req.request_id] = (outcome, dec, kv)
         self._push(outcome.first_token_s, req.request_id)
 
-    def _prefill(self, req: Request, placement: Placement, now_s: float) -> RequestOutcome:
+    def _prefill(self, req: RouteRequest, placement: Placement, now_s: float) -> RequestOutcome:
         cost = self.config.scheduler.cost
         instance = self._by_node[placement.prefill_node]
         hashes = req.block_hashes
@@ -199,7 +199,7 @@ class Simulator:
                               fetched_blocks=fetched,
                               decode_steps=max(req.output_tokens - 1, 0))
 
-    def _fetch(self, req: Request, placement: Placement, local: int,
+    def _fetch(self, req: RouteRequest, placement: Placement, local: int,
                now_s: float) -> tuple[int, float]:
         """Fetch what the placement asked for and the source still holds: (blocks, done)."""
         if placement.fetch_node is None or placement.fetch_blocks <= 0:
@@ -216,7 +216,7 @@ class Simulator:
         return count, max(now_s, source.ready_s(blocks)) + seconds
 
 
-def simulate(requests: Sequence[Request], policy: Policy, config: SimConfig,
+def simulate(requests: Sequence[RouteRequest], policy: Policy, config: SimConfig,
              progress=None) -> list[RequestOutcome]:
     """Run one policy over `requests`; see `Simulator`."""
     return Simulator(config, policy).run(requests, progress)

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvstore.scheduler.base import Request
+from kvstore.scheduler.base import RouteRequest
 
 
 class TraceFormatError(ValueError):
@@ -19,7 +19,7 @@ def block_key(block_id: int) -> bytes:
     return block_id.to_bytes(16, "little")
 
 
-def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[Request]:
+def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[RouteRequest]:
     """Requests from a Mooncake-format JSONL trace, in file order (first `limit` only)."""
     with open(path) as f:
         for line_no, line in enumerate(f):
@@ -29,7 +29,7 @@ def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[Request]:
                 continue
             try:
                 rec = json.loads(line)
-                yield Request(
+                yield RouteRequest(
                     request_id=line_no,
                     arrival_s=float(rec["timestamp"]) / 1000.0,
                     input_tokens=int(rec["input_length"]),
@@ -40,12 +40,12 @@ def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[Request]:
                 raise TraceFormatError(f"{path}:{line_no + 1}: {exc}") from exc
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
+def load_trace(path: str | Path, limit: int | None = None) -> list[RouteRequest]:
     """All requests of a trace sorted by arrival (stable, so file order breaks ties)."""
     return sorted(iter_trace(path, limit), key=lambda r: r.arrival_s)
 
 
-def infinite_cache_hit_ratio(requests: list[Request]) -> float:
+def infinite_cache_hit_ratio(requests: list[RouteRequest]) -> float:
     """Block hit ratio with one unbounded cache shared by all: the bound for any policy.
 
     A block hits when it is in the leading run of blocks seen in earlier requests."""

@@ -4,7 +4,7 @@ import pytest
 from kvstore.events import EventKind, KVEvent, TierKind
 from kvstore.index import ClusterIndex
 from kvstore.scheduler import (ClusterView, DecodeLoad, PolicyKind, PrefillLoad,
-                               RejectReason, Request, SchedulerConfig, make_policy)
+                               RejectReason, RouteRequest, SchedulerConfig, make_policy)
 
 BLOCK = 512
 
@@ -14,7 +14,7 @@ def hashes(n, start=0):
 
 
 def request(blocks=20, output=100):
-    return Request(1, 0.0, blocks * BLOCK, output, hashes(blocks))
+    return RouteRequest(1, 0.0, blocks * BLOCK, output, hashes(blocks))
 
 
 def cluster(held: dict[str, int], queues: dict[str, float], decode=None, extra_nodes=()):
