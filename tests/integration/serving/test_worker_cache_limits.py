@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import http.client
 import struct
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import pytest
 
+from engine_adapter.serving.ports import wait_port_file
 from engine_adapter.serving.protocol import PROTOCOL_VERSION
 
-from .cluster_proc import ROOT, free_port
+from .cluster_proc import ROOT
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -25,18 +28,21 @@ CAPACITY = NUM_BLOCKS * BT        # token positions with K/V
 
 
 class WorkerProc:
-    """`python -m engine_adapter.serving.worker --role colocated` on a free loopback port."""
+    """`python -m engine_adapter.serving.worker --role colocated` on a loopback port the
+    kernel picks (the worker writes it to a file)."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self.dir = tempfile.TemporaryDirectory(prefix="kvtier-worker-")
+        self.port_file = os.path.join(self.dir.name, "port")
         cmd = [sys.executable, "-m", "engine_adapter.serving.worker", "--name", "tiny",
-               "--role", "colocated", "--port", str(self.port), "--num-blocks", str(NUM_BLOCKS),
-               "--max-num-seqs", "4"]
+               "--role", "colocated", "--port", "0", "--port-file", self.port_file,
+               "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "4"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
 
     def wait_ready(self, timeout_s: float = 300.0) -> "WorkerProc":
         deadline = time.monotonic() + timeout_s
+        self.port = wait_port_file(self.port_file, self.proc, "the worker", timeout_s)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited {self.proc.returncode}: {self.proc.stdout.read()}")
@@ -80,6 +86,7 @@ class WorkerProc:
                 self.proc.kill()
                 self.proc.wait()
         self.proc.stdout.close()
+        self.dir.cleanup()
 
 
 @pytest.fixture(scope="module")
