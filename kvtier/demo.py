@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from aiohttp import web
 
-from engine_adapter.serving.launcher import ClusterConfig, cluster_processes, cpu_plan, free_port
+from engine_adapter.serving.launcher import ClusterConfig, cluster_processes, cpu_plan
 from kvtier.replay import RunResult, replay
 from kvtier.demo_report import chart, report
 from kvtier.workload import WORKLOADS, hit_ratio_bound, load
@@ -61,8 +61,8 @@ async def run_one(s: Setup, workload, a: argparse.Namespace, ask: bool) -> tuple
         runner = web.AppRunner(create_app(FrontendConfig(), router))
         await runner.setup()
         try:
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            port = runner.addresses[0][1]
             print(f"{s.name}: ready in {time.perf_counter() - t0:.0f} s; "
                   f"{router.cost_summary()}", flush=True)
             url = f"http://127.0.0.1:{port}"

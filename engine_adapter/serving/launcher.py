@@ -7,7 +7,9 @@
 
 Every process owns its CPU threads (`cpu_plan`): the workers split the cores, one torch /
 OpenMP thread pool each (never more threads than cores between them); the store node and
-the front end run with one thread each, since they only move bytes and messages. Ctrl-C
+the front end run with one thread each, since they only move bytes and messages. The store
+node (`DaemonProcess`) and the workers (`serving.ports`) listen on loopback ports the kernel
+picks, so nothing else can take one between choosing and binding it. Ctrl-C
 (or SIGTERM) stops the front end, then every worker and the store node.
 """
 from __future__ import annotations
@@ -16,17 +18,16 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, TextIO
 
+from engine_adapter.serving.ports import bind, wait_port_file
 from engine_adapter.serving.protocol import Role
 from engine_adapter.serving.router import POOL_NODE, Router, WorkerHandle
+from kvstore.daemon.process import DaemonProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -106,63 +107,31 @@ def own_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def child_env(threads: int) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1",
             **{var: str(threads) for var in THREAD_VARS}}
 
 
-class Store:
-    """The store node (`kvtier serve` + the router's event route) on free loopback ports."""
-
-    def __init__(self, cfg: ClusterConfig, data_dir: str, log) -> None:
-        self.port, self.http_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "kvstore.daemon", "--port", str(self.port),
-               "--http-port", str(self.http_port), "--data-dir", data_dir, "--dram-size",
-               cfg.dram_size, "--ssd-size", cfg.ssd_size, "--node-id", POOL_NODE,
-               "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                     env=child_env(1))
-
-    @property
-    def url(self) -> str:
-        return f"kvtier://127.0.0.1:{self.port}"
-
-    @property
-    def control_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def wait_healthy(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the store node (kvtier serve) exited with code "
-                                   f"{self.proc.returncode}; see its output above")
-            try:
-                urllib.request.urlopen(f"{self.control_url}/healthz", timeout=2)
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"the store node did not become healthy in {timeout_s:.0f} s")
+def store_node(cfg: ClusterConfig, data_dir: str, log: TextIO) -> DaemonProcess:
+    """The store node (`kvtier serve`, with the router's event route), not started: entering
+    it starts it on loopback ports the kernel picks and returns once it is healthy."""
+    return DaemonProcess(data_dir, "--node-id", POOL_NODE, dram_size=cfg.dram_size,
+                         ssd_size=cfg.ssd_size, env=child_env(1), cwd=ROOT, echo=log)
 
 
 def spawn_worker(cfg: ClusterConfig, name: str, role: Role, store_url: str | None,
-                 threads: int, log) -> WorkerHandle:
-    port = free_port()
+                 threads: int, port_file: str, log: TextIO | None) -> subprocess.Popen:
+    """A worker process on a port the kernel picks, which it writes to `port_file`."""
     cmd = [sys.executable, "-m", "engine_adapter.serving.worker", "--name", name, "--role",
-           role.value, "--port", str(port), "--num-blocks", str(cfg.num_blocks),
-           "--max-num-seqs", str(cfg.max_num_seqs), "--chunk-tokens", str(cfg.chunk_tokens),
-           "--threads", str(threads)]
+           role.value, "--port", "0", "--port-file", port_file, "--num-blocks",
+           str(cfg.num_blocks), "--max-num-seqs", str(cfg.max_num_seqs), "--chunk-tokens",
+           str(cfg.chunk_tokens), "--threads", str(threads)]
     if store_url:
         cmd += ["--store", store_url]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(port_file)  # a previous run's, in a reused --data-dir
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env=child_env(threads))
-    return WorkerHandle(name, role, f"http://127.0.0.1:{port}", proc)
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
@@ -177,38 +146,48 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
+def worker_processes(cfg: ClusterConfig, store_url: str | None, run_dir: str,
+                     log: TextIO | None) -> Iterator[list[WorkerHandle]]:
+    """Start every worker at once (their start-ups overlap), then learn each one's port;
+    stops them all on exit."""
+    threads = cpu_plan(cfg).worker_threads
+    started: list[tuple[str, Role, subprocess.Popen, str]] = []
+    try:
+        for name, role in cfg.roles:
+            port_file = os.path.join(run_dir, f"{name}.port")
+            proc = spawn_worker(cfg, name, role, store_url, threads, port_file, log)
+            started.append((name, role, proc, port_file))
+        yield [WorkerHandle(name, role, f"http://127.0.0.1:{wait_port_file(f, p, name)}", p)
+               for name, role, p, f in started]
+    finally:
+        for _, _, proc, _ in reversed(started):
+            stop_process(proc)
+
+
+@contextlib.contextmanager
 def cluster_processes(cfg: ClusterConfig) -> Iterator[Router]:
     """Start the store (when pooled) and the workers; yields a Router over them (not yet
-    started: the front end's startup waits for the workers). Stops them all on exit."""
+    started: the front end's startup waits for the workers). Stops them all on exit, the
+    workers first (they flush to the store)."""
     from kvstore.scheduler import PolicyKind
 
-    procs: list[subprocess.Popen] = []
     with contextlib.ExitStack() as stack:
         tmp = cfg.data_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="kvtier-cluster-"))
-        log = (stack.enter_context(open(os.path.join(tmp, "workers.log"), "ab"))
+        os.makedirs(tmp, exist_ok=True)  # a new --data-dir: the workers' port files go there
+        log = (stack.enter_context(open(os.path.join(tmp, "workers.log"), "a"))
                if cfg.quiet_workers else None)
-        try:
-            own_threads(1)  # the front end: an event loop, hashing and JSON
-            store = None
-            if cfg.pooled:
-                store = Store(cfg, os.path.join(tmp, "store"), log)
-                procs.append(store.proc)
-                store.wait_healthy()
-            # convert the model once here, not in every worker at once
-            from engine_adapter.serving.model_cache import ensure_cached
-            ensure_cached()
-            plan = cpu_plan(cfg)
-            workers = []
-            for name, role in cfg.roles:
-                workers.append(spawn_worker(cfg, name, role, store.url if store else None,
-                                            plan.worker_threads, log))
-                procs.append(workers[-1].proc)
-            yield Router(workers, PolicyKind(cfg.policy), pooled=cfg.pooled,
-                         store_control_url=store.control_url if store else None)
-        finally:
-            for p in reversed(procs):  # workers first (they flush to the store), then the store
-                stop_process(p)
+        own_threads(1)  # the front end: an event loop, hashing and JSON
+        store = (stack.enter_context(store_node(cfg, os.path.join(tmp, "store"),
+                                                log or sys.stdout))
+                 if cfg.pooled else None)
+        # convert the model once here, not in every worker at once
+        from engine_adapter.serving.model_cache import ensure_cached
+        ensure_cached()
+        workers = stack.enter_context(
+            worker_processes(cfg, store.url if store else None, tmp, log))
+        yield Router(workers, PolicyKind(cfg.policy), pooled=cfg.pooled,
+                     store_control_url=store.http if store else None)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -219,7 +198,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", action="store_true",
                    help="with --colocated: the workers share a pool (a store node)")
     p.add_argument("--host", default="127.0.0.1", help="front end bind address")
-    p.add_argument("--port", type=int, default=8000, help="front end port (default 8000)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="front end port (default 8000; 0: one the kernel picks, printed)")
     p.add_argument("--num-blocks", type=int, default=512,
                    help="each worker's paged KV cache in 16-token blocks (default 512)")
     p.add_argument("--max-num-seqs", type=int, default=16,
@@ -256,18 +236,25 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvtier cluster: {e}", file=sys.stderr)
         return 2
-    with cluster_processes(cfg) as router:
+    try:
+        sock = bind(cfg.host, cfg.port)  # now: a taken port fails before the workers load
+    except OSError as e:
+        print(f"kvtier cluster: cannot listen on {cfg.host}:{cfg.port}: {e.strerror}",
+              file=sys.stderr)
+        return 2
+    api = f"http://{cfg.host}:{sock.getsockname()[1]}"
+    with sock, cluster_processes(cfg) as router:
         names = ", ".join(n for n, _ in cfg.roles)
         print(f"kvtier cluster: starting {names} ({cfg.describe}); {cpu_plan(cfg).describe(cfg)}"
-              f"\nthe API opens at http://{cfg.host}:{cfg.port} once every worker has loaded its "
-              "model and measured its speed", flush=True)
+              f"\nthe API opens at {api} once every worker has loaded its model and measured "
+              "its speed", flush=True)
 
         async def announce(app: web.Application) -> None:
-            print(f"kvtier cluster ready: http://{cfg.host}:{cfg.port}/v1 ({cfg.describe}, "
-                  f"policy {cfg.policy}; {router.cost_summary()})", flush=True)
+            print(f"kvtier cluster ready: {api}/v1 ({cfg.describe}, policy {cfg.policy}; "
+                  f"{router.cost_summary()})", flush=True)
 
         app = create_app(FrontendConfig(), router)
         app.on_startup.append(announce)
-        web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None)
+        web.run_app(app, sock=sock, print=None, access_log=None)
     print("kvtier cluster: stopped", flush=True)
     return 0

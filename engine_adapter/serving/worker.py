@@ -3,6 +3,9 @@
     python -m engine_adapter.serving.worker --role prefill --name prefill-0 --port 9001 \
         --store kvtier://127.0.0.1:7481
 
+With `--port 0 --port-file F` (what `kvtier cluster` runs) the kernel picks the port and
+the worker writes it to F before loading the model (`serving.ports`).
+
 Routes: GET /info (WorkerInfo, with the timings measured at start), POST /prefill
 (GenerateRequest -> PrefillResult, role prefill), POST /decode (Handoff bytes -> TokenEvent
 frames, role decode), POST /generate (GenerateRequest -> TokenEvent frames, role
@@ -32,6 +35,7 @@ from engine_adapter.sampling import SamplingParams
 from engine_adapter.serving.calibrate import Calibration, calibrate
 from engine_adapter.serving.engine_loop import EngineLoop
 from engine_adapter.serving.kv_events import CacheEventLog
+from engine_adapter.serving.ports import bind, write_port_file
 from kvstore.cluster.messages import EVENTS_KIND_HEADER
 from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, MessageError, PrefillResult,
                                              Role, TokenEvent, WorkerInfo, frame)
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="a kvtier serving worker (started by kvtier cluster)")
     p.add_argument("--name", required=True)
     p.add_argument("--role", required=True, choices=[r.value for r in Role])
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, default=0, help="default 0: one the kernel picks")
+    p.add_argument("--port-file", help="write the bound port here before loading the model")
     p.add_argument("--store", dest="store_url")
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -259,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = WorkerConfig(a.name, Role(a.role), a.port, store_url=a.store_url,
                        num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                        chunk_tokens=a.chunk_tokens, threads=a.threads, calibrate=a.calibrate)
+    sock = bind(cfg.host, cfg.port)
+    if a.port_file:
+        write_port_file(a.port_file, sock.getsockname()[1])
     engine = build_engine(cfg)
     calibration = calibrate(engine, cfg.name) if cfg.calibrate else None
     # SIGTERM / SIGINT: stop serving, flush pending saves (cleanup_ctx), exit 0.
-    web.run_app(create_app(cfg, engine, calibration), host=cfg.host, port=cfg.port, print=None,
-                handle_signals=True)
+    web.run_app(create_app(cfg, engine, calibration), sock=sock, print=None, handle_signals=True)
     return 0
 
 

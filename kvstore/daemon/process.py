@@ -3,7 +3,8 @@
 It starts the daemon with `--port 0 --http-port 0` (the kernel picks free ports, no race
 with other programs) and reads the bound addresses from the daemon's start-up line; a
 restart reuses them, so clients following the same URL find it again. Its output is kept
-(`output()`) so callers can check what it logged. Stop is SIGTERM (graceful: in-flight ops
+(`output()`) so callers can check what it logged, and copied line by line to `echo` when
+given (a launcher's log file or its stdout). Stop is SIGTERM (graceful: in-flight ops
 finish, memory tiers flush to SSD), then SIGKILL if it does not end in time.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TextIO
 
 _START = re.compile(r"data plane kvtier://(\S+):(\d+)\s+control http://(\S+):(\d+)")
 
@@ -26,10 +27,10 @@ class DaemonProcess:
                  ssd_size: str = "16MiB", log_level: str = "warning",
                  env: dict | None = None, cwd: str | None = None,
                  preexec_fn: Callable[[], None] | None = None,
-                 wrap: Sequence[str] = ()) -> None:
+                 wrap: Sequence[str] = (), echo: TextIO | None = None) -> None:
         """`extra`: more `kvtier serve` flags. `wrap`: a command prefix (e.g. `unshare -m`
-        plus a shell that mounts a small tmpfs first)."""
-        self.data_dir, self.extra = data_dir, extra
+        plus a shell that mounts a small tmpfs first). `echo`: where to copy its output."""
+        self.data_dir, self.extra, self.echo = data_dir, extra, echo
         self.sizes = ("--dram-size", dram_size, "--ssd-size", ssd_size)
         self.log_level, self.env, self.cwd = log_level, env, cwd
         self.preexec_fn, self.wrap = preexec_fn, tuple(wrap)
@@ -78,6 +79,9 @@ class DaemonProcess:
     def _read(self, found: threading.Event) -> None:
         for line in self.proc.stdout:
             self._lines.append(line)
+            if self.echo is not None:
+                self.echo.write(line)
+                self.echo.flush()
             m = _START.search(line)
             if m and not found.is_set():
                 self.host, self.port, self.http_port = m.group(1), int(m.group(2)), int(m.group(4))

@@ -1,7 +1,9 @@
 """Daemon lifecycle: SIGTERM flushes and a restart finds every block; clients reconnect;
-SIGKILL mid-load never serves a corrupted block; metrics, admin and the config file."""
+SIGKILL mid-load never serves a corrupted block; metrics, admin and the config file; the
+output a launcher copies (`echo`)."""
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import time
 import urllib.request
@@ -119,3 +121,10 @@ def test_a_stopped_daemon_is_a_clear_timeout(make_daemon):
             assert time.monotonic() - t0 < 5
         finally:
             d.proc.send_signal(signal.SIGCONT)
+
+
+def test_echo_gets_the_daemon_output_as_it_comes(make_daemon):
+    echo = io.StringIO()
+    d = make_daemon(echo=echo)
+    assert f"data plane {d.url}" in echo.getvalue()
+    assert echo.getvalue() in d.output()

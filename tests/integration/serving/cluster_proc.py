@@ -1,11 +1,12 @@
-"""A real `kvtier cluster` process on free loopback ports, stopped with its whole process
-group; helpers to read its SSE streams."""
+"""A real `kvtier cluster` process on loopback ports the kernel picks (its banner names the
+API's), stopped with its whole process group; helpers to read its SSE streams."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,21 +14,15 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+API = re.compile(r"the API opens at (http://\S+) ")
 
 
 class Cluster:
     def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""  # from its banner, in wait_ready
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvtier-cluster-", suffix=".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier", "cluster", "--port", str(self.port), *args],
+            [sys.executable, "-m", "kvtier", "cluster", "--port", "0", *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 420.0) -> "Cluster":
@@ -35,17 +30,22 @@ class Cluster:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvtier cluster exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                self.get_json("/healthz")
-                return self
-            except OSError:
-                time.sleep(0.5)
+            banner = API.search(self._text())
+            if banner:
+                self.url = banner.group(1)
+                with contextlib.suppress(OSError):
+                    self.get_json("/healthz")
+                    return self
+            time.sleep(0.5)
         raise RuntimeError(f"kvtier cluster did not come up:\n{self.output()}")
 
-    def output(self) -> str:
+    def _text(self) -> str:
         self.log.flush()
         with open(self.log.name) as f:
-            return f.read()[-4000:]
+            return f.read()
+
+    def output(self) -> str:
+        return self._text()[-4000:]
 
     def get_json(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=10) as r:
@@ -61,7 +61,8 @@ class Cluster:
             return e.code, json.load(e)
 
     def stop(self) -> int | None:
-        """Ctrl-C, then make sure nothing of the group is left."""
+        """Ctrl-C, then make sure nothing of the group is left; `left_behind`: whether any
+        of it outlived kvtier cluster (a child it lost track of)."""
         rc = None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -69,6 +70,11 @@ class Cluster:
                 rc = self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 pass
+        try:
+            os.killpg(self.proc.pid, 0)
+            self.left_behind = True
+        except ProcessLookupError:
+            self.left_behind = False
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -139,3 +139,4 @@ def test_ctrl_c_stops_every_process(cluster):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    assert not cluster.left_behind  # the store node too, and no process it lost track of

@@ -6,10 +6,12 @@ path must end: the tests carry timeouts."""
 from __future__ import annotations
 
 import http.client
+import os
 import random
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,9 +20,10 @@ import pytest
 
 from engine_adapter.request import FinishReason
 from engine_adapter.sampling import SamplingParams
+from engine_adapter.serving.ports import wait_port_file
 from engine_adapter.serving.protocol import GenerateRequest, TokenEvent
 
-from .cluster_proc import ROOT, free_port
+from .cluster_proc import ROOT
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -29,18 +32,21 @@ CAPACITY = NUM_BLOCKS * BT        # token positions with K/V
 
 
 class WorkerProc:
-    """`python -m engine_adapter.serving.worker --role colocated` on a free loopback port."""
+    """`python -m engine_adapter.serving.worker --role colocated` on a loopback port the
+    kernel picks (the worker writes it to a file)."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self.dir = tempfile.TemporaryDirectory(prefix="kvtier-worker-")
+        self.port_file = os.path.join(self.dir.name, "port")
         cmd = [sys.executable, "-m", "engine_adapter.serving.worker", "--name", "tiny",
-               "--role", "colocated", "--port", str(self.port), "--num-blocks", str(NUM_BLOCKS),
-               "--max-num-seqs", "4"]
+               "--role", "colocated", "--port", "0", "--port-file", self.port_file,
+               "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "4"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
 
     def wait_ready(self, timeout_s: float = 300.0) -> "WorkerProc":
         deadline = time.monotonic() + timeout_s
+        self.port = wait_port_file(self.port_file, self.proc, "the worker", timeout_s)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited {self.proc.returncode}: {self.proc.stdout.read()}")
@@ -85,6 +91,7 @@ class WorkerProc:
                 self.proc.kill()
                 self.proc.wait()
         self.proc.stdout.close()
+        self.dir.cleanup()
 
 
 @pytest.fixture(scope="module")
