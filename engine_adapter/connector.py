@@ -27,6 +27,7 @@ import torch
 
 import kernels
 from engine_adapter.kvcodec import BlockCodec
+from kvstore.api import leading_hits
 from kvstore.keys import BlockHash
 
 
@@ -96,36 +97,40 @@ class StoreConnector:
             if self._staging.shape[0] < n:
                 self._staging = self.kv_cache.new_empty((n, *self.kv_cache.shape[1:]))
             dsts = staging = self._staging[:n]  # [n, L, 2, bt, Hkv, D], contiguous
-        try:
-            found = self.store.get_n(hashes, dsts)
-        except Exception:
-            self.stats.lookup_errors += 1
-            return 0
-        good = next((i for i, tier in enumerate(found) if tier is None), n)
+        good = self._get_prefix(hashes, dsts)
         if good and staging is not None:
-            ids = torch.tensor(block_ids[:good], dtype=torch.int64, device=self.kv_cache.device)
-            kernels.scatter_blocks(staging[:good], self.kv_cache, ids, check_values=False)
-        self.stats.loaded_blocks += good
-        self.stats.load_misses += n - good
-        return good
+            kernels.scatter_blocks(staging[:good], self.kv_cache, self._ids(block_ids[:good]),
+                                   check_values=False)
+        return self._counted(good, n)
 
     def _load_encoded(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
         """`load` of a compressed namespace: get_n into an encoded staging buffer, then decode
         the hit prefix straight into the cache blocks."""
         n = len(hashes)
         staging = self.codec.staging(n, self.kv_cache.device)
+        good = self._get_prefix(hashes, staging)
+        if good:
+            good = self.codec.decode(staging[:good], self.kv_cache, self._ids(block_ids[:good]))
+        return self._counted(good, n)
+
+    def _get_prefix(self, hashes: Sequence[BlockHash], dsts) -> int | None:
+        """get_n into `dsts`: how many leading blocks hit (None when the store failed,
+        counted as a lookup error, not as misses)."""
         try:
-            found = self.store.get_n(hashes, staging)
+            return leading_hits(self.store.get_n(hashes, dsts))
         except Exception:
             self.stats.lookup_errors += 1
+            return None
+
+    def _counted(self, good: int | None, n: int) -> int:
+        if good is None:
             return 0
-        good = next((i for i, tier in enumerate(found) if tier is None), n)
-        if good:
-            ids = torch.tensor(block_ids[:good], dtype=torch.int64, device=self.kv_cache.device)
-            good = self.codec.decode(staging[:good], self.kv_cache, ids)
         self.stats.loaded_blocks += good
         self.stats.load_misses += n - good
         return good
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
 
     def save(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         """Queue blocks for saving; returns at once (the copy out of the cache is done here)."""

@@ -26,7 +26,8 @@ from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TOUCH_BATCH, as_numpy,
                                     copy_row, flags_of, get_layout, host_view, iter_rows,
-                                    match_of, put_statuses, stage, stats_of)
+                                    match_of, put_statuses, retry_verdict, reusable_after,
+                                    stage, stats_of)
 from kvstore.client.shm import ArenaMap
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
@@ -35,7 +36,6 @@ from kvstore.stats import StoreStats
 from kvstore.api import MatchResult, PutStatus, leading_hits
 
 # failures after which a call is retried once on a fresh connection (daemon restarted)
-_RETRY = (ConnectionError, OSError, w.ProtocolError)
 
 
 class AsyncClient:
@@ -130,14 +130,11 @@ class AsyncClient:
         conn = self._idle.pop() if self._idle else await self._new_conn()
         try:
             yield conn
-        except (w.RemoteError, ValueError, TypeError) as e:
-            if isinstance(e, w.RemoteError) and e.code is w.ErrorCode.UNAVAILABLE:
-                conn.close()
-            else:
+        except BaseException as e:
+            if reusable_after(e):
                 self._give_back(conn)
-            raise
-        except BaseException:
-            conn.close()  # mid-frame (or cancelled): never reuse it
+            else:
+                conn.close()  # mid-frame (or cancelled): never reuse it
             raise
         else:
             self._give_back(conn)
@@ -154,15 +151,12 @@ class AsyncClient:
             try:
                 async with self._conn() as conn:
                     return await fn(conn, *args)
-            except RequestTimeout:
-                raise
-            except _RETRY as e:
-                if isinstance(e, ConnectError) or attempt:
-                    raise ConnectError(f"lost the connection to {self.addr}: {e}") from e
-                self._drop_idle()
-            except w.RemoteError as e:
-                if e.code is not w.ErrorCode.UNAVAILABLE or attempt:
+            except Exception as e:
+                err = retry_verdict(e, attempt, str(self.addr))
+                if err is e:
                     raise
+                if err is not None:
+                    raise err from e
                 self._drop_idle()
 
     def _drop_idle(self) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kvstore import wire as w
+from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.stats import StoreStats, TierCounters, TierStats
@@ -26,6 +27,31 @@ INLINE_PUT_BYTES = 512 << 10
 STAGED_PUT_BYTES = 2 << 20
 MAX_STAGE_BYTES = 64 << 20  # the daemon's limit for one connection's staging segment
 TOUCH_BATCH = 256  # direct (no-request) reads reported to the daemon per TOUCH
+RETRYABLE = (ConnectionError, OSError, w.ProtocolError)  # a dead or confused connection
+
+
+def reusable_after(e: BaseException) -> bool:
+    """Whether a connection whose call raised `e` is still in step with the daemon: a
+    refusal the daemon answered, or a bad argument caught before sending, leaves its frames
+    in order; a failure mid-frame or a cancelled call may not."""
+    if isinstance(e, w.RemoteError):
+        return e.code is not w.ErrorCode.UNAVAILABLE
+    return isinstance(e, (ValueError, TypeError))
+
+
+def retry_verdict(e: Exception, attempt: int, where: str) -> Exception | None:
+    """After a call on a pooled connection failed with `e`: None to retry it once on a
+    fresh connection (the daemon restarted, or was draining that namespace), else what to
+    raise. A timeout is never retried: the daemon may still be doing it."""
+    if isinstance(e, RequestTimeout):
+        return e
+    if isinstance(e, RETRYABLE):
+        if isinstance(e, ConnectError) or attempt:
+            return ConnectError(f"lost the connection to {where}: {e}")
+        return None
+    if isinstance(e, w.RemoteError) and e.code is w.ErrorCode.UNAVAILABLE and not attempt:
+        return None
+    return e
 
 
 def check_reply(frame: w.Frame, op: w.Op) -> tuple[w.Message, int]:

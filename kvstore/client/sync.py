@@ -23,7 +23,7 @@ from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PUT_BYTES,
                                     TOUCH_BATCH, as_numpy, copy_row, flags_of, get_layout,
                                     host_view, iter_rows, match_of, put_statuses, stage,
-                                    stats_of)
+                                    retry_verdict, reusable_after, stats_of)
 from kvstore.client.shm import ArenaMap, map_arena
 from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
@@ -158,14 +158,11 @@ class Client:
         conn = conn or self._new_conn()
         try:
             yield conn
-        except (w.RemoteError, ValueError, TypeError) as e:
-            if isinstance(e, w.RemoteError) and e.code is w.ErrorCode.UNAVAILABLE:
-                conn.close()
-            else:
+        except BaseException as e:
+            if reusable_after(e):
                 self._give_back(conn)
-            raise
-        except BaseException:
-            conn.close()  # mid-frame state unknown: never reuse it
+            else:
+                conn.close()  # mid-frame state unknown: never reuse it
             raise
         else:
             self._give_back(conn)
@@ -183,16 +180,12 @@ class Client:
             try:
                 with self._conn() as conn:
                     return fn(conn, *args)
-            except RequestTimeout:
-                raise
-            except (ConnectionError, OSError, w.ProtocolError) as e:
-                if isinstance(e, ConnectError) or attempt:
-                    raise ConnectError(f"lost the connection to {self.addr.host}:"
-                                       f"{self.addr.port}: {e}") from e
-                self._drop_idle()
-            except w.RemoteError as e:
-                if e.code is not w.ErrorCode.UNAVAILABLE or attempt:
+            except Exception as e:
+                err = retry_verdict(e, attempt, f"{self.addr.host}:{self.addr.port}")
+                if err is e:
                     raise
+                if err is not None:
+                    raise err from e
                 self._drop_idle()
 
     def _drop_idle(self) -> None:
