@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from engine_adapter.plugins.base import StoreSpec, coded, dtype_name, open_store
-from kvstore.api import BlockStore
+from kvstore.api import BlockStore, leading_hits
 from kvstore.keys import Namespace, hash_blocks
 
 
@@ -115,7 +115,7 @@ class KVTierGenerate:
             self._staging = torch.empty((hit, *self.ns.block_shape), dtype=self.model.dtype)
         blocks = self._staging[:hit]
         found = self.store.get_n(hashes[:hit], blocks)
-        good = next((i for i, tier in enumerate(found) if tier is None), hit)  # a miss ends it
+        good = leading_hits(found)  # a miss ends it
         if good == 0:
             return DynamicCache(config=self.model.config), 0
         device = next(self.model.parameters()).device

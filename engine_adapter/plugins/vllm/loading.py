@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvstore.api import BlockStore
+from kvstore.api import BlockStore, leading_hits
 from engine_adapter.plugins.vllm.metadata import BlockTransfer
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -107,7 +107,7 @@ class LayerwiseLoader:
         start = 0
         for t in loads:
             n = len(t.hashes)
-            ok = next((i for i, tier in enumerate(found[start:start + n]) if tier is None), n)
+            ok = leading_hits(found[start:start + n])
             rows.extend(range(start, start + ok))
             ids.extend(t.block_ids[:ok])
             self.load_errors.update(t.block_ids[ok:])   # vLLM recomputes from the first miss
