@@ -108,7 +108,8 @@ class Namespace:
     @property
     def block_bytes(self) -> int:
         """One stored block: the raw bytes, or the fixed encoded size of `codec`."""
-        return encoded_block_bytes(self.codec, self.block_shape, DTYPE_BYTES[self.dtype])
+        return _block_bytes(self.codec, self.num_layers, self.block_tokens, self.num_kv_heads,
+                            self.head_dim, self.dtype)
 
     @property
     def root_hash(self) -> BlockHash:
@@ -133,6 +134,13 @@ def encoded_block_bytes(codec: str, block_shape: tuple[int, ...], dtype_bytes: i
     if codec == "zstd":
         return ZSTD_HEADER_BYTES + -(-raw * ZSTD_SLOT_NUM // ZSTD_SLOT_DEN)
     raise ValueError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
+
+
+@functools.lru_cache(maxsize=4096)  # read on every block op: computed once per layout
+def _block_bytes(codec: str, num_layers: int, block_tokens: int, num_kv_heads: int,
+                 head_dim: int, dtype: str) -> int:
+    shape = (num_layers, 2, block_tokens, num_kv_heads, head_dim)
+    return encoded_block_bytes(codec, shape, DTYPE_BYTES[dtype])
 
 
 @functools.lru_cache(maxsize=4096)  # read on every block header check: computed once

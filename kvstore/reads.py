@@ -102,7 +102,10 @@ class Reads:
         return held, tiers, kept, copied
 
     def _tier_index(self, kind: TierKind | None) -> int | None:
-        return next((i for i, t in enumerate(self._p.tiers) if t.kind is kind), None)
+        index = self.__dict__.get("_kind_index")  # the tiers never change: built once
+        if index is None:
+            index = self._kind_index = {t.kind: i for i, t in enumerate(self._p.tiers)}
+        return index.get(kind)
 
     def _hold(self, hashes: Sequence[bytes], prefix: bool = False) -> list[Entry | None]:
         """Reader counts on every visible block (with `prefix`: up to the first missing)."""

@@ -48,6 +48,8 @@ class Session:
         self.reservations: dict[int, Reservation] = {}
         self.leases: set[int] = set()
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._rows = self._scratch.view(0, 0)
+        self._arena: tuple[object, torch.Tensor | None] = (None, None)  # (store, its DRAM rows)
         self.staging: ShmSegment | None = None
         self.agent_key = b""
         self.bytes_in = self.bytes_out = 0
@@ -58,6 +60,13 @@ class Session:
         if self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes]
+
+    def scratch_rows(self, n: int, block_bytes: int) -> torch.Tensor:
+        """`[n, block_bytes]` of scratch; the view is kept for the next request of the same
+        shape (a GET of one block is the common case: no torch view op per request)."""
+        if self._rows.shape != (n, block_bytes):
+            self._rows = self.scratch(n * block_bytes).view(n, block_bytes)
+        return self._rows
 
     def recv_into(self, buf: torch.Tensor) -> None:
         self.reader.recv_into(memoryview(buf.numpy()))
@@ -82,9 +91,15 @@ class Session:
         return self.hosted.store
 
     def dram_rows(self) -> torch.Tensor | None:
-        if self.hosted is None or TierKind.DRAM not in self.store.tier_kinds:
+        """The DRAM arena as `[num_slots, block_bytes]` (CPU), None without a DRAM tier;
+        looked up once per store."""
+        if self.hosted is None:
             return None
-        return self.store.tier(TierKind.DRAM).arena  # [num_slots, block_bytes], CPU
+        store = self.store
+        if self._arena[0] is not store:
+            kinds = store.tier_kinds
+            self._arena = (store, store.tier(TierKind.DRAM).arena if TierKind.DRAM in kinds else None)
+        return self._arena[1]
 
     # ------------------------------------------------------------ ops
 
@@ -226,7 +241,7 @@ class Session:
         scratch then the tier's write_n; blocks not STORED are read and dropped."""
         bb = self.hosted.ns.block_bytes
         arena = self.dram_rows()
-        scratch = self.scratch(len(indices) * bb).view(-1, bb) if indices else None
+        scratch = self.scratch_rows(len(indices), bb) if indices else None
         others: dict[TierKind, list[int]] = {}
         for k, i in enumerate(indices):
             slot = res.slots[i]
@@ -248,7 +263,7 @@ class Session:
         store, hashes = self.store, msg.hash_list
         self.release_n(msg.release)
         bb, arena = self.hosted.ns.block_bytes, self.dram_rows()
-        rows = self.scratch(len(hashes) * bb).view(-1, bb)
+        rows = self.scratch_rows(len(hashes), bb)
         lease = store.fetch_n(hashes, rows, ttl_s=self.cfg.lease_ttl_s,
                               lease_tier=TierKind.DRAM if arena is not None else None,
                               prefix=msg.prefix)
