@@ -33,9 +33,6 @@ from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier
 
 log = logging.getLogger("kvtier.store")
-# A put makes room unlocked (two-phase moves), so concurrent puts and promotions may take
-# the freed slots first; it tries again this many times before answering NO_SPACE.
-RESERVE_ATTEMPTS = 3
 
 class Reservation(NamedTuple):
     reservation_id: int
@@ -122,55 +119,38 @@ class TieredStore(Reads, Grants):
         check_hashes(hashes)
         keys = [bytes(h) for h in hashes]
         timeout = self.config.reservation_timeout_s if timeout_s is None else timeout_s
-        new: list[Entry] = []
-        for _ in range(RESERVE_ATTEMPTS):  # room made unlocked may be taken before we allocate
-            self._make_room_for(keys)
-            with self._lock:
-                self._check_open()
-                if not self._reserve_fresh(keys, new):
-                    break
-        with self._lock:
-            p, mine = self._p, {e.hash: e for e in new}
-            statuses, slots = [], []
-            for h in keys:
-                e = mine.pop(h, None)
-                if e is None:
-                    statuses.append(PutStatus.EXISTS if h in p.entries else PutStatus.NO_SPACE)
-                    slots.append(None)
-                else:
-                    statuses.append(PutStatus.STORED)
-                    slots.append((p.tiers[e.tier].kind, e.slot))
-            rid = next(self._ids)
-            self._reservations[rid] = (time.monotonic() + timeout, new)
-            return Reservation(rid, tuple(keys), tuple(statuses), tuple(slots))
-
-    def _make_room_for(self, keys: list[bytes]) -> None:
-        """Free top-tier slots for the keys not stored yet (two-phase moves, unlocked); the
-        batch's stored blocks are held meanwhile, so making room never takes them."""
-        with self._lock:
+        with self._lock:  # the batch's stored blocks are held: making room never takes them
             self._check_open()
-            unique = list(dict.fromkeys(keys))
-            mine = self._hold(unique)
-            fresh = sum(e is None and h not in self._p.entries for h, e in zip(unique, mine))
+            mine = self._hold(dict.fromkeys(keys))
+            fresh = mine.count(None)
         try:
             self._make_room_in(0, fresh)
         finally:
             with self._lock:
                 self._unhold([e for e in mine if e is not None])
-
-    def _reserve_fresh(self, keys: list[bytes], new: list[Entry]) -> int:
-        """Under the lock: a RESERVED entry (appended to `new`) for each key not stored or
-        reserved yet, in the free slots, fastest tier first (the last tier drops its LRU
-        blocks for them). How many found no slot."""
-        p = self._p
-        known = {h for h in keys if h in p.entries}
-        p.touch([p.entries[h] for h in keys if h in known])  # don't evict them for this put
-        fresh = [h for h in dict.fromkeys(keys) if h not in known]
-        places = p.allocate(len(fresh), demote=False)
-        for h, (tier, slot) in zip(fresh, places):
-            entry = p.entries[h] = Entry(h, tier, slot, State.RESERVED)
-            new.append(entry)
-        return len(fresh) - len(places)
+        with self._lock:
+            self._check_open()
+            p = self._p
+            known = {h for h in keys if h in p.entries}
+            p.touch([p.entries[h] for h in keys if h in known])  # don't evict them for this put
+            fresh = [h for h in dict.fromkeys(keys) if h not in known]
+            where = dict(zip(fresh, p.allocate(len(fresh), demote=False)))
+            statuses, slots, new = [], [], []
+            for h in keys:
+                place = where.pop(h, None)
+                if place is None:
+                    statuses.append(PutStatus.EXISTS if h in known or h in p.entries
+                                    else PutStatus.NO_SPACE)
+                    slots.append(None)
+                    continue
+                entry = Entry(h, place[0], place[1], State.RESERVED)
+                p.entries[h] = entry
+                new.append(entry)
+                statuses.append(PutStatus.STORED)
+                slots.append((p.tiers[place[0]].kind, place[1]))
+            rid = next(self._ids)
+            self._reservations[rid] = (time.monotonic() + timeout, new)
+            return Reservation(rid, tuple(keys), tuple(statuses), tuple(slots))
 
     def write_reserved(self, res: Reservation, srcs) -> None:
         """Fill a reservation's STORED blocks from `srcs` (one per hash of the reservation)."""
