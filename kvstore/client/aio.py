@@ -26,7 +26,7 @@ from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TOUCH_BATCH, as_numpy,
                                     copy_row, flags_of, get_layout, host_view, iter_rows,
-                                    match_of, put_statuses, retry_verdict, reusable_after,
+                                    match_of, put_statuses, raise_unless_retryable, reusable_after,
                                     stage, stats_of)
 from kvstore.client.shm import ArenaMap
 from kvstore.events import TierKind
@@ -152,11 +152,7 @@ class AsyncClient:
                 async with self._conn() as conn:
                     return await fn(conn, *args)
             except Exception as e:
-                err = retry_verdict(e, attempt, str(self.addr))
-                if err is e:
-                    raise
-                if err is not None:
-                    raise err from e
+                raise_unless_retryable(e, attempt, self.addr)
                 self._drop_idle()
 
     def _drop_idle(self) -> None:

@@ -39,19 +39,19 @@ def reusable_after(e: BaseException) -> bool:
     return isinstance(e, (ValueError, TypeError))
 
 
-def retry_verdict(e: Exception, attempt: int, where: str) -> Exception | None:
-    """After a call on a pooled connection failed with `e`: None to retry it once on a
-    fresh connection (the daemon restarted, or was draining that namespace), else what to
-    raise. A timeout is never retried: the daemon may still be doing it."""
+def raise_unless_retryable(e: Exception, attempt: int, where) -> None:
+    """After a call on a pooled connection failed with `e`: return to retry it once on a
+    fresh connection (the daemon restarted, or was draining that namespace), else raise
+    what the caller should see. A timeout is never retried: the daemon may still be doing it."""
     if isinstance(e, RequestTimeout):
-        return e
+        raise e
     if isinstance(e, RETRYABLE):
         if isinstance(e, ConnectError) or attempt:
-            return ConnectError(f"lost the connection to {where}: {e}")
-        return None
+            raise ConnectError(f"lost the connection to {where}: {e}") from e
+        return
     if isinstance(e, w.RemoteError) and e.code is w.ErrorCode.UNAVAILABLE and not attempt:
-        return None
-    return e
+        return
+    raise e
 
 
 def check_reply(frame: w.Frame, op: w.Op) -> tuple[w.Message, int]:

@@ -23,7 +23,7 @@ from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PUT_BYTES,
                                     TOUCH_BATCH, as_numpy, copy_row, flags_of, get_layout,
                                     host_view, iter_rows, match_of, put_statuses, stage,
-                                    retry_verdict, reusable_after, stats_of)
+                                    raise_unless_retryable, reusable_after, stats_of)
 from kvstore.client.shm import ArenaMap, map_arena
 from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
@@ -181,11 +181,7 @@ class Client:
                 with self._conn() as conn:
                     return fn(conn, *args)
             except Exception as e:
-                err = retry_verdict(e, attempt, f"{self.addr.host}:{self.addr.port}")
-                if err is e:
-                    raise
-                if err is not None:
-                    raise err from e
+                raise_unless_retryable(e, attempt, self.addr)
                 self._drop_idle()
 
     def _drop_idle(self) -> None:
