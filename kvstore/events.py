@@ -63,9 +63,11 @@ class EventRing:
             self.next_seq = e.seq + 1
 
     def after(self, seq: int) -> tuple[KVEvent, ...] | None:
-        """Events numbered after `seq`; None when some of them are no longer here."""
+        """Events numbered after `seq`; None when some of them are no longer here, or when
+        `seq` is past the last event (a cursor from before the producer restarted: the
+        events it would skip are new ones)."""
         first = self.events[0].seq if self.events else self.next_seq
-        if seq + 1 < first:
+        if seq + 1 < first or seq + 1 > self.next_seq:
             return None
         return tuple(e for e in self.events if e.seq > seq)
 

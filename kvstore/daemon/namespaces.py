@@ -69,11 +69,14 @@ class Hosted:
             return self._events.after(after)
 
     def snapshot(self) -> tuple[int, dict[TierKind, list[bytes]]]:
-        """The store's content as of its last event (`TieredStore.snapshot`); events up to
-        it leave the ring (a reader behind them gets None and snapshots too)."""
+        """The store's content as of its last event (`TieredStore.snapshot`). Its events are
+        drained into the ring first, so other readers' cursors stay valid; only events the
+        store dropped meanwhile empty the ring (a reader behind them snapshots too)."""
         with self._events_lock:
+            self._events.extend(self.store.drain_events())
             seq, blocks = self.store.snapshot()
-            self._events.reset(seq + 1)
+            if self._events.next_seq != seq + 1:
+                self._events.reset(seq + 1)
             return seq, blocks
 
     def count_lease_hits(self, n: int) -> None:

@@ -73,10 +73,22 @@ def test_a_reader_too_far_behind_gets_a_snapshot_of_the_cache():
     assert kind == "events"
 
 
+def ev(seq: int) -> KVEvent:
+    return KVEvent(EventKind.STORED, "pool", seq, TierKind.DRAM, (h(seq),))
+
+
 def test_ring_forgets_everything_before_a_producer_gap():
     ring = EventRing()
-    ev = lambda seq: KVEvent(EventKind.STORED, "pool", seq, TierKind.DRAM, (h(seq),))  # noqa: E731
     ring.extend([ev(0), ev(1)])
     assert [e.seq for e in ring.after(0)] == [1]
     ring.extend([ev(5)])  # 2..4 were lost on the way
     assert ring.after(1) is None and [e.seq for e in ring.after(4)] == [5]
+
+
+def test_a_cursor_past_the_last_event_gets_a_snapshot():
+    """A reader's cursor from before the producer restarted (its seqs begin again at 0)
+    must not skip the new events numbered below it."""
+    ring = EventRing()
+    ring.extend([ev(0), ev(1)])
+    assert [e.seq for e in ring.after(0)] == [1] and ring.after(1) == ()
+    assert ring.after(57) is None
