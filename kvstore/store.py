@@ -302,9 +302,10 @@ class TieredStore(Reads, Grants):
 
     def _make_room_in(self, i: int, n: int) -> None:
         """Best effort: n free slots in tier i, the way a put wants them (two-phase, lower
-        tiers first so a middle tier's victims have somewhere to go)."""
+        tiers first so a middle tier's victims have somewhere to go; the last tier, DRAM
+        alone included, makes room by dropping its LRU blocks)."""
         with self._lock:
-            if self._closed or i + 1 >= len(self._p.tiers):
+            if self._closed or i >= len(self._p.tiers):
                 return
             need = n - self._p.tiers[i].num_free()
             cascade = (need > 0 and i + 2 < len(self._p.tiers)

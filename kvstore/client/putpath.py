@@ -79,8 +79,8 @@ class DirectPuts:
                     new.append(i)
                 seen.add(h)
             if not self._enough(len(new)):
-                if self.conn is None:
-                    return None
+                if self.conn is None or not self.ring.pending():
+                    return None  # more than the daemon grants at once: a request it is
                 # the daemon's drainer is behind (a busy host): one FLUSH commits and
                 # tops the grants up at once, cheaper than a put request per batch
                 self.conn.call(w.Flush())

@@ -71,6 +71,25 @@ def test_grants_run_out_and_puts_fall_back_to_a_request(make_daemon):
     assert op_count(d, "put") >= 1, "12 blocks cannot all have fitted 2 grants"
 
 
+def test_a_full_dram_only_arena_keeps_granting(make_daemon):
+    """With DRAM the only tier, room is made by dropping its oldest blocks: the grants keep
+    coming once the arena is full, so puts never fall back to a request (they used to, for
+    every put after the first arena-full, at ~10x the cost)."""
+    d = make_daemon(dram_size="256KiB", ssd_size="0")  # 64 slots: a channel is granted 4
+    hs = chain(8, 400)
+    with Client(d.url, namespace=NS) as c:
+        c.put_n(hs[:1], blocks(hs[:1]))  # opens the put channel
+        puts_before = op_count(d, "put")
+        for i in range(1, len(hs)):
+            assert c.put_n(hs[i:i + 1], blocks(hs[i:i + 1])) == [PutStatus.STORED]
+        assert op_count(d, "put") == puts_before, "a put into a full arena sent a PUT"
+        tail = hs[-8:]
+        out = np.zeros((8, BB), np.uint8)
+        assert c.get_n(tail, out) == [TierKind.DRAM] * 8 and np.array_equal(out, blocks(tail))
+        assert c.contains_n(hs[:8]) == [False] * 8  # the oldest made the room
+    assert dram_used(d) <= 64
+
+
 KILLED_WRITER = """
 import os, sys, numpy as np
 from kvstore import Client
