@@ -60,6 +60,9 @@ class Reads:
         `hits[i]` is (tier found in, leased slot or NO_SLOT) or None; `copied[i]` says the
         block's bytes are in `rows[i]`. `lease_id` is 0 when nothing is leased."""
         rows = byte_rows(rows, len(hashes), self.ns.block_bytes, writable=True)
+        leased = self._lease_all(hashes, ttl_s, prefix, lease_tier)
+        if leased is not None:
+            return leased
         held, tiers, kept, copied = self._read(hashes, rows, prefix, lease_tier)
         with self._lock:
             lid = 0
@@ -70,6 +73,31 @@ class Reads:
             hits = tuple(None if t is None else (t, e.slot if id(e) in leased else NO_SLOT)
                          for t, e in zip(tiers, held))
         return Lease(lid, hits, tuple(copied))
+
+    def _lease_all(self, hashes: Sequence[bytes], ttl_s: float, prefix: bool,
+                   lease_tier: TierKind | None) -> Lease | None:
+        """`fetch_n` in one locked visit when no block needs copying (every hit is in
+        `lease_tier`: a DRAM-resident batch, the common case); None, with nothing held or
+        counted, when some block must be copied (the three steps below then)."""
+        check_hashes(hashes)
+        with self._lock:
+            self._check_open()
+            lt = self._tier_index(lease_tier)
+            if lt is None:
+                return None
+            held = self._hold(hashes, prefix)
+            if any(e is not None and e.tier != lt for e in held):
+                self._unhold([e for e in held if e is not None])
+                return None
+            tiers, live = self._settle(held, [e is not None for e in held], prefix)
+            kept = [e for e, t in live if t is not None]
+            self._unhold([e for e, t in live if t is None])
+            lid = 0
+            if kept:
+                lid = next(self._ids)
+                self._leases[lid] = (time.monotonic() + ttl_s, kept)
+            hits = tuple(None if t is None else (t, e.slot) for t, e in zip(tiers, held))
+        return Lease(lid, hits, (False,) * len(hashes))
 
     # ------------------------------------------------------------------ the three steps
 

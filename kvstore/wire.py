@@ -434,6 +434,20 @@ def _named(cls: type, error: str) -> str:
 # ------------------------------------------------------------------------ blocking socket I/O
 
 
+def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Kernel send/receive timeouts on a blocking socket: MSG_WAITALL then fills a megabyte
+    in one call (a socket with a Python timeout is non-blocking underneath: a poll and a
+    recv per chunk that arrives), yet no peer holds a thread longer than `seconds` per call.
+    A call that times out raises BlockingIOError (EAGAIN), not socket.timeout."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+TIMED_OUT = (socket.timeout, BlockingIOError)  # what a timed-out call raises, either way
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from the socket (recv_into straight into the destination, no copies).
     MSG_WAITALL lets the kernel fill it in one call on a blocking socket (the daemon's:
@@ -445,6 +459,21 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError("peer closed the connection mid-frame")
         got += k
+
+
+def recv_exact_v(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """Fill every buffer in order: one recvmsg_into (MSG_WAITALL) in the common case."""
+    while bufs:
+        k = sock.recvmsg_into(bufs[:MAX_IOV], 0, socket.MSG_WAITALL)[0]
+        if k == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        while bufs and k >= bufs[0].nbytes:
+            k -= bufs.pop(0).nbytes
+        if k:
+            bufs[0] = bufs[0][k:]
+
+
+MAX_IOV = 512  # buffers per recvmsg (Linux allows 1024)
 
 
 def recv_frame(sock: socket.socket, max_payload: int) -> Frame:
@@ -519,12 +548,20 @@ class FrameReader:
 
     def recv_into(self, view: memoryview) -> None:
         """Fill `view` (payload bytes): buffered ones first, then straight from the socket."""
-        k = min(len(self._buf), view.nbytes)
-        if k:
-            view[:k] = self._buf[:k]
+        self.recv_payload([view])
+
+    def recv_payload(self, views: list[memoryview]) -> None:
+        """Fill each view in turn (payload bytes) with as few reads as the kernel allows:
+        buffered bytes first, then one gathered MSG_WAITALL read."""
+        bufs = [memoryview(v).cast("B") for v in views]
+        while self._buf and bufs:
+            k = min(len(self._buf), bufs[0].nbytes)
+            bufs[0][:k] = self._buf[:k]
             self._buf = self._buf[k:]
-        if k < view.nbytes:
-            recv_exact(self.sock, view[k:])
+            bufs[0] = bufs[0][k:]
+            if not bufs[0].nbytes:
+                bufs.pop(0)
+        recv_exact_v(self.sock, [b for b in bufs if b.nbytes])
 
 
 def close_fds(fds) -> None:

@@ -73,7 +73,7 @@ class Connection:
                                "is `kvtier serve` running there?") from e
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             self.sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-        self.sock.settimeout(timeout_s)
+        w.kernel_timeouts(self.sock, timeout_s)
         self.reader = w.FrameReader(self.sock)
         hello = replies.hello(ns, token, want_agent, agent_key)
         try:
@@ -85,7 +85,7 @@ class Connection:
     def send(self, msg: w.Message, payload=()) -> None:
         try:
             w.send_frame(self.sock, msg, msg.OP, False, payload)
-        except socket.timeout as e:
+        except w.TIMED_OUT as e:
             raise RequestTimeout(f"sending {msg.OP.name} to {self.addr} "
                                  f"stalled for {self.timeout_s}s") from e
 
@@ -93,7 +93,7 @@ class Connection:
         """The reply to `op` (its payload, if any, is still to be read); raises RemoteError."""
         try:
             frame = self.reader.frame(1 << 62)
-        except socket.timeout as e:
+        except w.TIMED_OUT as e:
             raise RequestTimeout(f"no reply to {op.name} from {self.addr} within "
                                  f"{self.timeout_s}s (raise timeout_s for big batches)") from e
         return replies.check_reply(frame, op)
@@ -103,9 +103,13 @@ class Connection:
         return self.receive(msg.OP)
 
     def recv_into(self, view: memoryview) -> None:
+        self.recv_payload([view])
+
+    def recv_payload(self, views: list[memoryview]) -> None:
+        """Fill the views in turn with a reply's payload (one read where the kernel allows)."""
         try:
-            self.reader.recv_into(view)
-        except socket.timeout as e:
+            self.reader.recv_payload(views)
+        except w.TIMED_OUT as e:
             raise RequestTimeout(f"payload from {self.addr} stalled for "
                                  f"{self.timeout_s}s") from e
 
@@ -120,7 +124,7 @@ class Connection:
         self.send(msg)
         try:
             frame, fds = self.reader.frame_with_fds(0)
-        except socket.timeout as e:
+        except w.TIMED_OUT as e:
             raise RequestTimeout(f"no reply to {msg.OP.name} within {self.timeout_s}s") from e
         return replies.check_fds(frame, msg.OP, fds, num_fds), fds
 

@@ -66,8 +66,7 @@ class ArenaMap:
         the first that it does not), with no request: (tiers, indices left for the daemon,
         the hashes copied, for the next TOUCH). Each copy is kept only if its slot's
         generation did not move meanwhile."""
-        dst = rows.numpy() if isinstance(rows, torch.Tensor) and rows.device.type == "cpu" \
-            else None
+        dst = rows.numpy() if isinstance(rows, torch.Tensor) and rows.is_cpu else None
         if len(hashes) > VECTOR_READS:
             return self._read_direct_n(hashes, rows, dst, prefix)
         d = self.directory

@@ -9,6 +9,7 @@ reached raises `ConnectError`, a silent one `RequestTimeout`.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -61,6 +62,8 @@ class Client:
         self._puts: DirectPuts | None = None
         self.direct_puts = use_shm and direct_puts and DIRECT_PUTS
         self._touched: list[bytes] = []
+        self._toucher: ThreadPoolExecutor | None = None  # sends TOUCH batches off the read path
+        self._touch_sent: Future | None = None
         self._closed = False
         self.block_bytes = namespace.block_bytes
         with self._conn():  # fail fast: wrong address, token or namespace
@@ -151,21 +154,28 @@ class Client:
 
     @contextmanager
     def _conn(self) -> Iterator[Connection]:
+        conn = self._take()
+        try:
+            yield conn
+        except BaseException as e:
+            self._put_back(conn, e)
+            raise
+        self._put_back(conn)
+
+    def _take(self) -> Connection:
+        """An idle pooled connection, or a new one."""
         if self._closed:
             raise ConnectError("this Client is closed")
         with self._lock:
             conn = self._idle.pop() if self._idle else None
-        conn = conn or self._new_conn()
-        try:
-            yield conn
-        except BaseException as e:
-            if reusable_after(e):
-                self._give_back(conn)
-            else:
-                conn.close()  # mid-frame state unknown: never reuse it
-            raise
-        else:
+        return conn or self._new_conn()
+
+    def _put_back(self, conn: Connection, error: BaseException | None = None) -> None:
+        """Back to the pool after a call, unless `error` left it mid-frame (then closed)."""
+        if error is None or reusable_after(error):
             self._give_back(conn)
+        else:
+            conn.close()
 
     def _give_back(self, conn: Connection) -> None:
         with self._lock:
@@ -175,11 +185,18 @@ class Client:
         conn.close()
 
     def _run(self, fn, *args):
-        """Run fn(conn, *args); on a dead connection (daemon restarted) retry once."""
+        """Run fn(conn, *args); on a dead connection (daemon restarted) retry once. (`_conn`
+        spelled out: a generator context manager cost ~3 us a call.)"""
         for attempt in (0, 1):
             try:
-                with self._conn() as conn:
-                    return fn(conn, *args)
+                conn = self._take()
+                try:
+                    out = fn(conn, *args)
+                except BaseException as e:
+                    self._put_back(conn, e)
+                    raise
+                self._put_back(conn)
+                return out
             except Exception as e:
                 raise_unless_retryable(e, attempt, self.addr)
                 self._drop_idle()
@@ -298,14 +315,12 @@ class Client:
         rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
         if not len(hashes):
             return []
-        self._flush_puts()
+        self._flush_puts()  # (a memory read when nothing is pending) its puts readable
         arena = self._arena
-        if arena is None or arena.directory is None or not arena.directory.writer_alive():
+        directory = arena.directory if arena is not None else None
+        if directory is None or not directory.writer_alive():
             return self._run(self._get_n, w.pack_hashes(hashes), rows)
         tiers, missed = self._direct_reads(arena, hashes, rows)
-        batch = self._due_touches()
-        if batch:
-            self._send_touches(batch)
         if missed:
             found = self._run(self._get_n, w.pack_hashes([hashes[i] for i in missed]),
                               [rows[i] for i in missed])
@@ -315,12 +330,34 @@ class Client:
 
     def _direct_reads(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
                       prefix: bool = False) -> tuple[list[TierKind | None], list[int]]:
-        """`ArenaMap.read_direct`, its hits queued for the next TOUCH."""
+        """`ArenaMap.read_direct`, its hits queued for the next TOUCH (sent once a batch
+        is due)."""
         tiers, missed, touched = arena.read_direct(hashes, rows, prefix)
         if touched:
             with self._lock:
                 self._touched += touched
+                due = len(self._touched) >= TOUCH_BATCH
+            if due:
+                batch = self._due_touches()
+                if batch:
+                    self._touch_later(batch)
         return tiers, missed
+
+    def _touch_later(self, batch: list[bytes]) -> None:
+        """Send a TOUCH batch from a helper thread: a read that happens to fill a batch
+        does not wait the round trip (~0.3-0.8 ms for 256 blocks, measured)."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._toucher is None:
+                self._toucher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-touch")
+            self._touch_sent = self._toucher.submit(self._send_touches, batch)
+
+    def _touches_landed(self) -> None:
+        """Every TOUCH batch handed to the helper thread has been answered."""
+        sent = self._touch_sent
+        if sent is not None:
+            sent.exception()  # waits; a failed batch only loses statistics and recency
 
     def _due_touches(self, everything: bool = False) -> list[bytes] | None:
         """Direct reads send nothing; the daemon learns of them (hit counts, LRU recency) in
@@ -348,11 +385,12 @@ class Client:
         reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release, prefix=prefix,
                                                shm=arena is not None or agent is not None))
         tiers, inline, leased, slots = get_layout(reply, payload_bytes, self.block_bytes)
-        for i in inline:
-            view, staging = host_view(rows[i])
-            conn.recv_into(view)
-            if staging is not None:
-                copy_row(rows[i], staging)
+        if inline:
+            views = [host_view(rows[i]) for i in inline]
+            conn.recv_payload([v for v, _ in views])  # every inline block in one read
+            for i, (_, staging) in zip(inline, views):
+                if staging is not None:
+                    copy_row(rows[i], staging)
         if reply.lease_id:
             try:
                 if arena is not None:
@@ -377,9 +415,6 @@ class Client:
         if arena is not None and arena.directory is not None and arena.directory.writer_alive():
             tiers, missed = self._direct_reads(arena, hashes, rows, prefix=True)
             tiers = tiers[:missed[0]] if missed else tiers
-            batch = self._due_touches()
-            if batch:
-                self._send_touches(batch)
         start = len(tiers)
         if start < len(hashes):
             tiers += self._run(self._get_n, w.pack_hashes(hashes[start:]),
@@ -431,6 +466,7 @@ class Client:
         self._call(w.Unpin(hashes=w.pack_hashes(hashes)))
 
     def stats(self) -> StoreStats:
+        self._touches_landed()
         touched = self._due_touches(everything=True)
         if touched:  # so the hit counts include this client's direct reads
             self._send_touches(touched)
@@ -458,6 +494,8 @@ class Client:
     def close(self) -> None:
         if self._closed:
             return
+        if self._toucher is not None:
+            self._toucher.shutdown(wait=True)
         touched = self._due_touches(everything=True)
         if touched:
             self._send_touches(touched)

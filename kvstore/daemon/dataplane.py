@@ -54,14 +54,6 @@ def listen_local() -> tuple[socket.socket, str]:
     return sock, name
 
 
-def _timeouts(sock: socket.socket, seconds: float) -> None:
-    """Kernel send/receive timeouts: the socket stays blocking (MSG_WAITALL keeps filling a
-    megabyte in one call) yet no peer can hold a thread longer than `seconds` per call."""
-    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
 class ServedConnection:
     def __init__(self, sock: socket.socket, server: "DataPlane", local: bool) -> None:
         self.sock, self.server = sock, server
@@ -141,7 +133,7 @@ class ServedConnection:
             s.bytes_in = s.bytes_out = 0
         if self.authenticated and not was_authenticated:
             self.reader.authenticated()
-            _timeouts(self.sock, self.server.cfg.idle_timeout_s)
+            w.kernel_timeouts(self.sock, self.server.cfg.idle_timeout_s)
             self.server.authenticated(self)
 
     def _send_error(self, code: w.ErrorCode, message: str) -> None:
@@ -220,7 +212,7 @@ class DataPlane:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-            _timeouts(sock, self.cfg.hello_timeout_s)
+            w.kernel_timeouts(sock, self.cfg.hello_timeout_s)
             conn = ServedConnection(sock, self, local)
         except OSError:
             sock.close()
