@@ -5,7 +5,8 @@ writing SSD). For 256 KiB, 1 MiB and 4 MiB blocks, single and batched (16): put 
 GB/s over the same-host shared-memory path, over TCP (bytes inline in the frames) and
 over the transfer layer (`use_agent=True`: a tcp transfer Agent reads/writes the daemon's
 arena one-sided; what RDMA backends would carry off-host). Baselines: a memcpy of the same
-bytes (shm path), a raw loopback socket stream of the same bytes with one round trip per
+bytes (shm path; puts also against the same memcpy into shared memory, the kind of pages an
+arena has, with the host's huge-page policy for it named in the row), a raw loopback socket stream of the same bytes with one round trip per
 op (TCP path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken
 directly over a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
 protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
@@ -45,11 +46,25 @@ from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
 
 from kvtier.report import Row, add_common_args, report
+from transfer.shm import ShmSegment
 from bench.mooncake_peer import mooncake_rates
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _shmem_thp() -> str:
+    """The host's transparent-huge-page policy for shared memory (the arena's pages)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            mode = next(w[1:-1] for w in f.read().split() if w.startswith("["))
+    except (OSError, StopIteration):
+        return "THP unknown"
+    return f"THP {mode}"
+
+
+SHMEM_THP = _shmem_thp()
 
 
 def namespace_for(block_bytes: int) -> Namespace:
@@ -234,9 +249,12 @@ class RotatingCopy:
     64 MiB of them, as a store writes slots it has not just written (a copy into one hot
     destination runs from cache and is no store's case)."""
 
-    def __init__(self, src: np.ndarray) -> None:
+    def __init__(self, src: np.ndarray, shared: bool = False) -> None:
         self.src = src
-        self.dsts = np.empty((max(2, (64 * MiB) // src.nbytes), src.nbytes), np.uint8)
+        n = max(2, (64 * MiB) // src.nbytes)
+        self.segment = ShmSegment.anonymous(n * src.nbytes, "bench-memcpy") if shared else None
+        self.dsts = (self.segment.array.reshape(n, src.nbytes) if shared
+                     else np.empty((n, src.nbytes), np.uint8))
         self.dsts[:] = 1  # faulted in, as an arena is
         self.i = 0
 
@@ -316,6 +334,11 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
     b = torch.empty_like(a)
     memcpy = measure(lambda: np.copyto(b.numpy(), a.numpy()), total, seconds)
     memcpy_put = measure(RotatingCopy(a.numpy()), total, seconds)
+    # the same copy into shared memory (what an arena is): private memory may get huge
+    # pages where shared memory does not (see SHMEM_THP), and a copy runs slower on 4 KiB
+    into_shm = RotatingCopy(a.numpy(), shared=True)
+    memcpy_shm_put = measure(into_shm, total, seconds)
+    into_shm.segment.close()
     view = memoryview(b.numpy())
     raw_put = measure(lambda: raw.put(memoryview(a.numpy())), total, seconds)
     raw_get = measure(lambda: raw.get(view), total, seconds)
@@ -330,6 +353,9 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
         case.close()
         rows += [Row(name.format("put"), "GB/s", put.gbps, base[0], base[1].gbps),
                  Row(name.format("get"), "GB/s", get.gbps, base[0], base[2].gbps)]
+        if path == "shm":
+            rows.append(Row(name.format("put"), "GB/s", put.gbps,
+                            f"memcpy into shm ({SHMEM_THP})", memcpy_shm_put.gbps))
         if batch == 1:  # one op's latency: the figure a busy host hurts first
             for op, st, bst in (("put", put, base[1]), ("get", get, base[2])):
                 rows += [Row(name.format(op) + " p50", "us", st.p50_us, base[0], bst.p50_us),
