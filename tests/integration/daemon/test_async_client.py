@@ -150,8 +150,14 @@ def test_a_cancelled_call_leaves_no_broken_connection(make_daemon):
                 task = asyncio.ensure_future(c.get_n(hs, np.zeros((len(hs), BB), np.uint8)))
                 await asyncio.sleep(delay)
                 task.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
+                if delay == 0:  # cancelled before it ran
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                else:  # cancelled mid-reply, or (a fast host) already done: either is fine
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
                 out = np.zeros((4, BB), np.uint8)  # the next call reads its own reply
                 assert None not in await c.get_n(hs[:4], out)
                 assert np.array_equal(out, blocks(hs[:4]))
