@@ -25,7 +25,7 @@ from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TOUCH_BATCH, as_numpy,
-                                    copy_row, flags_of, get_layout, host_view, iter_rows,
+                                    copy_row, flags_of, get_layout, host_view, numpy_rows,
                                     match_of, put_statuses, raise_unless_retryable, reusable_after,
                                     stage, stats_of)
 from kvstore.client.shm import ArenaMap
@@ -246,8 +246,7 @@ class AsyncClient:
             reply, _ = await conn.call(w.Put(hashes=packed, staged=True))
             return put_statuses(reply.statuses)
         if arena is None:
-            reply, _ = await conn.call(w.Put(hashes=packed),
-                                       [as_numpy(r) for r in iter_rows(rows)])
+            reply, _ = await conn.call(w.Put(hashes=packed), numpy_rows(rows))
             return put_statuses(reply.statuses)
         res, _ = await conn.call(w.Reserve(hashes=packed))
         slots = np.frombuffer(res.slots, "<i8")

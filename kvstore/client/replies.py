@@ -80,8 +80,15 @@ def check_fds(frame: w.Frame, op: w.Op, fds: list[int], num_fds: int) -> w.Messa
     return reply
 
 
+_TIER_OF = {int(t): t for t in TierKind}
+
+
 def tiers_of(raw: bytes) -> list[TierKind | None]:
-    return [None if b == w.MISS else TierKind(b) for b in raw]
+    """Per block, the tier a reply names (None: a miss; an unknown code is refused)."""
+    try:
+        return [None if b == w.MISS else _TIER_OF[b] for b in raw]
+    except KeyError as e:
+        raise w.ProtocolError(f"a reply names unknown tier {e.args[0]}") from None
 
 
 def put_statuses(statuses) -> list[PutStatus]:
@@ -136,6 +143,14 @@ def stats_of(reply: w.StatsOk, ns: Namespace) -> StoreStats:
 
 def iter_rows(rows):
     return rows if isinstance(rows, list) else list(rows)
+
+
+def numpy_rows(rows) -> list[np.ndarray]:
+    """Host numpy views of a batch's rows (one conversion for a CPU `[n, bytes]` tensor:
+    a torch row and its .numpy() cost ~3 us each)."""
+    if isinstance(rows, torch.Tensor) and rows.is_cpu:
+        return list(rows.numpy())
+    return [as_numpy(r) for r in iter_rows(rows)]
 
 
 def as_numpy(row: torch.Tensor) -> np.ndarray:

@@ -23,7 +23,7 @@ from kvstore.client.agentpath import AgentPath
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PUT_BYTES,
                                     TOUCH_BATCH, as_numpy, copy_row, flags_of, get_layout,
-                                    host_view, iter_rows, match_of, put_statuses, stage,
+                                    host_view, match_of, numpy_rows, put_statuses, stage,
                                     raise_unless_retryable, reusable_after, stats_of)
 from kvstore.client.shm import ArenaMap, map_arena
 from kvstore.putring import DIRECT_PUTS
@@ -271,7 +271,7 @@ class Client:
             reply, _ = conn.call(w.Put(hashes=packed, staged=True))
             return put_statuses(reply.statuses)
         if arena is None and (agent is None or n * self.block_bytes <= self.inline_put_bytes):
-            reply, _ = conn.call(w.Put(hashes=packed), [as_numpy(r) for r in iter_rows(rows)])
+            reply, _ = conn.call(w.Put(hashes=packed), numpy_rows(rows))
             return put_statuses(reply.statuses)
         res, _ = conn.call(w.Reserve(hashes=packed))
         slots = np.frombuffer(res.slots, "<i8")
