@@ -119,9 +119,16 @@ class TieredStore(Reads, Grants):
         check_hashes(hashes)
         keys = [bytes(h) for h in hashes]
         timeout = self.config.reservation_timeout_s if timeout_s is None else timeout_s
-        with self._lock:  # the batch's stored blocks are held: making room never takes them
+        with self._lock:
             self._check_open()
-            mine = self._hold(dict.fromkeys(keys))
+            p = self._p
+            mine = self._hold(dict.fromkeys(keys))  # held: making room never takes them
+            if len(p.tiers) == 1 or p.tiers[0].num_free() >= len(keys):
+                # no bytes to move first (room is there, or made by dropping): one visit
+                try:
+                    return self._reserve_locked(keys, timeout)
+                finally:
+                    self._unhold([e for e in mine if e is not None])
             fresh = mine.count(None)
         try:
             self._make_room_in(0, fresh)
@@ -130,27 +137,32 @@ class TieredStore(Reads, Grants):
                 self._unhold([e for e in mine if e is not None])
         with self._lock:
             self._check_open()
-            p = self._p
-            known = {h for h in keys if h in p.entries}
-            p.touch([p.entries[h] for h in keys if h in known])  # don't evict them for this put
-            fresh = [h for h in dict.fromkeys(keys) if h not in known]
-            where = dict(zip(fresh, p.allocate(len(fresh), demote=False)))
-            statuses, slots, new = [], [], []
-            for h in keys:
-                place = where.pop(h, None)
-                if place is None:
-                    statuses.append(PutStatus.EXISTS if h in known or h in p.entries
-                                    else PutStatus.NO_SPACE)
-                    slots.append(None)
-                    continue
-                entry = Entry(h, place[0], place[1], State.RESERVED)
-                p.entries[h] = entry
-                new.append(entry)
-                statuses.append(PutStatus.STORED)
-                slots.append((p.tiers[place[0]].kind, place[1]))
-            rid = next(self._ids)
-            self._reservations[rid] = (time.monotonic() + timeout, new)
-            return Reservation(rid, tuple(keys), tuple(statuses), tuple(slots))
+            return self._reserve_locked(keys, timeout)
+
+    def _reserve_locked(self, keys: list[bytes], timeout: float) -> Reservation:
+        """Slots for the hashes not stored yet (under the lock; the fastest tier's room was
+        made already, or is made by dropping)."""
+        p = self._p
+        known = {h for h in keys if h in p.entries}
+        p.touch([p.entries[h] for h in keys if h in known])  # don't evict them for this put
+        fresh = [h for h in dict.fromkeys(keys) if h not in known]
+        where = dict(zip(fresh, p.allocate(len(fresh), demote=False)))
+        statuses, slots, new = [], [], []
+        for h in keys:
+            place = where.pop(h, None)
+            if place is None:
+                statuses.append(PutStatus.EXISTS if h in known or h in p.entries
+                                else PutStatus.NO_SPACE)
+                slots.append(None)
+                continue
+            entry = Entry(h, place[0], place[1], State.RESERVED)
+            p.entries[h] = entry
+            new.append(entry)
+            statuses.append(PutStatus.STORED)
+            slots.append((p.tiers[place[0]].kind, place[1]))
+        rid = next(self._ids)
+        self._reservations[rid] = (time.monotonic() + timeout, new)
+        return Reservation(rid, tuple(keys), tuple(statuses), tuple(slots))
 
     def write_reserved(self, res: Reservation, srcs) -> None:
         """Fill a reservation's STORED blocks from `srcs` (one per hash of the reservation)."""
