@@ -103,12 +103,8 @@ class Connection:
         return self.receive(msg.OP)
 
     def recv_into(self, view: memoryview) -> None:
-        self.recv_payload([view])
-
-    def recv_payload(self, views: list[memoryview]) -> None:
-        """Fill the views in turn with a reply's payload (one read where the kernel allows)."""
         try:
-            self.reader.recv_payload(views)
+            self.reader.recv_into(view)
         except w.TIMED_OUT as e:
             raise RequestTimeout(f"payload from {self.addr} stalled for "
                                  f"{self.timeout_s}s") from e

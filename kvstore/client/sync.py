@@ -315,7 +315,7 @@ class Client:
         rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
         if not len(hashes):
             return []
-        self._flush_puts()  # (a memory read when nothing is pending) its puts readable
+        self._flush_puts()  # this client's puts readable first (a memory read if none wait)
         arena = self._arena
         directory = arena.directory if arena is not None else None
         if directory is None or not directory.writer_alive():
@@ -385,12 +385,11 @@ class Client:
         reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release, prefix=prefix,
                                                shm=arena is not None or agent is not None))
         tiers, inline, leased, slots = get_layout(reply, payload_bytes, self.block_bytes)
-        if inline:
-            views = [host_view(rows[i]) for i in inline]
-            conn.recv_payload([v for v, _ in views])  # every inline block in one read
-            for i, (_, staging) in zip(inline, views):
-                if staging is not None:
-                    copy_row(rows[i], staging)
+        for i in inline:
+            view, staging = host_view(rows[i])
+            conn.recv_into(view)
+            if staging is not None:
+                copy_row(rows[i], staging)
         if reply.lease_id:
             try:
                 if arena is not None:
