@@ -34,6 +34,12 @@ def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
+def cpu_array(buf) -> np.ndarray | None:
+    """A numpy view of a CPU tensor (one conversion for a whole `[n, bytes]` batch: a torch
+    row and its .numpy() cost ~3 us each), None for anything else."""
+    return buf.numpy() if isinstance(buf, torch.Tensor) and buf.is_cpu else None
+
+
 def byte_rows(bufs, n: int, nbytes: int, *, writable: bool = False) -> torch.Tensor | list[torch.Tensor]:
     """n blocks of `nbytes`: one buffer holding all n back to back -> `[n, nbytes]`, or a
     sequence of n buffers -> a list of n flat tensors. Sizes are checked here, once."""

@@ -17,11 +17,9 @@ import os
 import threading
 from typing import Sequence
 
-import numpy as np
-import torch
-
 from kvstore import wire as w
 from kvstore.api import PutStatus
+from kvstore.buffers import cpu_array
 from kvstore.client.conn import Connection
 from kvstore.client.shm import ArenaMap
 from kvstore.putring import PutRing
@@ -90,13 +88,10 @@ class DirectPuts:
                 if not self._enough(len(new)):
                     return None
             slots = [self.grants.pop() for _ in new]
-            # a CPU batch is viewed as numpy once (a torch row and its .numpy() cost ~3 us)
-            src = rows.numpy() if isinstance(rows, torch.Tensor) and rows.is_cpu else None
+            src = cpu_array(rows)
+            src = rows if src is None else src
             for i, slot in zip(new, slots):
-                if src is not None:
-                    np.copyto(self.arena.array[slot], src[i])
-                else:
-                    copy_bytes(self.arena.rows[slot], rows[i])
+                copy_bytes(self.arena.array[slot], src[i])
             self.ring.push([bytes(hashes[i]) for i in new], slots)
             self.unseen.update(bytes(hashes[i]) for i in new)
             if new:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvstore import wire as w
+from kvstore.buffers import cpu_array
 from kvstore.errors import ConfigError
 from kvstore.events import TierKind
 from kvstore.arena_layout import META_BYTES, arena_meta
@@ -66,7 +67,7 @@ class ArenaMap:
         the first that it does not), with no request: (tiers, indices left for the daemon,
         the hashes copied, for the next TOUCH). Each copy is kept only if its slot's
         generation did not move meanwhile."""
-        dst = rows.numpy() if isinstance(rows, torch.Tensor) and rows.is_cpu else None
+        dst = cpu_array(rows)
         if len(hashes) > VECTOR_READS:
             return self._read_direct_n(hashes, rows, dst, prefix)
         d = self.directory
