@@ -65,10 +65,7 @@ class Reads:
             return leased
         held, tiers, kept, copied = self._read(hashes, rows, prefix, lease_tier)
         with self._lock:
-            lid = 0
-            if kept:
-                lid = next(self._ids)
-                self._leases[lid] = (time.monotonic() + ttl_s, kept)
+            lid = self._lease_kept(kept, ttl_s)
             leased = {id(e) for e in kept}
             hits = tuple(None if t is None else (t, e.slot if id(e) in leased else NO_SLOT)
                          for t, e in zip(tiers, held))
@@ -92,12 +89,17 @@ class Reads:
             tiers, live = self._settle(held, [e is not None for e in held], prefix)
             kept = [e for e, t in live if t is not None]
             self._unhold([e for e, t in live if t is None])
-            lid = 0
-            if kept:
-                lid = next(self._ids)
-                self._leases[lid] = (time.monotonic() + ttl_s, kept)
+            lid = self._lease_kept(kept, ttl_s)
             hits = tuple(None if t is None else (t, e.slot) for t, e in zip(tiers, held))
         return Lease(lid, hits, (False,) * len(hashes))
+
+    def _lease_kept(self, kept: list[Entry], ttl_s: float) -> int:
+        """Under the lock: a lease on blocks a read kept held; its id, 0 when none were."""
+        if not kept:
+            return 0
+        lid = next(self._ids)
+        self._leases[lid] = (time.monotonic() + ttl_s, kept)
+        return lid
 
     # ------------------------------------------------------------------ the three steps
 
