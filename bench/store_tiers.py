@@ -15,7 +15,6 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -54,6 +53,25 @@ def median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def paired_times(fn, bases, reps: int, before=None) -> tuple[float, list[float]]:
+    """Median times of `fn` and of each of its baselines, run in turn (one run of each per
+    round; `before`, a function per run, untimed ahead of it: e.g. dropping the page cache),
+    so a shared host's slow spell weighs on both sides of a ratio alike."""
+    fns = [fn, *bases]
+    for f in fns:
+        f()  # warm-up: first touch of buffers, RocksDB memtables, thread pools
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            if before is not None:
+                before[i]()
+            t0 = time.perf_counter()
+            f()
+            times[i].append(time.perf_counter() - t0)
+    med = [statistics.median(t) for t in times]
+    return med[0], med[1:]
+
+
 class TierCase:
     """A one-tier store of 2n slots; every put writes n fresh blocks (evicting old ones)."""
 
@@ -63,14 +81,17 @@ class TierCase:
         path = os.path.join(workdir, f"ssd-{ns.block_bytes}-{batch}-{durable}")
         cfg = TierConfig(kind, 2 * n, path=path if kind is TierKind.SSD else None, durable=durable)
         self.store = TieredStore(ns, StoreConfig((cfg,), promote_on_hit=False))
-        self.src = torch.randint(0, 256, (n, ns.block_bytes), dtype=torch.uint8)
-        self.dst = torch.empty_like(self.src)
+        # numpy-allocated like the baselines' buffers (numpy asks for huge pages for large
+        # arrays, torch's CPU allocator does not: a 1 MiB copy or hash differs by up to 2x)
+        self.src = torch.from_numpy(np.asarray(torch.randint(0, 256, (n, ns.block_bytes),
+                                                             dtype=torch.uint8)).copy())
+        self.dst = torch.from_numpy(np.empty((n, ns.block_bytes), np.uint8))
         self.round = 0
         self.hashes: list[bytes] = []
 
     def put(self) -> None:
         self.round += 1
-        toks = np.arange(self.n * self.ns.block_tokens) + self.round * 10**7
+        toks = np.arange(self.n * self.ns.block_tokens) + (self.round % 200) * 10**7
         self.hashes = hash_blocks(self.ns, toks)
         for i in range(0, self.n, self.batch):
             self.store.put_n(self.hashes[i:i + self.batch], self.src[i:i + self.batch])
@@ -97,66 +118,77 @@ def drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
-def cold_time(fn, drop, reps: int) -> float:
-    """Median time of fn() with the page cache dropped (untimed) before each run."""
-    times = []
-    for _ in range(reps):
-        drop()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class Memcpy:
+    """The memory tiers' baseline: a single-threaded numpy copy of the same bytes."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+
+    def write(self) -> None:
+        np.copyto(self.dst, self.src)
+
+    read = write
+
+    def close(self) -> None:
+        pass
 
 
-def memcpy_gbps(nbytes: int, reps: int) -> float:
-    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    return nbytes / median_time(lambda: np.copyto(dst, src), reps) / 1e9
+class PlainFile:
+    """The SSD tier's baseline: a plain sequential write (no fsync, like the tier's;
+    overwriting the file in place, as the tier overwrites its slots) and read of the same
+    bytes in `chunk`-sized calls, in the same directory; with `checksum`, also an xxh3_64
+    of each chunk (what the tier must add to keep its promise that corruption is a miss)."""
 
+    def __init__(self, nbytes: int, chunk: int, workdir: str, checksum: bool = False) -> None:
+        self.path = os.path.join(workdir, f"plain-file-{checksum}.bin")
+        self.nbytes, self.chunk, self.checksum = nbytes, chunk, checksum
+        self.data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
+        self.out = memoryview(np.empty(nbytes, np.uint8))
+        with open(self.path, "wb") as f:  # created once: each timed write overwrites it
+            f.write(self.data)
 
-def file_gbps(nbytes: int, chunk: int, workdir: str, reps: int) -> tuple[float, float, float]:
-    """Plain sequential write (no fsync, like the tier's; overwriting the file in place) and
-    read of the same bytes, warm and cold."""
-    path = os.path.join(workdir, "plain-file.bin")
-    data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
-    out = bytearray(nbytes)
+    def write(self) -> None:
+        with open(self.path, "r+b", buffering=0) as f:
+            for off in range(0, self.nbytes, self.chunk):
+                block = self.data[off:off + self.chunk]
+                if self.checksum:
+                    xxhash.xxh3_64_intdigest(block)
+                f.write(block)
 
-    with open(path, "wb") as f:  # created once: each timed write overwrites it in place,
-        f.write(data)              # as the tier overwrites its slots
+    def read(self) -> None:
+        with open(self.path, "rb", buffering=0) as f:
+            for off in range(0, self.nbytes, self.chunk):
+                block = self.out[off:off + self.chunk]
+                f.readinto(block)
+                if self.checksum:
+                    xxhash.xxh3_64_intdigest(block)
 
-    def write():
-        with open(path, "r+b", buffering=0) as f:
-            for off in range(0, nbytes, chunk):
-                f.write(data[off:off + chunk])
+    def drop_cache(self) -> None:
+        drop_page_cache(self.path)
 
-    def read():
-        view = memoryview(out)
-        with open(path, "rb", buffering=0) as f:
-            for off in range(0, nbytes, chunk):
-                f.readinto(view[off:off + chunk])
-
-    w = nbytes / median_time(write, reps) / 1e9
-    r = nbytes / median_time(read, reps) / 1e9
-    cold = nbytes / cold_time(read, lambda: drop_page_cache(path), reps) / 1e9
-    os.unlink(path)
-    return w, r, cold
+    def close(self) -> None:
+        os.unlink(self.path)
 
 
 def tier_rows(kind: TierKind, label: str, size_name: str, ns: Namespace, n: int, reps: int,
-              workdir: str, baselines: tuple, durable: bool = True) -> list[Row]:
-    base_name, base_put, base_get, *base_cold = baselines
+              workdir: str, bases: list, durable: bool = True, cold: bool = False) -> list[Row]:
+    """Put, get (and cold get) rows of one tier, one row per (baseline, its name) in
+    `bases`, each baseline measured in turn with the tier (`paired_times`)."""
     rows = []
+    nbytes = n * ns.block_bytes
+    gbps = nbytes / 1e9
     for mode, batch in (("single", 1), ("batched x16", 16)):
         case = TierCase(kind, ns, n, batch, workdir, durable)
-        nbytes = n * ns.block_bytes
-        put = nbytes / median_time(case.put, reps) / 1e9
-        get = nbytes / median_time(case.get, reps) / 1e9
-        rows.append(Row(f"{label} put {size_name} {mode}", "GB/s", put, base_name, base_put))
-        rows.append(Row(f"{label} get {size_name} {mode}", "GB/s", get, base_name, base_get))
-        if base_cold:
-            cold = nbytes / cold_time(case.get, case.drop_cache, reps) / 1e9
-            rows.append(Row(f"{label} cold get {size_name} {mode}", "GB/s", cold,
-                            f"{base_name} (cold)", base_cold[0]))
+        for op, fn, base_fn in (("put", case.put, "write"), ("get", case.get, "read")):
+            t, base_ts = paired_times(fn, [getattr(b, base_fn) for b, _ in bases], reps)
+            rows += [Row(f"{label} {op} {size_name} {mode}", "GB/s", gbps / t, name, gbps / bt)
+                     for (_, name), bt in zip(bases, base_ts)]
+        if cold:
+            drops = [case.drop_cache] + [b.drop_cache for b, _ in bases]
+            t, base_ts = paired_times(case.get, [b.read for b, _ in bases], reps, before=drops)
+            rows += [Row(f"{label} cold get {size_name} {mode}", "GB/s", gbps / t,
+                         f"{name} (cold)", gbps / bt) for (_, name), bt in zip(bases, base_ts)]
         case.close()
     return rows
 
@@ -186,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         tune_malloc_for_large_blocks()  # as `kvtier serve` does
     torch.manual_seed(args.seed)
     sizes = {k: v for k, v in SIZES.items() if not args.quick or k in ("256KiB", "1MiB")}
-    reps = 3 if args.quick else 5
+    reps = 7 if args.quick else 11  # a 32 MiB run is a few ms: medians of many
     os.makedirs(args.dir or "kvtier-data", exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "kvtier-data")
     gpu_label = "gpu" if default_device() == "cuda" else "gpu(cpu tensor)"
@@ -195,16 +227,21 @@ def main(argv: list[str] | None = None) -> None:
         for size_name, size in sizes.items():
             ns = namespace_for(size)
             n = max(16, (args.mib * MiB) // size)
-            copy = memcpy_gbps(n * size, reps)
-            fw, fr, fc = file_gbps(n * size, size, workdir, reps)
-            print(f"{size_name}: memcpy {copy:.2f} GB/s, file write {fw:.2f} / read {fr:.2f} "
-                  f"/ cold read {fc:.2f} GB/s", file=sys.stderr)
+            copy = Memcpy(n * size)
             for kind, label in ((TierKind.GPU, gpu_label), (TierKind.DRAM, "dram")):
-                rows += tier_rows(kind, label, size_name, ns, n, reps, workdir, ("memcpy", copy, copy))
-            rows += tier_rows(TierKind.SSD, "ssd", size_name, ns, n, reps, workdir,
-                              ("plain file", fw, fr, fc))
-            rows += tier_rows(TierKind.SSD, "ssd(no WAL)", size_name, ns, n, reps, workdir,
-                              ("plain file", fw, fr), durable=False)
+                rows += tier_rows(kind, label, size_name, ns, n, reps, workdir,
+                                  [(copy, "memcpy")])
+            plain = PlainFile(n * size, size, workdir)
+            summed = PlainFile(n * size, size, workdir, checksum=True)
+            try:
+                rows += tier_rows(TierKind.SSD, "ssd", size_name, ns, n, reps, workdir,
+                                  [(plain, "plain file"), (summed, "plain file + xxh3")],
+                                  cold=True)
+                rows += tier_rows(TierKind.SSD, "ssd(no WAL)", size_name, ns, n, reps, workdir,
+                                  [(plain, "plain file")], durable=False)
+            finally:
+                plain.close()
+                summed.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report("store_tiers", rows, args.json)

@@ -99,12 +99,13 @@ def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set) -> s
     h, slot, _ = entry
     if slot >= slabs.num_grown:
         return f"slot {slot} is beyond the slab file"
+    dst = memoryview(np.empty(slabs.block_bytes, np.uint8))
+    if not slabs.read_n([slot], [h], [dst])[0]:  # before the claim: a stale entry (a delete
+        # a crash cut off) naming the same slot as the block now in it takes nothing from it
+        return f"slot {slot} does not hold this block intact (checksum or header)"
     if slot in claimed:
         return f"slot {slot} is listed twice"
     claimed.add(slot)
-    dst = memoryview(np.empty(slabs.block_bytes, np.uint8))
-    if not slabs.read_n([slot], [h], [dst])[0]:
-        return f"slot {slot} does not hold this block intact (checksum or header)"
     return None
 
 

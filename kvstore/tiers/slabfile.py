@@ -20,8 +20,6 @@ import errno
 import os
 from typing import Iterator, Sequence
 
-import numpy as np
-
 from kvstore.errors import BlockFormatError, TierIOError
 from kvstore.keys import Namespace
 from kvstore.layout import HEADER_BYTES, checksum, decode_header, encode_header
@@ -48,8 +46,9 @@ class SlabFile:
             raise TierIOError(f"cannot open the SSD slab file {path}: {e}") from e
         size = os.fstat(self.fd).st_size
         self.num_grown = min(num_slots, size // self.stride)  # slots backed by the file
-        self._pad = np.zeros(self.stride - self.block_bytes - HEADER_BYTES, np.uint8)
-        self._scratch_pad = np.empty_like(self._pad)
+        pad = self.stride - self.block_bytes - HEADER_BYTES
+        self._pad_view = memoryview(bytes(pad))
+        self._scratch_view = memoryview(bytearray(pad))
 
     def grow(self, min_slots: int = 1) -> range:
         """Reserve the next extent on disk (smaller ones, down to `min_slots`, when the
@@ -76,26 +75,29 @@ class SlabFile:
 
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes],
                 payloads: Sequence[memoryview]) -> list[int]:
-        """Write blocks with their headers; returns each payload's checksum."""
+        """Write blocks (flat byte views) with their headers; returns each payload's
+        checksum."""
         sums = [checksum(p) for p in payloads]
-        headers = [encode_header(self.ns, h, c) for h, c in zip(hashes, sums)]
+        pad = self._pad_view
         for first, idx in _runs(slots):
             bufs = []
             for i in idx:
-                bufs += [payloads[i], headers[i], self._pad]
+                bufs += [payloads[i], encode_header(self.ns, hashes[i], sums[i]), pad]
             self._io(os.pwritev, first, bufs)
         return sums
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes],
                dsts: Sequence[memoryview]) -> list[bool]:
-        """Read blocks into `dsts`; False where the slot does not hold that block intact
-        (another hash, a bad header, a checksum mismatch, an unreadable sector)."""
+        """Read blocks into `dsts` (flat writable byte views); False where the slot does not
+        hold that block intact (another hash, a bad header, a checksum mismatch, an
+        unreadable sector)."""
         headers = [bytearray(HEADER_BYTES) for _ in slots]
         ok = [True] * len(slots)
+        pad = self._scratch_view
         for first, idx in _runs(slots):
             bufs = []
             for i in idx:
-                bufs += [dsts[i], headers[i], self._scratch_pad]
+                bufs += [dsts[i], headers[i], pad]
             try:
                 self._io(os.preadv, first, bufs)
             except TierIOError:
@@ -111,7 +113,8 @@ class SlabFile:
         except BlockFormatError:
             return False
         return (hdr.block_hash == block_hash and hdr.ns_id == self.ns.ns_id
-                and hdr.shape == self.ns.block_shape and checksum(payload) == hdr.checksum)
+                and hdr.shape == self.ns.block_shape
+                and checksum(payload) == hdr.checksum)
 
     def headers(self, slots: Sequence[int]) -> Iterator[tuple[int, bytes | None, int]]:
         """(slot, block hash, checksum) of the headers found in `slots` (hash None: no valid
@@ -130,7 +133,7 @@ class SlabFile:
     def _io(self, fn, first: int, bufs: list) -> None:
         """One pwritev/preadv of `bufs` at slot `first`, continued until every byte moved."""
         offset = first * self.stride
-        views = [v for v in (memoryview(b).cast("B") for b in bufs) if len(v)]
+        views = [v if isinstance(v, memoryview) else memoryview(v) for v in bufs if len(v)]
         while views:
             try:
                 n = fn(self.fd, views[:1024], offset)

@@ -10,8 +10,10 @@ is checked on every read, so a corrupted or misplaced block is a miss, never wro
 
 Crash consistency by ordering and verification: a block's payload and header are written
 before its index entry (WAL on when `durable`), so an entry never points at bytes that were
-not written; a slot is unindexed before it is reused, and anything left stale by a crash
-fails the header check at open and is dropped. Survives close/reopen and SIGKILL.
+not written; a freed slot's entry is deleted in the same index write as the entries that
+follow it (never later than the entry of the block that reuses the slot), and anything left
+stale by a crash fails the header check at open and is dropped. Survives close/reopen and
+SIGKILL.
 
 Failures stay local: a disk with no room to grow turns allocation into None (the store
 answers NO_SPACE); a refused index write fails that call (TierIOError) and the index
@@ -98,10 +100,7 @@ class SsdTier:
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         for h in hashes:
             self._held.pop(bytes(h), None)
-        try:
-            self.index.delete_n(hashes)
-        except TierIOError as e:  # a stale entry is dropped at the next open (header check)
-            log.warning("%s", e)
+        self.index.forget_n(hashes)  # deleted with the next index write (see ssdindex)
         self._free.give_back(slots)
 
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
@@ -111,8 +110,7 @@ class SsdTier:
 
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         self._check_open()
-        payloads = [_host_view(src) for src in srcs]
-        sums = self.slabs.write_n(slots, hashes, payloads)
+        sums = self.slabs.write_n(slots, hashes, _host_views(srcs, self.slot_bytes))
         self.index.put_n(hashes, slots, sums)  # after the bytes: never an entry without them
         for h, slot, c in zip(hashes, slots, sums):
             self._held[bytes(h)] = (slot, c)
@@ -122,7 +120,7 @@ class SsdTier:
         through a host buffer."""
         self._check_open()
         if isinstance(dsts, torch.Tensor) and dsts.device.type == "cpu":
-            return self.slabs.read_n(slots, hashes, [memoryview(r) for r in dsts.numpy()])
+            return self.slabs.read_n(slots, hashes, _host_views(dsts, self.slot_bytes))
         on_host = [d.device.type == "cpu" for d in dsts]
         views = [memoryview(d.numpy()) if host else memoryview(np.empty(self.slot_bytes, np.uint8))
                  for d, host in zip(dsts, on_host)]
@@ -158,20 +156,24 @@ class SsdTier:
 
     def _verified(self, raw: list[tuple[bytes, bytes]]
                   ) -> tuple[dict[bytes, tuple[int, int]], list[bytes]]:
-        """Index entries whose slot exists, is unique, and holds that block's header."""
-        cands: dict[bytes, tuple[int, int]] = {}
-        dropped, claimed = [], set()
+        """Index entries whose slot exists and holds that block's header (of two entries
+        naming one slot, a delete a crash cut off left one stale: the header decides)."""
+        by_slot: dict[int, list[tuple[bytes, int]]] = {}
+        dropped = []
         for key, value in raw:
             entry = parse_entry(key, value)
-            if (entry is None or entry[1] >= min(self.num_slots, self.slabs.num_grown)
-                    or entry[1] in claimed):
+            if entry is None or entry[1] >= min(self.num_slots, self.slabs.num_grown):
                 dropped.append(key)
                 continue
-            claimed.add(entry[1])
-            cands[entry[0]] = entry[1:]
-        on_disk = {slot: h for slot, h, _ in self.slabs.headers(sorted(claimed))}
-        found = {h: v for h, v in cands.items() if on_disk.get(v[0]) == h}
-        dropped += [h for h in cands if h not in found]
+            by_slot.setdefault(entry[1], []).append((entry[0], entry[2]))
+        on_disk = {slot: h for slot, h, _ in self.slabs.headers(sorted(by_slot))}
+        found: dict[bytes, tuple[int, int]] = {}
+        for slot, cands in by_slot.items():
+            for h, c in cands:
+                if on_disk.get(slot) == h:
+                    found[h] = (slot, c)
+                else:
+                    dropped.append(h)
         return found, dropped
 
     def _adopt_from_slabs(self, used: set[int]) -> dict[bytes, tuple[int, int]]:
@@ -215,10 +217,14 @@ class SsdTier:
         self.slabs.close()
 
 
-def _host_view(src) -> memoryview:
-    if isinstance(src, torch.Tensor):
-        src = src.numpy() if src.device.type == "cpu" else src.cpu().numpy()
-    return memoryview(src).cast("B")
+def _host_views(srcs: ByteBatch, nbytes: int) -> list[memoryview]:
+    """Flat byte views of a batch's rows: a CPU `[n, nbytes]` tensor is viewed once and
+    sliced (a torch row and its .numpy() cost ~3 us each); device rows are copied to host."""
+    if isinstance(srcs, torch.Tensor) and srcs.is_cpu:
+        flat = memoryview(srcs.numpy()).cast("B")
+        return [flat[i:i + nbytes] for i in range(0, len(flat), nbytes)]
+    return [memoryview(src.numpy() if src.is_cpu else src.cpu().numpy()).cast("B")
+            for src in srcs]
 
 
 def _warn_if_bigger_than_disk(path: str, nbytes: int) -> None:

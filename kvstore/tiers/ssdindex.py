@@ -8,13 +8,22 @@ it safe to lose:
 - while running, a write RocksDB refuses (disk full, a background error) fails that call
   only; the next call after RETRY_S reopens the database, and if it will not open cleanly,
   writes a fresh one from the tier's own table of what it holds.
+
+Deletes ride along with the next write: `forget_n` (called under the store's lock when a
+slot is freed) only queues the hashes, and `put_n` writes them, before its own entries, in
+its one RocksDB write. So a put that evicts costs one index write, not two, and no index
+write happens under the store's lock. A delete not yet written when the process dies
+leaves a stale entry, which the next open drops (its slot holds another block's header) or
+keeps (the slot still holds that very block, intact: a valid block, not wrong KV).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
 import struct
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -26,6 +35,7 @@ from kvstore.keys import HASH_BYTES
 log = logging.getLogger("kvtier.ssd")
 ENTRY = struct.Struct("<QQ")  # slot, payload checksum
 RETRY_S = 1.0
+STALE_MAX = 4096  # deletes held back for the next write before they are written alone
 
 
 def rocksdb_options() -> Options:
@@ -46,6 +56,8 @@ class SlotIndex:
         """`entries`: what the tier holds now, (hash, slot, checksum); a rebuild writes it."""
         self.path, self.durable, self._entries = path, durable, entries
         self._db: Rdict | None = None
+        self._stale: collections.deque[bytes] = collections.deque()  # deletes to write next
+        self._write_lock = threading.Lock()  # takes queued deletes and writes them, at once
         self._failed_at: float | None = None
         self.num_errors = 0        # writes or deletes RocksDB refused
         self.num_rebuilds = 0      # times the index was set aside and written afresh
@@ -109,16 +121,38 @@ class SlotIndex:
     # ----------------------------------------------------------------- writes
 
     def put_n(self, hashes, slots, sums) -> None:
-        batch = WriteBatch(raw_mode=True)
-        for h, slot, c in zip(hashes, slots, sums):
-            batch.put(bytes(h), ENTRY.pack(slot, c))
-        self._write(batch)
+        """Index blocks (their bytes are written), with every queued delete before them."""
+        with self._write_lock:
+            stale = [self._stale.popleft() for _ in range(len(self._stale))]
+            batch = WriteBatch(raw_mode=True)
+            for h in stale:
+                batch.delete(h)
+            for h, slot, c in zip(hashes, slots, sums):
+                batch.put(bytes(h), ENTRY.pack(slot, c))
+            try:
+                self._write(batch)
+            except TierIOError:
+                self._stale.extendleft(reversed(stale))  # written with a later put
+                raise
+
+    def forget_n(self, hashes) -> None:
+        """Queue deletes for the next write (never raises, never touches RocksDB unless
+        STALE_MAX are waiting: a large remove with no put behind it)."""
+        self._stale.extend(bytes(h) for h in hashes)
+        if len(self._stale) > STALE_MAX:
+            self.flush_stale()
+
+    def flush_stale(self) -> None:
+        """Write the queued deletes now (a failure leaves stale entries: see above)."""
+        try:
+            self.put_n((), (), ())
+        except TierIOError as e:
+            log.warning("%s", e)
 
     def delete_n(self, hashes) -> None:
-        batch = WriteBatch(raw_mode=True)
-        for h in hashes:
-            batch.delete(bytes(h))
-        self._write(batch)
+        """Delete entries now (with anything queued); TierIOError if RocksDB refuses."""
+        self._stale.extend(bytes(h) for h in hashes)
+        self.put_n((), (), ())
 
     def _write(self, batch: WriteBatch) -> None:
         if self._failed_at is not None:
@@ -153,6 +187,7 @@ class SlotIndex:
 
     def rebuild(self, entries: Iterable[tuple[bytes, int, int]]) -> None:
         """Set the current index aside and write `entries` into a fresh one."""
+        self._stale.clear()  # the fresh index holds only `entries`
         self._set_aside()
         tmp = self.path + ".new"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -176,6 +211,8 @@ class SlotIndex:
     def close(self) -> None:
         if self._db is None:
             return
+        if self._stale:
+            self.flush_stale()
         try:
             if not self.durable:
                 self._db.flush()
