@@ -55,18 +55,19 @@ def median_time(fn, reps: int) -> float:
 
 def paired_times(fn, bases, reps: int, before=None) -> tuple[float, list[float]]:
     """Median times of `fn` and of each of its baselines, run in turn (one run of each per
-    round; `before`, a function per run, untimed ahead of it: e.g. dropping the page cache),
-    so a shared host's slow spell weighs on both sides of a ratio alike."""
+    round, in a rotating order; `before`, a function per run, untimed ahead of it: e.g.
+    dropping the page cache), so a shared host's slow spell weighs on both sides alike."""
     fns = [fn, *bases]
     for f in fns:
         f()  # warm-up: first touch of buffers, RocksDB memtables, thread pools
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            if before is not None:
+    for r in range(reps):
+        for k in range(len(fns)):
+            i = (k + r) % len(fns)  # each round starts with the next one: no side always
+            if before is not None:  # runs right after the same other
                 before[i]()
             t0 = time.perf_counter()
-            f()
+            fns[i]()
             times[i].append(time.perf_counter() - t0)
     med = [statistics.median(t) for t in times]
     return med[0], med[1:]
@@ -180,8 +181,12 @@ def tier_rows(kind: TierKind, label: str, size_name: str, ns: Namespace, n: int,
     gbps = nbytes / 1e9
     for mode, batch in (("single", 1), ("batched x16", 16)):
         case = TierCase(kind, ns, n, batch, workdir, durable)
+        # every run starts with nothing dirty in the page cache (written back untimed), so
+        # no run pays for the writeback of the one before it
+        settle = [os.sync] * (1 + len(bases)) if kind is TierKind.SSD else None
         for op, fn, base_fn in (("put", case.put, "write"), ("get", case.get, "read")):
-            t, base_ts = paired_times(fn, [getattr(b, base_fn) for b, _ in bases], reps)
+            t, base_ts = paired_times(fn, [getattr(b, base_fn) for b, _ in bases], reps,
+                                      before=settle)
             rows += [Row(f"{label} {op} {size_name} {mode}", "GB/s", gbps / t, name, gbps / bt)
                      for (_, name), bt in zip(bases, base_ts)]
         if cold:
