@@ -3,7 +3,10 @@
 GPU and DRAM tiers are compared with a plain memcpy (single-threaded, numpy) of the same
 bytes; the SSD tier with a plain sequential file write / read of the same bytes in the same
 directory, warm (from the page cache) and cold (both files written back and dropped from
-the page cache with fdatasync + POSIX_FADV_DONTNEED before every read).
+the page cache with fdatasync + POSIX_FADV_DONTNEED before every read), and also with a
+plain file that checksums each block (xxh3_64, as the tier must: the floor of its promise
+that a corrupted block is a miss). Each tier row and its baselines are timed in turn
+(`paired_times`), every SSD run starting with nothing dirty in the page cache.
 On a machine without CUDA the GPU tier runs on a CPU tensor (and says so). Also reports
 block-hashing throughput against one xxh3_128 pass over the same token bytes.
 
