@@ -121,15 +121,24 @@ class Reads:
                 self._unhold([e for e in held if e is not None])
             raise
         ok = [good or (e is not None and e.tier == lt) for e, good in zip(held, ok)]
+        promoting = self.config.promote_on_hit and any(e is not None and e.tier > 0
+                                                       for e in to_read)
         with self._lock:
             tiers, live = self._settle(held, ok, prefix)
-        self._promote([(e, rows[i]) for i, e in enumerate(held)
-                       if e is not None and tiers[i] is not None and to_read[i] is not None])
-        with self._lock:
-            kept = [e for e, t in live if t is not None and e.tier == lt]
-            self._unhold([e for e, t in live if t is None or e.tier != lt])
+            if not promoting:  # settle and release in one visit
+                kept, live = self._release_unleased(live, lt), None
+        if promoting:
+            self._promote([(e, rows[i]) for i, e in enumerate(held)
+                           if e is not None and tiers[i] is not None and to_read[i] is not None])
+            with self._lock:
+                kept = self._release_unleased(live, lt)
         copied = [r is not None and t is not None for r, t in zip(to_read, tiers)]
         return held, tiers, kept, copied
+
+    def _release_unleased(self, live: list[tuple[Entry, object]], lt: int | None) -> list[Entry]:
+        """Under the lock: release what a read held but will not lease; returns the rest."""
+        self._unhold([e for e, t in live if t is None or e.tier != lt])
+        return [e for e, t in live if t is not None and e.tier == lt]
 
     def _tier_index(self, kind: TierKind | None) -> int | None:
         index = self.__dict__.get("_kind_index")  # the tiers never change: built once

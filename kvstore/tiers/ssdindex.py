@@ -36,6 +36,8 @@ log = logging.getLogger("kvtier.ssd")
 ENTRY = struct.Struct("<QQ")  # slot, payload checksum
 RETRY_S = 1.0
 STALE_MAX = 4096  # deletes held back for the next write before they are written alone
+STALE_KEEP = 64 * STALE_MAX  # while the index refuses writes, at most this many wait: the
+# rest are let go (a stale entry is harmless, see above), so memory stays bounded
 
 
 def rocksdb_options() -> Options:
@@ -56,7 +58,8 @@ class SlotIndex:
         """`entries`: what the tier holds now, (hash, slot, checksum); a rebuild writes it."""
         self.path, self.durable, self._entries = path, durable, entries
         self._db: Rdict | None = None
-        self._stale: collections.deque[bytes] = collections.deque()  # deletes to write next
+        self._stale: collections.deque[bytes] = collections.deque(maxlen=STALE_KEEP)  # deletes
+        # to write with the next put (see above)
         self._write_lock = threading.Lock()  # takes queued deletes and writes them, at once
         self._failed_at: float | None = None
         self.num_errors = 0        # writes or deletes RocksDB refused

@@ -207,3 +207,25 @@ def test_a_non_durable_tier_keeps_its_blocks_across_a_clean_close(tmp_path):
     assert tier.read_n([found[h] for h in HASHES[:2]], HASHES[:2], out) == [True, True]
     assert torch.equal(out, _blocks(2))
     tier.close()
+
+
+def test_queued_deletes_stay_bounded_while_the_index_refuses_writes(tmp_path, monkeypatch):
+    import kvstore.tiers.ssdindex as ssdindex
+    from kvstore.errors import TierIOError
+    monkeypatch.setattr(ssdindex, "STALE_MAX", 4)
+    monkeypatch.setattr(ssdindex, "STALE_KEEP", 16)
+    tier = SsdTier(NS, str(tmp_path), 4)
+    slots = tier.alloc_n(2)
+    tier.write_n(slots, HASHES[:2], _blocks(2))
+
+    def refuse(batch):  # RocksDB refusing every write (a full disk, a background error)
+        raise TierIOError("refused")
+    monkeypatch.setattr(tier.index, "_write", refuse)
+    for i in range(40):  # frees keep coming while nothing can be written
+        tier.free_n([], [bytes([i]) * len(HASHES[0])])
+    assert len(tier.index._stale) <= 16
+    monkeypatch.undo()  # writes go through again: the next put carries what waited
+    tier.free_n(slots[:1], HASHES[:1])
+    tier.write_n(tier.alloc_n(1), HASHES[2:3], _blocks(1, seed=2))
+    assert not tier.index._stale and bytes(HASHES[0]) not in tier.raw_db()
+    tier.close()
