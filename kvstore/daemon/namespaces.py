@@ -52,6 +52,7 @@ class Hosted:
     # Of the store's hits, those a same-host client copied from published DRAM slots with
     # no request at all (reported afterwards in TOUCH batches).
     direct_hits: int = 0
+    put_channels: int = 0  # open put channels (kvstore.daemon.putchannel): they share grants
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
     # agent capabilities handed out, and how many live connections hold each
     _agent_keys: dict[bytes, int] = field(default_factory=dict)

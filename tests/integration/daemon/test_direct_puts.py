@@ -75,7 +75,7 @@ def test_a_full_dram_only_arena_keeps_granting(make_daemon):
     """With DRAM the only tier, room is made by dropping its oldest blocks: the grants keep
     coming once the arena is full, so puts never fall back to a request (they used to, for
     every put after the first arena-full, at ~10x the cost)."""
-    d = make_daemon(dram_size="256KiB", ssd_size="0")  # 64 slots: a channel is granted 4
+    d = make_daemon(dram_size="256KiB", ssd_size="0")  # 64 slots: a channel is granted 16
     hs = chain(8, 400)
     with Client(d.url, namespace=NS) as c:
         c.put_n(hs[:1], blocks(hs[:1]))  # opens the put channel
