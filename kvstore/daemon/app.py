@@ -13,6 +13,7 @@ needs `Authorization: Bearer TOKEN`; a tenant token sees only its tenant's names
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -71,6 +72,10 @@ async def stats(request: web.Request) -> web.Response:
     body = {"node_id": request.app[CONFIG].node_id, "namespaces": rows}
     if grant_of(request) == ADMIN:
         body["namespaces_failed"] = request.app[REGISTRY].failed
+        # the start's objects are frozen out of the cyclic GC (kvstore.daemon.serve); the
+        # collections since, per generation, say whether runtime garbage still costs pauses
+        body["process"] = {"gc_frozen_objects": gc.get_freeze_count(),
+                           "gc_collections": [g["collections"] for g in gc.get_stats()]}
     return web.json_response(body)
 
 
