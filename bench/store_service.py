@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -109,6 +110,7 @@ def ops_rate(fn, seconds: float) -> float:
 
 
 def _sink(ports) -> None:
+    gc.freeze()  # as the bench process does (see main): no collection pauses the baseline
     srv = socket.create_server(("127.0.0.1", 0))  # the kernel picks the port
     ports.put(srv.getsockname()[1])
     conn, _ = srv.accept()
@@ -339,6 +341,11 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
     into_shm = RotatingCopy(a.numpy(), shared=True)
     memcpy_shm_put = measure(into_shm, total, seconds)
     into_shm.segment.close()
+    # and a get's: out of shared memory (the leased arena slots) into private memory
+    out_of = ShmSegment.anonymous(total, "bench-memcpy")
+    out_of.array[:] = a.numpy()
+    memcpy_shm_get = measure(lambda: np.copyto(b.numpy(), out_of.array[:total]), total, seconds)
+    out_of.close()
     view = memoryview(b.numpy())
     raw_put = measure(lambda: raw.put(memoryview(a.numpy())), total, seconds)
     raw_get = measure(lambda: raw.get(view), total, seconds)
@@ -354,8 +361,10 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
         rows += [Row(name.format("put"), "GB/s", put.gbps, base[0], base[1].gbps),
                  Row(name.format("get"), "GB/s", get.gbps, base[0], base[2].gbps)]
         if path == "shm":
-            rows.append(Row(name.format("put"), "GB/s", put.gbps,
-                            f"memcpy into shm ({SHMEM_THP})", memcpy_shm_put.gbps))
+            rows += [Row(name.format("put"), "GB/s", put.gbps,
+                         f"memcpy into shm ({SHMEM_THP})", memcpy_shm_put.gbps),
+                     Row(name.format("get"), "GB/s", get.gbps,
+                         f"memcpy from shm ({SHMEM_THP})", memcpy_shm_get.gbps)]
         if batch == 1:  # one op's latency: the figure a busy host hurts first
             for op, st, bst in (("put", put, base[1]), ("get", get, base[2])):
                 rows += [Row(name.format(op) + " p50", "us", st.p50_us, base[0], bst.p50_us),
@@ -464,6 +473,13 @@ def main() -> None:
         print(f"redis: skipped ({RedisPeer.skip_reason()})")
     mooncake, why = mooncake_rates(SIZES, (1, 16), seconds)
     print(f"mooncake: {why}" if mooncake else f"mooncake: skipped ({why})")
+    # As an engine process runs once its model is loaded (vLLM freezes its heap after
+    # warm-up): what the setup built is out of the cyclic GC. A full pass over a process
+    # that imported torch stops it for 40-85 ms, and one of those inside a measurement
+    # window (80 ms with --quick) doubled that row's mean, on whichever side happened to
+    # allocate the object that triggered it.
+    gc.collect()
+    gc.freeze()
     try:
         rows = data_rows(url, redis, mooncake, raw, seconds) + async_rows(url, seconds) \
             + metadata_rows(url, seconds)
