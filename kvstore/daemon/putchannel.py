@@ -25,6 +25,7 @@ log = logging.getLogger("kvtier.puts")
 RING_CAPACITY = 1024
 GRANT_CAPACITY = 256
 GRANT_BYTES = 64 << 20  # at most this much DRAM held in grants by one channel
+MIN_GRANTING_SLOTS = 16  # a smaller arena grants nothing: every slot stays a request's
 
 
 class PutChannel:
@@ -67,12 +68,15 @@ class PutChannel:
         on through a drainer that a busy host leaves unscheduled for ~10 ms (GRANT_BYTES),
         yet, as grants are slots no other put can use, an equal part of the namespace's
         DRAM share for grants (1/GRANTED_SHARE, which the store enforces over all writers;
-        a tiny arena grants nothing: its clients put with a request). With 1/16 per
-        channel, a 192 MiB arena of 256 KiB blocks granted 48: under two busy processes
-        the drainer fell that far behind in ~1% of puts, each of which waited a FLUSH
-        (0.7-8 ms)."""
+        an arena under MIN_GRANTING_SLOTS grants nothing: its clients put with a request,
+        so a put request can use every slot). With 1/16 per channel, a 192 MiB arena of
+        256 KiB blocks granted 48: under two busy processes the drainer fell that far
+        behind in ~1% of puts, each of which waited a FLUSH (0.7-8 ms)."""
         hosted = self.hosted
-        share = hosted.dram.num_slots // GRANTED_SHARE // max(1, hosted.put_channels)
+        slots = hosted.dram.num_slots
+        if slots < MIN_GRANTING_SLOTS:
+            return 0
+        share = slots // GRANTED_SHARE // max(1, hosted.put_channels)
         return min(GRANT_CAPACITY, GRANT_BYTES // hosted.ns.block_bytes, share)
 
     def _top_up(self) -> None:

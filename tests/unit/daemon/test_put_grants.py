@@ -29,7 +29,7 @@ def test_the_channels_of_a_namespace_share_a_quarter_of_its_dram(tmp_path):
 
 
 def test_a_tiny_arena_grants_nothing(tmp_path):
-    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=3 * NS.block_bytes,
+    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=15 * NS.block_bytes,
                                 ssd_bytes=0))
     try:
         ch = PutChannel(reg.open(NS, ADMIN))
