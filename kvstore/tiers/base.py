@@ -38,7 +38,8 @@ class Tier(Protocol):
         """Take n free slots, or None (taking nothing) when fewer than n are free."""
 
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """Return slots to the free list; a persistent tier also deletes their stored values."""
+        """Return slots to the free list; a persistent tier also deletes their stored values
+        (the SSD tier's index entries go with its next write: see kvstore.tiers.ssdindex)."""
 
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         """The blocks in these slots became readable (committed, demoted or promoted there);
