@@ -111,6 +111,7 @@ def test_a_delete_cut_off_by_a_crash_leaves_a_stale_entry_that_loses_nothing(tmp
     tier.close()
     report = fsck(str(tmp_path))
     assert report.num_ok == 2 and len(report.bad) == 2 and not report.clean
+    assert all("stale entry" in reason for _, reason in report.bad)
     tier = SsdTier(NS, str(tmp_path), 4)
     found = dict(tier.recover())
     assert sorted(found) == sorted(HASHES[:2]) and tier.num_dropped_at_open == 2
