@@ -32,6 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvstore.buffers import cpu_array
 from kvstore.errors import StoreClosedError, TierIOError
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
@@ -220,8 +221,9 @@ class SsdTier:
 def _host_views(srcs: ByteBatch, nbytes: int) -> list[memoryview]:
     """Flat byte views of a batch's rows: a CPU `[n, nbytes]` tensor is viewed once and
     sliced (a torch row and its .numpy() cost ~3 us each); device rows are copied to host."""
-    if isinstance(srcs, torch.Tensor) and srcs.is_cpu:
-        flat = memoryview(srcs.numpy()).cast("B")
+    whole = cpu_array(srcs)
+    if whole is not None:
+        flat = memoryview(whole).cast("B")
         return [flat[i:i + nbytes] for i in range(0, len(flat), nbytes)]
     return [memoryview(src.numpy() if src.is_cpu else src.cpu().numpy()).cast("B")
             for src in srcs]

@@ -127,13 +127,8 @@ class SlotIndex:
         """Index blocks (their bytes are written), with every queued delete before them."""
         with self._write_lock:
             stale = [self._stale.popleft() for _ in range(len(self._stale))]
-            batch = WriteBatch(raw_mode=True)
-            for h in stale:
-                batch.delete(h)
-            for h, slot, c in zip(hashes, slots, sums):
-                batch.put(bytes(h), ENTRY.pack(slot, c))
             try:
-                self._write(batch)
+                self._write(_batch(zip(hashes, slots, sums), stale))
             except TierIOError:
                 self._stale.extendleft(reversed(stale))  # written with a later put
                 raise
@@ -195,10 +190,7 @@ class SlotIndex:
         tmp = self.path + ".new"
         shutil.rmtree(tmp, ignore_errors=True)
         db = Rdict(tmp, options=rocksdb_options())
-        batch = WriteBatch(raw_mode=True)
-        for h, slot, c in entries:
-            batch.put(bytes(h), ENTRY.pack(slot, c))
-        db.write(batch)
+        db.write(_batch(entries))
         db.flush()
         db.close()
         os.rename(tmp, self.path)
@@ -224,6 +216,17 @@ class SlotIndex:
             log.error("closing the SSD index %s: %s (its write-ahead log keeps what was "
                       "acknowledged)", self.path, e)
         self._db = None
+
+
+def _batch(entries: Iterable[tuple[bytes, int, int]], deletes: Iterable[bytes] = ()
+           ) -> WriteBatch:
+    """One RocksDB write: `deletes` first, then an entry per (hash, slot, checksum)."""
+    batch = WriteBatch(raw_mode=True)
+    for h in deletes:
+        batch.delete(h)
+    for h, slot, c in entries:
+        batch.put(bytes(h), ENTRY.pack(slot, c))
+    return batch
 
 
 def parse_entry(key: bytes, value: bytes) -> tuple[bytes, int, int] | None:
