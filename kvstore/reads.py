@@ -126,7 +126,7 @@ class Reads:
         with self._lock:
             tiers, live = self._settle(held, ok, prefix)
             if not promoting:  # settle and release in one visit
-                kept, live = self._release_unleased(live, lt), None
+                kept = self._release_unleased(live, lt)
         if promoting:
             self._promote([(e, rows[i]) for i, e in enumerate(held)
                            if e is not None and tiers[i] is not None and to_read[i] is not None])
