@@ -56,7 +56,10 @@ def test_blocks_survive_close_and_reopen(tmp_path):
     tier.close()
 
 
-def test_blocks_written_before_a_process_crash_are_found(tmp_path):
+def _crash_after(tmp_path, num_blocks: int, num_slots: int, body: str) -> None:
+    """Run `body` in a child process holding an SsdTier at `tmp_path` (`tier`, `hashes`,
+    `data`: the blocks `_blocks(num_blocks)` makes here), then SIGKILL it: no close, no
+    flush, a crash."""
     child = textwrap.dedent(f"""
         import os, torch
         from kvstore.keys import Namespace, hash_blocks
@@ -64,14 +67,18 @@ def test_blocks_written_before_a_process_crash_are_found(tmp_path):
         ns = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
         hashes = hash_blocks(ns, list(range(40)))
         g = torch.Generator().manual_seed(0)
-        data = torch.randint(0, 256, (5, ns.block_bytes), dtype=torch.uint8, generator=g)
-        tier = SsdTier(ns, {str(tmp_path)!r}, 8)
-        tier.write_n(tier.alloc_n(5), hashes[:5], data)
+        data = torch.randint(0, 256, ({num_blocks}, ns.block_bytes), dtype=torch.uint8, generator=g)
+        tier = SsdTier(ns, {str(tmp_path)!r}, {num_slots})
+    """) + textwrap.dedent(body) + textwrap.dedent("""
         print("written", flush=True)
-        os.kill(os.getpid(), 9)  # no close, no flush: a crash
+        os.kill(os.getpid(), 9)
     """)
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
     assert proc.returncode == -9 and "written" in proc.stdout, proc.stderr
+
+
+def test_blocks_written_before_a_process_crash_are_found(tmp_path):
+    _crash_after(tmp_path, 5, 8, "tier.write_n(tier.alloc_n(5), hashes[:5], data)")
     tier = SsdTier(NS, str(tmp_path), 8)
     found = dict(tier.recover())
     assert set(found) == set(HASHES[:5])
@@ -123,25 +130,13 @@ def test_a_delete_cut_off_by_a_crash_leaves_a_stale_entry_that_loses_nothing(tmp
 
 
 def test_a_crash_with_deletes_queued_keeps_every_live_block(tmp_path):
-    child = textwrap.dedent(f"""
-        import os, torch
-        from kvstore.keys import Namespace, hash_blocks
-        from kvstore.tiers.ssd import SsdTier
-        ns = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
-        hashes = hash_blocks(ns, list(range(40)))
-        g = torch.Generator().manual_seed(0)
-        data = torch.randint(0, 256, (6, ns.block_bytes), dtype=torch.uint8, generator=g)
-        tier = SsdTier(ns, {str(tmp_path)!r}, 4)
+    _crash_after(tmp_path, 6, 4, """
         slots = tier.alloc_n(4)
         tier.write_n(slots, hashes[:4], data[:4])
         tier.free_n(slots[:2], hashes[:2])          # queued deletes
         tier.write_n(tier.alloc_n(2), hashes[4:6], data[4:6])  # reuse both slots
         tier.free_n(slots[2:3], hashes[2:3])        # queued, never written
-        print("written", flush=True)
-        os.kill(os.getpid(), 9)
     """)
-    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
-    assert proc.returncode == -9 and "written" in proc.stdout, proc.stderr
     tier = SsdTier(NS, str(tmp_path), 4)
     found = dict(tier.recover())
     data = _blocks(6)
