@@ -5,10 +5,11 @@ writing SSD). For 256 KiB, 1 MiB and 4 MiB blocks, single and batched (16): put 
 GB/s over the same-host shared-memory path, over TCP (bytes inline in the frames) and
 over the transfer layer (`use_agent=True`: a tcp transfer Agent reads/writes the daemon's
 arena one-sided; what RDMA backends would carry off-host). Baselines: a memcpy of the same
-bytes (shm path; puts also against the same memcpy into shared memory, the kind of pages an
-arena has, with the host's huge-page policy for it named in the row), a raw loopback
-socket stream of the same bytes with one round trip per op (TCP path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken
-directly over a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
+bytes (shm path; puts also against the same memcpy into shared memory, gets against one
+out of it, the kind of pages an arena has, with the host's huge-page policy for it named in
+the row), a raw loopback socket stream of the same bytes with one round trip per op (TCP
+path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken directly over
+a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
 protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
 see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
 each prints why it was skipped. Single-op rows also give p50 / p99 latency (us) against the
