@@ -321,9 +321,11 @@ class Release(Message):
 @_msg(Op.TOUCH)
 class Touch(HashesMessage):
     """Blocks the client copied straight from published DRAM slots (no GET was sent): the
-    daemon counts them as hits and marks them recently used. Ack.value: how many it holds."""
+    daemon counts them as hits and marks them recently used. Ack.value: how many of the
+    reads were of blocks it still holds."""
 
     hashes: bytes = b""
+    reads: bytes = b""  # uint32 (little-endian) per block: how often it was read; empty: once
 
 
 @_msg(Op.STATS)

@@ -24,7 +24,7 @@ from kvstore.client.aconn import AsyncConnection
 from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.putpath import DirectPuts
-from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TOUCH_BATCH, as_numpy,
+from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TouchLog, as_numpy,
                                     copy_row, flags_of, get_layout, host_view, numpy_rows,
                                     match_of, put_statuses, raise_unless_retryable, reusable_after,
                                     stage, stats_of)
@@ -61,7 +61,8 @@ class AsyncClient:
         self._puts: DirectPuts | None = None
         self._puts_conn: AsyncConnection | None = None
         self._puts_lock: asyncio.Lock | None = None  # made on the loop, at first use
-        self._touched: list[bytes] = []
+        self._touches = TouchLog()  # direct reads the daemon has not heard of yet
+        self._touch_task: asyncio.Task | None = None  # the TOUCH in flight, if any
         self._connected = self._closed = False
 
     async def connect(self) -> AsyncClient:
@@ -297,20 +298,30 @@ class AsyncClient:
         if arena is None or arena.directory is None or not arena.directory.writer_alive():
             return [None] * len(hashes), list(range(len(hashes)))
         tiers, missed, touched = arena.read_direct(hashes, rows, prefix)
-        self._touched += touched
-        if len(self._touched) >= TOUCH_BATCH:
-            await self._send_touches()
+        if touched and self._touches.add(touched):
+            batch = self._touches.take()
+            if batch is not None:  # sent beside the reads that follow, not waited for here
+                self._touch_task = asyncio.ensure_future(self._send_touch(batch, self._touch_task))
         return tiers, missed
+
+    async def _send_touch(self, batch: w.Touch, before: asyncio.Future | None) -> None:
+        if before is not None:
+            await asyncio.wait([before])  # TOUCHes land in order
+        try:
+            await self._call(batch)
+        except (ConnectError, RequestTimeout, w.RemoteError):
+            pass  # only statistics and recency are lost
 
     async def _send_touches(self) -> None:
         """Direct reads send nothing; the daemon learns of them (hits, LRU recency) in
-        TOUCH batches, best effort."""
-        batch, self._touched = self._touched, []
-        if batch:
-            try:
-                await self._call(w.Touch(hashes=w.pack_hashes(batch)))
-            except (ConnectError, RequestTimeout, w.RemoteError):
-                pass  # only statistics and recency are lost
+        TOUCH requests (see `TouchLog`), best effort: the one in flight lands, then
+        whatever waits goes."""
+        batch = self._touches.take(everything=True)
+        before, self._touch_task = self._touch_task, None
+        if batch is not None:
+            await self._send_touch(batch, before)
+        elif before is not None:
+            await asyncio.wait([before])
 
     async def _get_n(self, conn: AsyncConnection, packed: bytes, rows,
                      prefix: bool = False) -> list[TierKind | None]:

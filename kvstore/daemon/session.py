@@ -356,7 +356,13 @@ class Session:
                 self.store.release(lid)
 
     def touch(self, msg: w.Touch, payload_bytes: int) -> None:
-        n = self.store.touch_n(msg.hash_list)
+        hashes, reads = msg.hash_list, None
+        if msg.reads:
+            if len(msg.reads) != 4 * len(hashes):
+                raise w.ProtocolError(f"TOUCH has {len(hashes)} hashes but {len(msg.reads)} "
+                                      "bytes of read counts (4 per hash)")
+            reads = np.frombuffer(msg.reads, "<u4").tolist()
+        n = self.store.touch_n(hashes, reads)
         self.hosted.count_direct_hits(n)
         self.reply(w.Op.TOUCH, w.Ack(value=n))
 

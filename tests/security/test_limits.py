@@ -89,6 +89,28 @@ def test_wrong_field_types_are_protocol_errors(secured):
         assert reply.msg.code == w.ErrorCode.PROTOCOL and "num_layers" in reply.msg.message
 
 
+def test_touch_read_counts_must_match_its_hashes(secured):
+    """A TOUCH's read counts (4 bytes a hash) that do not match its hashes are a protocol
+    error that counts nothing; matching ones count exactly."""
+    h = hash_blocks(NS, np.arange(16) + 7)[0]
+    with Client(secured.url, "admin-secret", NS, use_shm=False) as c:
+        c.put(h, np.full(NS.block_bytes, 5, np.uint8))
+    for reads in (b"\x01\x00", b"\x01\x00\x00\x00" * 2):
+        with raw_conn(secured) as s:
+            assert call(s, hello_msg(NS, "admin-secret")).op is w.Op.HELLO
+            reply = call(s, w.Touch(hashes=h, reads=reads))
+            assert reply.op is w.Op.ERROR and reply.msg.code == w.ErrorCode.PROTOCOL
+            assert "read counts" in reply.msg.message
+            assert closed(s)
+    with raw_conn(secured) as s:
+        assert call(s, hello_msg(NS, "admin-secret")).op is w.Op.HELLO
+        assert call(s, w.Touch(hashes=h, reads=(7).to_bytes(4, "little"))).msg.value == 7
+        assert call(s, w.Touch(hashes=h * 2)).msg.value == 2
+        tiers = call(s, w.Stats()).msg.tiers
+        assert tiers[0][4] == 9  # hits of the DRAM tier: 7 + 1 + 1, none from the bad ones
+    still_serving(secured)
+
+
 def test_connections_are_capped_and_the_unauthenticated_ones_more_so(make_daemon, token_file):
     d = make_daemon("--token-file", token_file, "--max-connections", "8")
     idle = [raw_conn(d) for _ in range(2)]  # 8 // 4 = 2 may wait unauthenticated

@@ -184,3 +184,36 @@ def test_kvtier_stats_shows_direct_and_leased_hits(make_daemon):
                           f"http://127.0.0.1:{daemon.port}"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "control-plane" in bad.stderr
+
+
+def test_reads_reach_the_daemon_in_few_touches_with_exact_counts(make_daemon, monkeypatch):
+    """Direct reads are reported per distinct block with a count: 600 reads of 3 blocks
+    cost the daemon a TOUCH or two, its hit counts stay exact, and each TOUCH happens at
+    most every TOUCH_EVERY_S or once TOUCH_BATCH distinct blocks wait."""
+    import kvstore.client.replies as replies
+
+    daemon = make_daemon()
+    hashes = chain(400, 3)
+    monkeypatch.setattr(replies, "TOUCH_EVERY_S", 3600.0)  # only the size rule, for now
+    with Client(daemon.url, namespace=NS) as c:
+        c.put_n(hashes, [block_of(h, NS.block_bytes) for h in hashes])
+        touches = op_count(daemon, "touch")
+        out = np.empty((3, NS.block_bytes), np.uint8)
+        for _ in range(200):
+            assert c.get_n(hashes, out) == [TierKind.DRAM] * 3
+        assert op_count(daemon, "touch") == touches, "TOUCHes went before any was due"
+        monkeypatch.setattr(replies, "TOUCH_BATCH", 3)  # 3 distinct blocks wait: due
+        c.get_n(hashes[:1], out[:1])
+        assert op_count(daemon, "touch", touches + 1) == touches + 1
+        assert c.stats().tiers[0].counters.hits == 601
+        hits = daemon.get_json("/stats")["namespaces"][0]["direct_hits"]
+        assert hits == 601
+        monkeypatch.setattr(replies, "TOUCH_BATCH", 4096)
+        monkeypatch.setattr(replies, "TOUCH_EVERY_S", 0.0)  # the time rule: every read
+        c.get_n(hashes, out)
+        assert op_count(daemon, "touch", touches + 2) == touches + 2
+        monkeypatch.setattr(replies, "TOUCH_EVERY_S", 3600.0)
+        for _ in range(2):
+            c.get_n(hashes, out)
+        assert c.remove_n(hashes[1:]) == 2  # before the daemon heard of their reads
+        assert c.stats().tiers[0].counters.hits == 604 + 2, "reads of gone blocks counted"

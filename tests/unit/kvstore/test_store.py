@@ -466,3 +466,19 @@ def test_demotion_copies_outside_the_store_lock(tmp_path):
     finally:
         release.set()
         s.close()
+
+
+def test_touch_counts_reads_and_orders_recency_across_chunks(tmp_path, monkeypatch):
+    """`touch_n` (a same-host reader's report of its own copies) counts each block's reads,
+    skips blocks gone meanwhile, and leaves the first block the most recent, however many
+    lock visits (chunks) the report takes."""
+    import kvstore.reads
+    monkeypatch.setattr(kvstore.reads, "TOUCH_CHUNK", 2)
+    with make(tmp_path, dram=4) as s:
+        s.put_n(CHAIN[:4], blocks(4))
+        assert s.touch_n([CHAIN[0], CHAIN[1], OTHER[0], CHAIN[2]], [3, 1, 9, 2]) == 6
+        assert s.stats().tiers[0].counters.hits == 6
+        assert s.touch_n(CHAIN[3:4]) == 1  # counts default to one read each
+        assert s.touch_n(CHAIN[:3]) == 3
+        s.put_n(OTHER[1:3], blocks(2, seed=1))  # two blocks evicted: the least recent
+        assert s.contains_n(CHAIN[:4]) == [True, True, False, False]

@@ -1,0 +1,44 @@
+"""`host_rows`: the same-host read path's destination view, taken only where it is safe."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.buffers import byte_rows, host_rows, tensor_rows
+from kvstore.errors import BlockSizeError
+
+
+@pytest.mark.parametrize("make", [lambda: torch.zeros(3, 8, dtype=torch.uint8),
+                                  lambda: torch.zeros(24, dtype=torch.uint8),
+                                  lambda: np.zeros((3, 8), np.uint8),
+                                  lambda: np.zeros(24, np.uint8)])
+def test_host_bytes_become_one_writable_view_of_the_same_memory(make):
+    buf = make()
+    rows = host_rows(buf, 3, 8)
+    assert rows.shape == (3, 8) and rows.dtype == np.uint8
+    rows[1] = 7
+    flat = buf.reshape(-1) if isinstance(buf, torch.Tensor) else buf.reshape(-1)
+    assert list(flat[8:16]) == [7] * 8 and not flat[:8].any() and not flat[16:].any()
+    assert torch.equal(tensor_rows(rows)[1], torch.full((8,), 7, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("buf", [
+    torch.zeros(3, 4, dtype=torch.float16),              # not bytes: byte_rows views it
+    torch.zeros(3, 8, dtype=torch.uint8, requires_grad=False).t(),  # not contiguous
+    torch.zeros(3, 9, dtype=torch.uint8),                # wrong size
+    np.zeros((3, 8), np.uint8)[:, ::-1],                 # not contiguous
+    np.frombuffer(bytes(24), np.uint8),                  # read-only
+    [bytearray(8)] * 3,                                  # one buffer per block
+    bytearray(24),
+    torch.zeros(3, 8, dtype=torch.float32, requires_grad=True),  # numpy() refuses it
+])
+def test_anything_else_is_left_to_byte_rows(buf):
+    assert host_rows(buf, 3, 8) is None
+
+
+def test_byte_rows_still_explains_what_host_rows_declined():
+    with pytest.raises(BlockSizeError, match="24 bytes|27 bytes"):
+        byte_rows(torch.zeros(3, 9, dtype=torch.uint8), 3, 8, writable=True)
+    with pytest.raises(TypeError, match="read-only"):
+        byte_rows(np.frombuffer(bytes(24), np.uint8), 3, 8, writable=True)
