@@ -17,13 +17,16 @@ from kvstore.tiermap import Entry, State
 
 
 GRANTED_SHARE = 4  # at most 1/4 of the DRAM tier is granted at once, over all writers
+BATCH_SHARE = 2  # ... or 1/2 while a writer's batch needs more than its stock (FLUSH want)
 
 
 class Grants:
     """Mixin of TieredStore (its lock `_lock`, tier map `_p`, `_granted`)."""
 
-    def grant_n(self, n: int) -> list[int]:
-        """Up to n free DRAM slots reserved for a same-host writer (room made below first)."""
+    def grant_n(self, n: int, share: int = GRANTED_SHARE) -> list[int]:
+        """Up to n free DRAM slots reserved for a same-host writer (room made below first),
+        as long as all writers together hold at most 1/share of the DRAM tier (a stock
+        kept ahead: 1/GRANTED_SHARE; a batch about to be written: up to 1/BATCH_SHARE)."""
         i = self._tier_index(TierKind.DRAM)
         if i is None or n <= 0:
             return []
@@ -31,7 +34,7 @@ class Grants:
         with self._lock:
             self._check_open()
             tier = self._p.tiers[i]
-            k = min(n, tier.num_free(), tier.num_slots // GRANTED_SHARE - len(self._granted))
+            k = min(n, tier.num_free(), tier.num_slots // share - len(self._granted))
             slots = (tier.alloc_n(k) if k > 0 else None) or []
             self._granted.update(slots)
             return slots

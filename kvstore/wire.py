@@ -214,7 +214,11 @@ class PutsOk(Message):
 @_msg(Op.FLUSH)
 class Flush(Message):
     """Commit every record of this connection's put channel before replying (Ack.value:
-    how many were committed), so what this client put is visible to its next request."""
+    how many were committed), so what this client put is visible to its next request;
+    then grant the channel at least `want` slots when the daemon can (a batch bigger than
+    the stock it keeps, put with this one request instead of a reserve and a commit)."""
+
+    want: int = 0
 
 
 @_msg(Op.PUT)

@@ -5,8 +5,9 @@ ring in shared memory and an eventfd doorbell, and keeps granting DRAM slots thr
 ring. A put then copies each new block into a granted slot of the arena this client maps,
 appends (hash, slot) records, rings the doorbell and returns: STORED for what it wrote,
 EXISTS for blocks the slot directory already shows. The daemon commits them shortly after;
-`flush` (done before any request that must see them) waits for that with one FLUSH. When
-grants or ring room run short, the caller falls back to the staged put (one request).
+`flush` (done before any request that must see them) waits for that with one FLUSH. A
+batch bigger than the grants in stock asks for its slots with one FLUSH too (`want`); when
+the daemon cannot grant them (or the ring is full), the caller falls back to a put request.
 
 A block the daemon already held outside DRAM (on SSD) is written again and reported
 STORED here; the daemon keeps its copy and frees the slot (content-addressed: same bytes).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Sequence
 
 from kvstore import wire as w
@@ -25,6 +27,9 @@ from kvstore.client.shm import ArenaMap
 from kvstore.putring import PutRing
 from transfer.copy import copy_bytes
 from transfer.shm import ShmSegment
+
+REFUSED_RETRY_S = 1.0  # after a FLUSH that could not get a batch its slots, puts as big go
+# by request this long before asking again
 
 
 class DirectPuts:
@@ -50,6 +55,11 @@ class DirectPuts:
             raise
         self.conn, self.arena = conn, arena
         self.grants: list[int] = []  # slots taken from the ring, not used yet
+        # the biggest batch worth a FLUSH that asks for its slots: what the ring can hold and
+        # the daemon may grant (half the arena)
+        self.max_batch = min(self.ring.grant_capacity, self.ring.capacity,
+                             len(arena.array) // 2)
+        self.refused = (0, -REFUSED_RETRY_S)  # (batch size, when): the last FLUSH that fell short
         self.unseen: set[bytes] = set()  # put, maybe not committed yet (EXISTS if put again)
         self.lock = threading.Lock()
 
@@ -80,12 +90,14 @@ class DirectPuts:
                     new.append(i)
                 seen.add(h)
             if not self._enough(len(new)):
-                if self.conn is None or not self.ring.pending():
+                if self.conn is None or len(new) > self.max_batch or self._was_refused(len(new)):
                     return None  # more than the daemon grants at once: a request it is
-                # the daemon's drainer is behind (a busy host): one FLUSH commits and
-                # tops the grants up at once, cheaper than a put request per batch
-                self.conn.call(w.Flush())
+                # the daemon's drainer is behind (a busy host), or the batch is bigger than
+                # the stock of grants: one FLUSH commits what waits and grants the batch's
+                # slots, cheaper than a put request (a reserve and a commit)
+                self.conn.call(w.Flush(want=len(new)))
                 if not self._enough(len(new)):
+                    self.refused = (len(new), time.monotonic())
                     return None
             slots = [self.grants.pop() for _ in new]
             src = cpu_array(rows)
@@ -99,6 +111,12 @@ class DirectPuts:
         stored = set(new)
         return [PutStatus.STORED if i in stored else PutStatus.EXISTS
                 for i in range(len(hashes))]
+
+    def _was_refused(self, n: int) -> bool:
+        """Did a FLUSH fall short for a batch this big lately? (Other writers hold the
+        grants: ask again only after REFUSED_RETRY_S, not a wasted round trip per put.)"""
+        size, at = self.refused
+        return n >= size and time.monotonic() - at < REFUSED_RETRY_S
 
     def _enough(self, n: int) -> bool:
         """Are there n granted slots and n ring entries free (taking what the ring has)?"""

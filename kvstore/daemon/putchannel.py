@@ -17,7 +17,7 @@ import select
 import threading
 
 from kvstore.daemon.namespaces import Hosted
-from kvstore.grants import GRANTED_SHARE
+from kvstore.grants import BATCH_SHARE, GRANTED_SHARE
 from kvstore.putring import PutRing, ring_bytes
 from transfer import ShmSegment
 
@@ -46,8 +46,9 @@ class PutChannel:
         """Descriptors for the client (send, then close): the ring (read-write), the bell."""
         return [self.segment.share_fd(writable=True), os.dup(self.doorbell)]
 
-    def drain(self) -> int:
-        """Commit every record the client published; top the grants up. How many."""
+    def drain(self, want: int = 0) -> int:
+        """Commit every record the client published; top the grants up (to at least `want`
+        where the store allows it: see `_top_up`). How many were committed."""
         with self.lock:
             if self.closed:
                 return 0
@@ -60,7 +61,7 @@ class PutChannel:
                 self.granted.difference_update(s for _, s in mine)
                 self.store.commit_granted([h for h, _ in mine], [s for _, s in mine])
             self.ring.consume(len(hashes))
-            self._top_up()
+            self._top_up(want)
             return len(mine)
 
     def target(self) -> int:
@@ -79,10 +80,17 @@ class PutChannel:
         share = slots // GRANTED_SHARE // max(1, hosted.put_channels)
         return min(GRANT_CAPACITY, GRANT_BYTES // hosted.ns.block_bytes, share)
 
-    def _top_up(self) -> None:
-        want = min(self.target() - len(self.granted), self.ring.grant_room())
+    def _top_up(self, batch: int = 0) -> None:
+        """Grant slots up to the channel's stock (`target`), or once up to `batch` (a FLUSH
+        naming a batch bigger than the stock: its slots are written at once, so they may
+        take the store's larger limit for grants, 1/BATCH_SHARE of the DRAM tier; a batch
+        over that, or an arena that grants nothing, is left to a put request)."""
+        target, share = self.target(), GRANTED_SHARE
+        if target and batch > target:
+            target, share = batch, BATCH_SHARE
+        want = min(target - len(self.granted), self.ring.grant_room())
         if want > 0:
-            slots = self.store.grant_n(want)
+            slots = self.store.grant_n(want, share)
             self.granted.update(slots)
             self.ring.push_grants(slots)
 

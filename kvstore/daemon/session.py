@@ -193,7 +193,9 @@ class Session:
             w.close_fds(fds)
 
     def flush(self, msg: w.Flush, payload_bytes: int) -> None:
-        n = self.channel.drain() if self.channel is not None else 0
+        if msg.want < 0:
+            raise w.ProtocolError(f"FLUSH want is {msg.want}: a number of slots, 0 or more")
+        n = self.channel.drain(msg.want) if self.channel is not None else 0
         self.reply(w.Op.FLUSH, w.Ack(value=n))
 
     def _close_channel(self) -> None:

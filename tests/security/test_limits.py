@@ -111,6 +111,16 @@ def test_touch_read_counts_must_match_its_hashes(secured):
     still_serving(secured)
 
 
+def test_a_negative_flush_want_is_a_protocol_error(secured):
+    with raw_conn(secured) as s:
+        assert call(s, hello_msg(NS, "admin-secret")).op is w.Op.HELLO
+        assert call(s, w.Flush(want=1 << 40)).msg.value == 0  # no put channel: nothing to do
+        reply = call(s, w.Flush(want=-1))
+        assert reply.op is w.Op.ERROR and reply.msg.code == w.ErrorCode.PROTOCOL
+        assert closed(s)
+    still_serving(secured)
+
+
 def test_connections_are_capped_and_the_unauthenticated_ones_more_so(make_daemon, token_file):
     d = make_daemon("--token-file", token_file, "--max-connections", "8")
     idle = [raw_conn(d) for _ in range(2)]  # 8 // 4 = 2 may wait unauthenticated

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvstore import Client
 from kvstore import wire as w
+from kvstore.client import putpath
 from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
 from kvstore.putring import PutRing
@@ -88,6 +89,38 @@ def test_a_full_dram_only_arena_keeps_granting(make_daemon):
         assert c.get_n(tail, out) == [TierKind.DRAM] * 8 and np.array_equal(out, blocks(tail))
         assert c.contains_n(hs[:8]) == [False] * 8  # the oldest made the room
     assert dram_used(d) <= 64
+
+
+def test_a_batch_bigger_than_the_stock_takes_one_flush_not_a_put(make_daemon, monkeypatch):
+    """A channel keeps 16 slots in stock here; a batch of 24 asks for its slots with one
+    FLUSH (no reserve and commit). A batch the daemon cannot grant goes by request, and the
+    client does not ask again for a batch that big for a while."""
+    d = make_daemon(dram_size="256KiB", ssd_size="0")  # 64 slots: a stock of 16
+    with Client(d.url, namespace=NS) as c, Client(d.url, namespace=NS) as other:
+        c.put_n(chain(20, 1), blocks(chain(20, 1)))  # opens the put channel
+        ops = {op: op_count(d, op) for op in ("put", "reserve", "flush")}
+        hs = chain(21, 24)
+        assert c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * 24
+        assert op_count(d, "put") == ops["put"] and op_count(d, "reserve") == ops["reserve"]
+        assert op_count(d, "flush") == ops["flush"] + 1
+        out = np.zeros((24, BB), np.uint8)
+        assert other.get_n(hs, out) == [TierKind.DRAM] * 24  # committed: any reader sees them
+        assert np.array_equal(out, blocks(hs))
+        # a second channel: c holds the quarter of the arena kept in stock, so this one
+        # can be granted at most the rest of the half, 16 slots: not enough for 30
+        monkeypatch.setattr(putpath, "REFUSED_RETRY_S", 0.0)  # its first (1 block) falls short
+        other.put_n(chain(22, 1), blocks(chain(22, 1)))
+        ops = {op: op_count(d, op) for op in ("put", "flush")}
+        big = chain(23, 30)
+        assert other.put_n(big, blocks(big)) == [PutStatus.STORED] * 30  # by request
+        assert op_count(d, "put") == ops["put"] + 1 and op_count(d, "flush") == ops["flush"] + 1
+        monkeypatch.setattr(putpath, "REFUSED_RETRY_S", 3600.0)
+        again = chain(24, 30)
+        assert other.put_n(again, blocks(again)) == [PutStatus.STORED] * 30
+        assert op_count(d, "flush") == ops["flush"] + 1, "asked again at once for a batch refused"
+        out = np.zeros((30, BB), np.uint8)
+        assert c.get_n(again, out) == [TierKind.DRAM] * 30
+        assert np.array_equal(out, blocks(again))
 
 
 KILLED_WRITER = """

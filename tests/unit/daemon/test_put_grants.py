@@ -37,3 +37,28 @@ def test_a_tiny_arena_grants_nothing(tmp_path):
         ch.close()
     finally:
         reg.close()
+
+
+def test_a_flush_for_a_big_batch_grants_it_up_to_half_the_dram(tmp_path):
+    """A FLUSH naming a batch bigger than the channel's stock grants that batch's slots
+    (the client writes them at once), as far as half the DRAM tier over all writers."""
+    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=64 * NS.block_bytes,
+                                ssd_bytes=0))
+    try:
+        hosted = reg.open(NS, ADMIN)
+        a = PutChannel(hosted)
+        assert a.target() == 16 and len(a.granted) == 16
+        a.drain(want=24)
+        assert len(a.granted) == 24  # the batch, beyond the stock
+        a.drain(want=40)
+        assert len(a.granted) == 32  # never more than half the DRAM
+        b = PutChannel(hosted)
+        b.drain(want=20)
+        assert not b.granted  # a's 32 are the half: b's batch goes by request
+        a.close()
+        b.drain(want=20)
+        assert len(b.granted) == 20
+        b.close()
+        assert hosted.store.stats().tiers[0].free_blocks == 64  # every slot back
+    finally:
+        reg.close()
