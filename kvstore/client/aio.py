@@ -316,12 +316,11 @@ class AsyncClient:
         """Direct reads send nothing; the daemon learns of them (hits, LRU recency) in
         TOUCH requests (see `TouchLog`), best effort: the one in flight lands, then
         whatever waits goes."""
-        batch = self._touches.take(everything=True)
         before, self._touch_task = self._touch_task, None
-        if batch is not None:
-            await self._send_touch(batch, before)
-        elif before is not None:
+        if before is not None:
             await asyncio.wait([before])
+        while (batch := self._touches.take(everything=True)) is not None:
+            await self._send_touch(batch, None)
 
     async def _get_n(self, conn: AsyncConnection, packed: bytes, rows,
                      prefix: bool = False) -> list[TierKind | None]:

@@ -3,6 +3,7 @@
 buffers and the daemon's shared memory. The two clients differ only in how they wait."""
 from __future__ import annotations
 
+import itertools
 import time
 from typing import NamedTuple, Sequence
 
@@ -55,15 +56,19 @@ class TouchLog:
         return len(reads) >= TOUCH_BATCH or time.monotonic() - self.sent_at >= TOUCH_EVERY_S
 
     def take(self, everything: bool = False) -> w.Touch | None:
-        """The TOUCH due now (with `everything`: whatever waits), if any; what it reports
-        leaves the log."""
+        """The TOUCH due now (with `everything`: one even if none is due), if any: at most
+        TOUCH_BATCH blocks (a frame's header stays small), which leave the log."""
         reads = self.reads
         if not reads or not (everything or len(reads) >= TOUCH_BATCH
                              or time.monotonic() - self.sent_at >= TOUCH_EVERY_S):
             return None
-        self.reads, self.sent_at = {}, time.monotonic()
-        return w.Touch(hashes=b"".join(reads),
-                       reads=np.fromiter(reads.values(), "<u4", len(reads)).tobytes())
+        if len(reads) <= TOUCH_BATCH:
+            batch, self.reads = reads, {}
+        else:  # a huge read: the rest goes in the next TOUCH (due at once)
+            batch = {h: reads.pop(h) for h in list(itertools.islice(reads, TOUCH_BATCH))}
+        self.sent_at = time.monotonic()
+        return w.Touch(hashes=b"".join(batch), reads=np.fromiter(
+            (min(n, 0xFFFFFFFF) for n in batch.values()), "<u4", len(batch)).tobytes())
 
 
 def reusable_after(e: BaseException) -> bool:

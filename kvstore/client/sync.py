@@ -374,6 +374,10 @@ class Client:
         with self._lock:
             return self._touches.take(everything)
 
+    def _send_all_touches(self) -> None:
+        while (batch := self._due_touches(everything=True)) is not None:
+            self._send_touches(batch)
+
     def _send_touches(self, batch: w.Touch) -> None:
         try:
             self._call(batch)
@@ -472,9 +476,7 @@ class Client:
 
     def stats(self) -> StoreStats:
         self._touches_landed()
-        touched = self._due_touches(everything=True)
-        if touched:  # so the hit counts include this client's direct reads
-            self._send_touches(touched)
+        self._send_all_touches()  # so the hit counts include this client's direct reads
         return stats_of(self._call(w.Stats()), self.ns)
 
     @property
@@ -501,9 +503,7 @@ class Client:
             return
         if self._toucher is not None:
             self._toucher.shutdown(wait=True)
-        touched = self._due_touches(everything=True)
-        if touched:
-            self._send_touches(touched)
+        self._send_all_touches()
         self._closed = True
         self._drop_puts()
         self._drop_idle()

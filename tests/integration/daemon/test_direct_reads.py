@@ -217,3 +217,10 @@ def test_reads_reach_the_daemon_in_few_touches_with_exact_counts(make_daemon, mo
             c.get_n(hashes, out)
         assert c.remove_n(hashes[1:]) == 2  # before the daemon heard of their reads
         assert c.stats().tiers[0].counters.hits == 604 + 2, "reads of gone blocks counted"
+        monkeypatch.setattr(replies, "TOUCH_BATCH", 2)  # a read of more: several TOUCHes
+        more = chain(500, 5)
+        c.put_n(more, [block_of(h, NS.block_bytes) for h in more])
+        touches = op_count(daemon, "touch")
+        c.get_n(more, np.empty((5, NS.block_bytes), np.uint8))
+        assert c.stats().tiers[0].counters.hits == 606 + 5
+        assert op_count(daemon, "touch", touches + 3) == touches + 3  # 2 + 2 + 1 blocks
