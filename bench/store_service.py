@@ -116,24 +116,33 @@ def _sink(ports) -> None:
     ports.put(srv.getsockname()[1])
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = bytearray(64 * MiB)
+    buf = bytearray(128 * MiB)
     view = memoryview(buf)
+    at = 0  # where the next put lands (see RawSocket)
     while True:
         head = conn.recv(9, socket.MSG_WAITALL)
         if len(head) < 9:
             return
         op, n = struct.unpack("<cQ", head)
         if op == b"P":
+            at = at + n if at + 2 * n <= len(buf) else 0
             got = 0
             while got < n:
-                got += conn.recv_into(view[:min(n - got, len(buf))])
+                lo = (at + got) % len(buf)  # (an op bigger than the buffer wraps round)
+                got += conn.recv_into(view[lo:min(len(buf), lo + n - got)])
             conn.sendall(b"k")
         else:
             conn.sendall(view[:n])
 
 
 class RawSocket:
-    """One request/ack (put) or request/stream (get) per op, like the daemon's protocol."""
+    """One request/ack (put) or request/stream (get) per op, like the daemon's protocol.
+    A put lands in a new part of the sink's 128 MiB each time, as a store's puts land in
+    slots it has not just written (cf. RotatingCopy). It used to land every partial
+    receive at the buffer's start, a few hundred KiB kept hot in cache, and no store's
+    case: measured here, that sink took a 4 MiB put in ~0.9-1.0 ms against ~1.4-1.7 ms
+    for one landing in memory not just written (1 MiB: ~270 vs ~280-340 us). A get streams
+    one buffer, as the store's gets here re-read one stored set."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
