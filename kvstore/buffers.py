@@ -35,8 +35,11 @@ def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
 
 
 def cpu_array(buf) -> np.ndarray | None:
-    """A numpy view of a CPU tensor (one conversion for a whole `[n, bytes]` batch: a torch
-    row and its .numpy() cost ~3 us each), None for anything else."""
+    """A numpy view of host rows: a CPU tensor's (one conversion for a whole `[n, bytes]`
+    batch: a torch row and its .numpy() cost ~3 us each), an array as it is (`host_rows`
+    gives one), None for anything else."""
+    if isinstance(buf, np.ndarray):
+        return buf
     return buf.numpy() if isinstance(buf, torch.Tensor) and buf.is_cpu else None
 
 

@@ -67,7 +67,7 @@ class ArenaMap:
         the first that it does not), with no request: (tiers, indices left for the daemon,
         the hashes copied, for the next TOUCH). Each copy is kept only if its slot's
         generation did not move meanwhile."""
-        dst = rows if isinstance(rows, np.ndarray) else cpu_array(rows)
+        dst = cpu_array(rows)
         if len(hashes) > VECTOR_READS:
             return self._read_direct_n(hashes, rows, dst, prefix)
         d = self.directory
