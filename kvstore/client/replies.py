@@ -53,14 +53,16 @@ class TouchLog:
         reads = self.reads
         for h in hashes:
             reads[h] = reads.get(h, 0) + 1
-        return len(reads) >= TOUCH_BATCH or time.monotonic() - self.sent_at >= TOUCH_EVERY_S
+        return self._due()
+
+    def _due(self) -> bool:
+        return len(self.reads) >= TOUCH_BATCH or time.monotonic() - self.sent_at >= TOUCH_EVERY_S
 
     def take(self, everything: bool = False) -> w.Touch | None:
         """The TOUCH due now (with `everything`: one even if none is due), if any: at most
         TOUCH_BATCH blocks (a frame's header stays small), which leave the log."""
         reads = self.reads
-        if not reads or not (everything or len(reads) >= TOUCH_BATCH
-                             or time.monotonic() - self.sent_at >= TOUCH_EVERY_S):
+        if not reads or not (everything or self._due()):
             return None
         if len(reads) <= TOUCH_BATCH:
             batch, self.reads = reads, {}
