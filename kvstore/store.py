@@ -31,6 +31,7 @@ from kvstore.grants import Grants
 from kvstore.reads import NO_SLOT, Lease, Reads  # noqa: F401 - re-exported
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier
+from kvstore.tuning import background_thread
 
 log = logging.getLogger("kvtier.store")
 
@@ -346,7 +347,9 @@ class TieredStore(Reads, Grants):
 
     def _background(self) -> None:
         """`maintain()` on a timer; an error is logged and counted (`stats().background_errors`)
-        and the thread carries on, so one bad disk moment never stops eviction for good."""
+        and the thread carries on, so one bad disk moment never stops eviction for good.
+        A background thread (SCHED_BATCH): its timer never preempts a caller's put or get."""
+        background_thread("kvtier-maintain")
         while not self._stop.wait(self.config.background_interval_s):
             try:
                 self.maintain()

@@ -19,6 +19,7 @@ import threading
 from kvstore.daemon.namespaces import Hosted
 from kvstore.grants import BATCH_SHARE, GRANTED_SHARE
 from kvstore.putring import PutRing, ring_bytes
+from kvstore.tuning import background_thread
 from transfer import ShmSegment
 
 log = logging.getLogger("kvtier.puts")
@@ -143,6 +144,10 @@ class Drainer:
                     pass  # the drainer has stopped (shutdown)
 
     def _run(self) -> None:
+        # the doorbell wakes this thread once per put: as a normal thread, on a busy host it
+        # displaced the putting client mid-copy (16-44% of 256 KiB puts took over 100 us
+        # under --busy 2; 1.4-2.9% as a background thread, puts/s up 50-80%)
+        background_thread("kvtier-puts")
         while not self._stop.is_set():
             try:
                 events = self._epoll.poll(self.DRAIN_S)

@@ -4,6 +4,7 @@ client's own next request, no slot leaked when a client dies or lies, and no los
 the daemon goes away."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -196,3 +197,21 @@ def test_a_quiet_put_channel_outlives_the_idle_timeout(make_daemon):
         assert c.put_n(hs[2:], blocks(hs[2:])) == [PutStatus.STORED] * 2 and c._puts is puts
         out = np.zeros((4, BB), np.uint8)
         assert c.get_n(hs, out) == [TierKind.DRAM] * 4 and np.array_equal(out, blocks(hs))
+
+
+def test_the_drainer_and_maintenance_run_as_background_threads(make_daemon):
+    """The drainer's doorbell wakes it once per put: as a normal thread it preempted the
+    putting client mid-copy on a busy host; as SCHED_BATCH it waits for its turn instead.
+    Every other thread (connections, acceptors) stays a normal one."""
+    daemon = make_daemon("--dram-size", "4MiB")
+    with Client(daemon.url, namespace=NS) as c:
+        hs = chain(31, 2)
+        c.put_n(hs, blocks(hs))
+        policies = {}
+        for tid in os.listdir(f"/proc/{daemon.pid}/task"):
+            with open(f"/proc/{daemon.pid}/task/{tid}/comm") as f:
+                policies.setdefault(f.read().strip(), []).append(os.sched_getscheduler(int(tid)))
+        assert c.contains_n(hs) == [True, True]
+    assert policies.pop("kvtier-puts") == [os.SCHED_BATCH]
+    assert policies.pop("kvtier-maintain") == [os.SCHED_BATCH]  # the namespace's store
+    assert all(p == os.SCHED_OTHER for ps in policies.values() for p in ps), policies
