@@ -12,8 +12,9 @@ path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken di
 a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
 protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
 see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
-each prints why it was skipped. Single-op rows also give p50 / p99 latency (us) against the
-baseline's. Metadata: match_prefix over a 1,000-block chain and contains_n of 1,000 keys vs
+each prints why it was skipped. Each path's put and get is timed in turns with its memcpy or
+raw-socket baselines (`paired`), so a slow spell of a shared host weighs on both alike.
+Single-op rows also give p50 / p99 latency (us) against the baseline's. Metadata: match_prefix over a 1,000-block chain and contains_n of 1,000 keys vs
 the same calls on an in-process TieredStore. The asyncio client against the blocking one
 (single ops, and 16 gets in flight vs 16 threads). `--busy N` runs everything, baselines
 included, while N processes burn the CPUs (the host an inference engine shares).
@@ -82,14 +83,31 @@ class Stats(NamedTuple):
 def measure(fn, nbytes: int, seconds: float) -> Stats:
     """GB/s of repeated fn() calls moving nbytes each over about `seconds`, and the p50 /
     p99 latency of one call."""
-    fn()
-    times, t0 = [], time.perf_counter()
-    while True:
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-        if t - t0 >= seconds and len(times) >= 20:
-            break
+    return paired([fn], nbytes, seconds)[0]
+
+
+def paired(fns, nbytes: int, seconds: float, turns: int = 4) -> list[Stats]:
+    """`measure` of a row and its baselines together: each timed for seconds/turns in
+    turn, `turns` times over (the order rotating), so a shared host's slow spell weighs on
+    a row and its baselines alike. Timed one after another instead, a row and its
+    baseline moved +-20% against each other between runs on this 2-core VM."""
+    for fn in fns:
+        fn()  # warm-up: first touch of buffers, a put channel's grants
+    times: list[list[float]] = [[] for _ in fns]
+    for turn in range(turns):
+        for k in range(len(fns)):
+            i = (k + turn) % len(fns)  # no function always runs right after the same other
+            fn, ts, t0 = fns[i], times[i], time.perf_counter()
+            while True:
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+                if t - t0 >= seconds / turns and len(ts) >= 5 * (turn + 1):
+                    break
+    return [_stats(ts, nbytes) for ts in times]
+
+
+def _stats(times: list[float], nbytes: int) -> Stats:
     p50, p99 = np.percentile(times, [50, 99]) * 1e6
     return Stats(len(times) * nbytes / sum(times) / 1e9, float(p50), float(p99))
 
@@ -341,51 +359,53 @@ def data_rows(url: str, redis: RedisPeer | None, mooncake: dict | None, raw: Raw
 
 
 def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds) -> list[Row]:
+    """Each path's put and get, timed in turn with their baselines (`paired`)."""
     total = nbytes * batch
     a = torch.randint(0, 256, (total,), dtype=torch.uint8)
     b = torch.empty_like(a)
-    memcpy = measure(lambda: np.copyto(b.numpy(), a.numpy()), total, seconds)
-    memcpy_put = measure(RotatingCopy(a.numpy()), total, seconds)
+    view = memoryview(b.numpy())
     # the same copy into shared memory (what an arena is): private memory may get huge
     # pages where shared memory does not (see SHMEM_THP), and a copy runs slower on 4 KiB
     into_shm = RotatingCopy(a.numpy(), shared=True)
-    memcpy_shm_put = measure(into_shm, total, seconds)
-    into_shm.segment.close()
     # and a get's: out of shared memory (the leased arena slots) into private memory
     out_of = ShmSegment.anonymous(total, "bench-memcpy")
     out_of.array[:] = a.numpy()
-    memcpy_shm_get = measure(lambda: np.copyto(b.numpy(), out_of.array[:total]), total, seconds)
-    out_of.close()
-    view = memoryview(b.numpy())
-    raw_put = measure(lambda: raw.put(memoryview(a.numpy())), total, seconds)
-    raw_get = measure(lambda: raw.get(view), total, seconds)
+    bases = {  # (name, fn) per op: the first one is the row's p50 / p99 baseline
+        "shm": {"put": [("memcpy", RotatingCopy(a.numpy())),
+                        (f"memcpy into shm ({SHMEM_THP})", into_shm)],
+                "get": [("memcpy", lambda: np.copyto(b.numpy(), a.numpy())),
+                        (f"memcpy from shm ({SHMEM_THP})",
+                         lambda: np.copyto(b.numpy(), out_of.array[:total]))]},
+        "socket": {"put": [("raw socket", lambda: raw.put(memoryview(a.numpy())))],
+                   "get": [("raw socket", lambda: raw.get(view))]}}
     peer = redis.rates(nbytes, batch, seconds) if redis else None
     rows = []
-    for path, client in clients.items():
-        case = Case(client, ns, batch)
-        name = f"{path} {{}} {label} x{batch}"
-        base = ("memcpy", memcpy_put, memcpy) if path == "shm" else \
-            ("raw socket", raw_put, raw_get)
-        get, put = measure(case.get, total, seconds), measure(case.put, total, seconds)
-        case.close()
-        rows += [Row(name.format("put"), "GB/s", put.gbps, base[0], base[1].gbps),
-                 Row(name.format("get"), "GB/s", get.gbps, base[0], base[2].gbps)]
-        if path == "shm":
-            rows += [Row(name.format("put"), "GB/s", put.gbps,
-                         f"memcpy into shm ({SHMEM_THP})", memcpy_shm_put.gbps),
-                     Row(name.format("get"), "GB/s", get.gbps,
-                         f"memcpy from shm ({SHMEM_THP})", memcpy_shm_get.gbps)]
-        if batch == 1:  # one op's latency: the figure a busy host hurts first
-            for op, st, bst in (("put", put, base[1]), ("get", get, base[2])):
-                rows += [Row(name.format(op) + " p50", "us", st.p50_us, base[0], bst.p50_us),
-                         Row(name.format(op) + " p99", "us", st.p99_us, base[0], bst.p99_us)]
-        if peer and path == "tcp":
-            rows += [Row(name.format("put"), "GB/s", put.gbps, "redis", peer[0]),
-                     Row(name.format("get"), "GB/s", get.gbps, "redis", peer[1])]
-        if mooncake and path == "tcp" and (label, batch) in mooncake:
-            mc_put, mc_get = mooncake[label, batch]
-            rows += [Row(name.format("put"), "GB/s", put.gbps, "mooncake", mc_put),
-                     Row(name.format("get"), "GB/s", get.gbps, "mooncake", mc_get)]
+    try:
+        for path, client in clients.items():
+            case = Case(client, ns, batch)
+            name = f"{path} {{}} {label} x{batch}"
+            named = bases["shm" if path == "shm" else "socket"]
+            got = {op: paired([getattr(case, op)] + [fn for _, fn in named[op]], total, seconds)
+                   for op in ("get", "put")}
+            case.close()
+            for op in ("put", "get"):
+                rows += [Row(name.format(op), "GB/s", got[op][0].gbps, base, st.gbps)
+                         for (base, _), st in zip(named[op], got[op][1:])]
+            if batch == 1:  # one op's latency: the figure a busy host hurts first
+                for op in ("put", "get"):
+                    (st, bst), base = got[op][:2], named[op][0][0]
+                    rows += [Row(name.format(op) + " p50", "us", st.p50_us, base, bst.p50_us),
+                             Row(name.format(op) + " p99", "us", st.p99_us, base, bst.p99_us)]
+            if peer and path == "tcp":
+                rows += [Row(name.format("put"), "GB/s", got["put"][0].gbps, "redis", peer[0]),
+                         Row(name.format("get"), "GB/s", got["get"][0].gbps, "redis", peer[1])]
+            if mooncake and path == "tcp" and (label, batch) in mooncake:
+                mc_put, mc_get = mooncake[label, batch]
+                rows += [Row(name.format("put"), "GB/s", got["put"][0].gbps, "mooncake", mc_put),
+                         Row(name.format("get"), "GB/s", got["get"][0].gbps, "mooncake", mc_get)]
+    finally:
+        into_shm.segment.close()
+        out_of.close()
     return rows
 
 
@@ -399,8 +419,7 @@ async def ameasure(afn, nbytes: int, seconds: float) -> Stats:
         times.append(time.perf_counter() - t)
         if t - t0 >= seconds and len(times) >= 20:
             break
-    p50, p99 = np.percentile(times, [50, 99]) * 1e6
-    return Stats(len(times) * nbytes / sum(times) / 1e9, float(p50), float(p99))
+    return _stats(times, nbytes)
 
 
 def async_rows(url: str, seconds: float) -> list[Row]:

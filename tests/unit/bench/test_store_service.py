@@ -1,0 +1,18 @@
+"""bench.store_service's timing helper: a row and its baselines run in turns, the order
+rotating (figures are not checked: tests never time things)."""
+from bench.store_service import paired
+
+
+def test_paired_runs_each_function_in_turns_with_a_rotating_order():
+    order = []
+    fns = [lambda k=k: order.append(k) for k in "abc"]
+    stats = paired(fns, nbytes=1, seconds=0.0, turns=3)
+    assert len(stats) == 3 and all(s.gbps > 0 and s.p99_us >= s.p50_us for s in stats)
+    assert order[:3] == list("abc")  # the warm-up
+    runs = [order[3]]  # the letters of each uninterrupted run, after the warm-up
+    for k in order[4:]:
+        if k != runs[-1][-1]:
+            runs.append("")
+        runs[-1] += k
+    assert [r[0] for r in runs] == list("abc" "bca" "cab")
+    assert all(len(r) >= 5 for r in runs)  # a turn is never a single call
