@@ -44,8 +44,8 @@ def background_thread(name: str) -> None:
             os.sched_setscheduler(0, batch, os.sched_param(0))
         except OSError:
             pass  # a seccomp profile that forbids it: the thread stays a normal one
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
-    except (OSError, AttributeError, TypeError):
-        pass  # not glibc/Linux: the name is cosmetic
+    try:  # the process's own symbols (libc's among them): find_library would run ldconfig
+        prctl = ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):
+        return  # not Linux: the name is cosmetic
+    prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
