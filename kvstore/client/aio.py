@@ -19,13 +19,13 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from kvstore import wire as w
-from kvstore.buffers import byte_rows, select_rows
+from kvstore.buffers import byte_rows, host_rows, select_rows
 from kvstore.client.aconn import AsyncConnection
 from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TouchLog, as_numpy,
-                                    copy_row, flags_of, get_layout, host_view, numpy_rows,
+                                    copy_row, flags_of, get_layout, numpy_rows, row_view,
                                     match_of, put_statuses, raise_unless_retryable, reusable_after,
                                     stage, stats_of)
 from kvstore.client.shm import ArenaMap
@@ -326,11 +326,12 @@ class AsyncClient:
                      prefix: bool = False) -> list[TierKind | None]:
         arena = self._arena if conn.local else None
         release, conn.pending_release = tuple(conn.pending_release), []
+        host = host_rows(rows, len(packed) // 16, self.block_bytes)
         reply, payload_bytes = await conn.call(w.Get(hashes=packed, release=release,
                                                      prefix=prefix, shm=arena is not None))
         tiers, inline, leased, slots = get_layout(reply, payload_bytes, self.block_bytes)
         for i in inline:
-            view, staging = host_view(rows[i])
+            view, staging = row_view(rows, host, i)
             await conn.recv_into(view)
             if staging is not None:
                 copy_row(rows[i], staging)

@@ -208,6 +208,12 @@ def stage(staging: np.ndarray, rows, n: int, block_bytes: int) -> None:
 copy_row = copy_bytes  # one block between the arena and a caller buffer
 
 
+def row_view(rows, host, i: int) -> tuple[memoryview, torch.Tensor | None]:
+    """`host_view` of rows[i], or its part of `host` (`host_rows` of all the rows, made
+    once): a GET over TCP received row by row converted each (~3 us and more a row)."""
+    return (memoryview(host[i]), None) if host is not None else host_view(rows[i])
+
+
 def host_view(row: torch.Tensor) -> tuple[memoryview, torch.Tensor | None]:
     """Where to receive a row's bytes: the row itself (host memory), or a host staging
     tensor to copy to the device row afterwards (returned second)."""

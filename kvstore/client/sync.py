@@ -23,8 +23,8 @@ from kvstore.client.agentpath import AgentPath
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PUT_BYTES,
                                     TouchLog, as_numpy, copy_row, flags_of, get_layout,
-                                    host_view, match_of, numpy_rows, put_statuses, stage,
-                                    raise_unless_retryable, reusable_after, stats_of)
+                                    match_of, numpy_rows, put_statuses, stage,
+                                    raise_unless_retryable, reusable_after, row_view, stats_of)
 from kvstore.client.shm import ArenaMap, map_arena
 from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
@@ -391,11 +391,15 @@ class Client:
         hits arrive inline after the reply."""
         arena, agent = self._movers(conn)
         release, conn.pending_release = tuple(conn.pending_release), []
-        reply, payload_bytes = conn.call(w.Get(hashes=packed, release=release, prefix=prefix,
-                                               shm=arena is not None or agent is not None))
+        conn.send(w.Get(hashes=packed, release=release, prefix=prefix,
+                        shm=arena is not None or agent is not None))
+        # while the daemon works, not after its reply: host rows as one numpy view (a 256
+        # KiB get over TCP took ~20 us less at p50 than converting each row on arrival)
+        host = host_rows(rows, len(packed) // 16, self.block_bytes)
+        reply, payload_bytes = conn.receive(w.Op.GET)
         tiers, inline, leased, slots = get_layout(reply, payload_bytes, self.block_bytes)
         for i in inline:
-            view, staging = host_view(rows[i])
+            view, staging = row_view(rows, host, i)
             conn.recv_into(view)
             if staging is not None:
                 copy_row(rows[i], staging)

@@ -61,6 +61,24 @@ def test_misses_leave_destination_alone(client):
     assert client.get(b"\x00" * 16) is None
 
 
+@pytest.mark.parametrize("kind", ["tensor", "flat numpy", "row list"])
+def test_hits_around_misses_land_in_their_own_rows(client, kind):
+    """Hits come back inline (TCP) or leased (same host) in batch order, misses between
+    them: each lands in its own row of any destination form, the misses' rows untouched."""
+    hs = chain(20 + PATHS.index(client.test_path) + 10 * len(kind), 5)
+    for i in (0, 2, 4):
+        client.put(hs[i], block_of(hs[i], BB))
+    dst = {"tensor": torch.full((5, BB), 7, dtype=torch.uint8),
+           "flat numpy": np.full(5 * BB, 7, np.uint8),
+           "row list": [bytearray(b"\x07" * BB) for _ in range(5)]}[kind]
+    tiers = client.get_n(hs, dst)
+    assert [t is not None for t in tiers] == [True, False, True, False, True]
+    rows = [np.frombuffer(r, np.uint8) for r in dst] if kind == "row list" else \
+        np.asarray(dst).reshape(5, BB)
+    for i, h in enumerate(hs):
+        assert (rows[i] == (block_of(h, BB) if i % 2 == 0 else 7)).all(), i
+
+
 def test_metadata_ops_match_store_semantics(client):
     hs = chain(20 + PATHS.index(client.test_path), 8)
     client.put_n(hs[:5], [block_of(h, BB) for h in hs[:5]])
