@@ -14,8 +14,9 @@ protocol, master + storage process + client inside a loopback-only `unshare -n` 
 see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
 each prints why it was skipped. Each path's put and get is timed in turns with its memcpy or
 raw-socket baselines (`paired`), so a slow spell of a shared host weighs on both alike.
-Single-op rows also give p50 / p99 latency (us) against the baseline's. Metadata: match_prefix over a 1,000-block chain and contains_n of 1,000 keys vs
-the same calls on an in-process TieredStore. The asyncio client against the blocking one
+Single-op rows also give p50 / p99 latency (us) against the baseline's. Metadata:
+match_prefix over a 1,000-block chain and contains_n of 1,000 keys vs the same calls on an
+in-process TieredStore. The asyncio client against the blocking one
 (single ops, and 16 gets in flight vs 16 threads). `--busy N` runs everything, baselines
 included, while N processes burn the CPUs (the host an inference engine shares).
 
