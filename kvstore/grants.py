@@ -28,7 +28,11 @@ class Grants:
         as long as all writers together hold at most 1/share of the DRAM tier (a stock
         kept ahead: 1/GRANTED_SHARE; a batch about to be written: up to 1/BATCH_SHARE)."""
         i = self._tier_index(TierKind.DRAM)
-        if i is None or n <= 0:
+        if i is None:
+            return []
+        with self._lock:  # no room is made for slots the share will not grant
+            n = min(n, self._p.tiers[i].num_slots // share - len(self._granted))
+        if n <= 0:
             return []
         self._make_room_in(i, n)
         with self._lock:
