@@ -15,6 +15,7 @@ import logging
 import os
 import select
 import threading
+import time
 
 from kvstore.daemon.namespaces import Hosted
 from kvstore.grants import BATCH_SHARE, GRANTED_SHARE
@@ -27,6 +28,7 @@ RING_CAPACITY = 1024
 GRANT_CAPACITY = 256
 GRANT_BYTES = 64 << 20  # at most this much DRAM held in grants by one channel
 MIN_GRANTING_SLOTS = 16  # a smaller arena grants nothing: every slot stays a request's
+BATCH_HOLD_S = 1.0  # a batch bigger than the stock is granted ahead this long after the last
 
 
 class PutChannel:
@@ -39,6 +41,7 @@ class PutChannel:
         self.ring = PutRing(self.segment.array, RING_CAPACITY, GRANT_CAPACITY)
         self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.granted: set[int] = set()  # granted to this channel and not yet committed
+        self.batch = (0, 0.0)  # (a batch bigger than the stock the client puts, when last)
         self.lock = threading.Lock()
         self.closed = False
         self._top_up()
@@ -62,8 +65,21 @@ class PutChannel:
                 self.granted.difference_update(s for _, s in mine)
                 self.store.commit_granted([h for h, _ in mine], [s for _, s in mine])
             self.ring.consume(len(hashes))
+            self._note_batch(want, len(mine))
             self._top_up(want)
             return len(mine)
+
+    def _note_batch(self, want: int, committed: int) -> None:
+        """Remember a batch bigger than the stock (a FLUSH naming it) for as long as the
+        client keeps putting that many at a time (BATCH_HOLD_S after the last): `_top_up`
+        then grants such batches ahead. Granted only at a FLUSH, every such put paid a
+        FLUSH round trip first: ~0.4 ms of a ~6 ms 4 MiB x16 put (a stock of 12 slots in
+        a 192 MiB arena)."""
+        size, _ = self.batch
+        if want > self.target():
+            self.batch = (want, time.monotonic())
+        elif size and committed >= size:
+            self.batch = (size, time.monotonic())
 
     def target(self) -> int:
         """How many granted slots this channel keeps in stock: enough for the client to put
@@ -85,8 +101,14 @@ class PutChannel:
         """Grant slots up to the channel's stock (`target`), or once up to `batch` (a FLUSH
         naming a batch bigger than the stock: its slots are written at once, so they may
         take the store's larger limit for grants, 1/BATCH_SHARE of the DRAM tier; a batch
-        over that, or an arena that grants nothing, is left to a put request)."""
+        over that, or an arena that grants nothing, is left to a put request). While the
+        client keeps putting such batches (`_note_batch`), the drainer's top-ups keep two of
+        them granted, within the same limit: the client copies into what is left of the
+        stock while the drainer commits its last batch and grants the rest."""
         target, share = self.target(), GRANTED_SHARE
+        size, at = self.batch
+        if not batch and time.monotonic() - at < BATCH_HOLD_S:
+            batch = 2 * size  # the drainer's top-up: the batch being written and the next
         if target and batch > target:
             target, share = batch, BATCH_SHARE
         want = min(target - len(self.granted), self.ring.grant_room())

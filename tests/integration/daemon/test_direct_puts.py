@@ -124,6 +124,28 @@ def test_a_batch_bigger_than_the_stock_takes_one_flush_not_a_put(make_daemon, mo
         assert np.array_equal(out, blocks(again))
 
 
+
+def test_batches_bigger_than_the_stock_go_on_without_a_flush(make_daemon):
+    """Only the first batch bigger than the stock (16 here) takes a FLUSH: while the client
+    keeps putting batches that big, the drainer keeps two of them granted (up to half the
+    arena), and each next put finds its slots."""
+    d = make_daemon(dram_size="256KiB", ssd_size="0")  # 64 slots: a stock of 16
+    with Client(d.url, namespace=NS) as c:
+        c.put_n(chain(30, 1), blocks(chain(30, 1)))  # opens the put channel
+        flushes = op_count(d, "flush")
+        for k in range(5):
+            hs = chain(31 + k, 24)
+            assert c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * 24
+            t0 = time.monotonic()  # the drainer commits the put and grants the next one's
+            while c._puts.pending() or len(c._puts.grants) + len(
+                    c._puts.ring.unclaimed_grants()) < 24:
+                assert time.monotonic() - t0 < 10, "the drainer did not grant a next batch"
+                time.sleep(0.005)
+        assert op_count(d, "flush") == flushes + 1
+        out = np.zeros((24, BB), np.uint8)
+        assert c.get_n(hs, out) == [TierKind.DRAM] * 24 and np.array_equal(out, blocks(hs))
+
+
 KILLED_WRITER = """
 import os, sys, numpy as np
 from kvstore import Client

@@ -1,5 +1,9 @@
 """How many DRAM slots a put channel keeps granted: enough to ride out a drainer a busy
-host leaves unscheduled, at most a quarter of the namespace's DRAM for all its channels."""
+host leaves unscheduled, at most a quarter of the namespace's DRAM for all its channels
+(half while a client puts batches bigger than its stock)."""
+import numpy as np
+
+from kvstore.daemon import putchannel
 from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.namespaces import Registry
 from kvstore.daemon.putchannel import GRANT_BYTES, GRANT_CAPACITY, PutChannel
@@ -60,5 +64,50 @@ def test_a_flush_for_a_big_batch_grants_it_up_to_half_the_dram(tmp_path):
         assert len(b.granted) == 20
         b.close()
         assert hosted.store.stats().tiers[0].free_blocks == 64  # every slot back
+    finally:
+        reg.close()
+
+
+def test_a_channel_putting_big_batches_keeps_two_granted(tmp_path, monkeypatch):
+    """After a FLUSH for a batch bigger than the stock, each commit of such a batch tops
+    the grants up to two batches (within half the DRAM), so the next put finds slots
+    without a FLUSH; once the client stops putting them, the stock is the usual one."""
+    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=128 * NS.block_bytes,
+                                ssd_bytes=0))
+    try:
+        hosted = reg.open(NS, ADMIN)
+        a = PutChannel(hosted)
+        assert a.target() == 32 and len(a.granted) == 32
+        a.drain(want=40)
+        assert len(a.granted) == 40  # the FLUSH grants the batch
+        for r in range(3):  # the client puts 40 at a time, the drainer commits each put
+            slots = a.ring.take_grants(GRANT_CAPACITY)
+            assert len(slots) >= 40
+            a.ring.push([bytes([r, i]) * 8 for i in range(40)], slots[:40])
+            assert a.drain() == 40
+            assert len(a.granted) == 64  # two batches would be 80: half the DRAM is 64
+            a.ring.push_grants(slots[40:])  # (given back to the ring: the client's stock)
+        monkeypatch.setattr(putchannel, "BATCH_HOLD_S", 0.0)  # no such batch for a while
+        slots = a.ring.take_grants(GRANT_CAPACITY)
+        a.ring.push([bytes([9, i]) * 8 for i in range(8)], slots[:8])
+        assert a.drain() == 8
+        assert len(a.granted) == 64 - 8  # no top-up: more than the stock is granted still
+        assert hosted.store.contains_n([bytes([9, i]) * 8 for i in range(8)]) == [True] * 8
+        a.close()
+    finally:
+        reg.close()
+
+
+def test_granting_evicts_no_more_than_the_share_lets_it_grant(tmp_path):
+    """A grant capped by the share makes room for the slots it grants, not for all it was
+    asked: a top-up asking for more than the cap evicted blocks just put."""
+    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=64 * NS.block_bytes,
+                                ssd_bytes=0))
+    try:
+        store = reg.open(NS, ADMIN).store
+        hs = [bytes([7, i]) * 8 for i in range(40)]
+        store.put_n(hs, np.zeros((40, NS.block_bytes), np.uint8))
+        assert len(store.grant_n(40, share=2)) == 32  # half of 64: 24 free, 8 evicted
+        assert sum(store.contains_n(hs)) == 32
     finally:
         reg.close()
