@@ -28,6 +28,7 @@ PAGE = 4096
 EXTENT_BYTES = 256 << 20
 INDEX_HEADROOM = 1 << 20  # disk the slab file never takes: the index must still write
 IOV_BLOCKS = 300  # blocks per preadv/pwritev (3 iovecs each, under IOV_MAX = 1024)
+HASHED_RUN_BYTES = 2 << 20  # a write's blocks are hashed just before it: about a cache's worth
 
 
 def stride_of(block_bytes: int) -> int:
@@ -76,12 +77,15 @@ class SlabFile:
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes],
                 payloads: Sequence[memoryview]) -> list[int]:
         """Write blocks (flat byte views) with their headers; returns each payload's
-        checksum."""
-        sums = [checksum(p) for p in payloads]
+        checksum. Each pwritev is of at most HASHED_RUN_BYTES (one block at least), hashed
+        just before it: the bytes are still in cache when the kernel copies them (16 x 4 MiB
+        hashed first and written after: ~45 us more per block, measured)."""
+        sums = [0] * len(payloads)
         pad = self._pad_view
-        for first, idx in _runs(slots):
+        for first, idx in _runs(slots, max(1, HASHED_RUN_BYTES // self.block_bytes)):
             bufs = []
             for i in idx:
+                sums[i] = checksum(payloads[i])
                 bufs += [payloads[i], encode_header(self.ns, hashes[i], sums[i]), pad]
             self._io(os.pwritev, first, bufs)
         return sums
@@ -159,11 +163,13 @@ class SlabFile:
             self.fd = -1
 
 
-def _runs(slots: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """(first slot, batch indices) of each run of consecutive slots, IOV_BLOCKS at most."""
+def _runs(slots: Sequence[int], most: int = IOV_BLOCKS) -> list[tuple[int, list[int]]]:
+    """(first slot, batch indices) of each run of consecutive slots, `most` (at most
+    IOV_BLOCKS) blocks long at most."""
+    most = min(most, IOV_BLOCKS)
     runs: list[tuple[int, list[int]]] = []
     for i, slot in enumerate(slots):
-        if runs and slot == runs[-1][0] + len(runs[-1][1]) and len(runs[-1][1]) < IOV_BLOCKS:
+        if runs and slot == runs[-1][0] + len(runs[-1][1]) and len(runs[-1][1]) < most:
             runs[-1][1].append(i)
         else:
             runs.append((slot, [i]))
