@@ -95,20 +95,19 @@ class SlabFile:
         """Read blocks into `dsts` (flat writable byte views); False where the slot does not
         hold that block intact (another hash, a bad header, a checksum mismatch, an
         unreadable sector)."""
-        headers = [bytearray(HEADER_BYTES) for _ in slots]
-        ok = [True] * len(slots)
+        ok = [False] * len(slots)
         pad = self._scratch_view
-        for first, idx in _runs(slots):
+        for first, idx in _runs(slots, max(1, HASHED_RUN_BYTES // self.block_bytes)):
+            headers = [bytearray(HEADER_BYTES) for _ in idx]
             bufs = []
-            for i in idx:
-                bufs += [dsts[i], headers[i], pad]
+            for i, header in zip(idx, headers):
+                bufs += [dsts[i], header, pad]
             try:
                 self._io(os.preadv, first, bufs)
             except TierIOError:
-                for i in idx:
-                    ok[i] = False
-        for i, (h, dst) in enumerate(zip(hashes, dsts)):
-            ok[i] = ok[i] and self._intact(headers[i], bytes(h), dst)
+                continue
+            for i, header in zip(idx, headers):  # verified while the run is in cache
+                ok[i] = self._intact(header, bytes(hashes[i]), dsts[i])
         return ok
 
     def _intact(self, header: bytes, block_hash: bytes, payload: memoryview) -> bool:
