@@ -98,19 +98,22 @@ class DirectPuts:
                 # a FLUSH as big fell short lately
             src = cpu_array(rows)
             src = rows if src is None else src
-            slots: list[int] = []
-            while len(slots) < n:
-                # what is granted now is copied into at once: the drainer commits the last
-                # put and grants the rest meanwhile (waiting for all of a big batch's slots
-                # put a FLUSH round trip before every 4 MiB x16 put, ~0.4 ms of ~6)
-                got = self._take(n - len(slots)) if self.ring.room() >= n else []
-                if not got and not self._flush_for(n, len(slots)):
-                    self.grants += slots  # copied into, never published: still ours
-                    return None
-                for i, slot in zip(new[len(slots):], got):
-                    copy_bytes(self.arena.array[slot], src[i])
-                slots += got
-            self.ring.push([bytes(hashes[i]) for i in new], slots)
+            slots: list[int] = []  # taken from the grants: given back unless published
+            try:
+                while len(slots) < n:
+                    # what is granted now is copied into at once: the drainer commits the
+                    # last put and grants the rest meanwhile (waiting for all of a big
+                    # batch's slots put a FLUSH round trip before every 4 MiB x16 put)
+                    got = self._take(n - len(slots)) if self.ring.room() >= n else []
+                    if not got and not self._flush_for(n, len(slots)):
+                        return None
+                    slots += got
+                    for i, slot in zip(new[len(slots) - len(got):], got):
+                        copy_bytes(self.arena.array[slot], src[i])
+                self.ring.push([bytes(hashes[i]) for i in new], slots)
+                slots = []  # published: the daemon's now
+            finally:
+                self.grants += slots  # copied into (or not), never published: still ours
             self.unseen.update(bytes(hashes[i]) for i in new)
             if new:
                 os.eventfd_write(self.doorbell, 1)

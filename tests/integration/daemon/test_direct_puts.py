@@ -35,6 +35,16 @@ def blocks(hs):
     return np.stack([block_of(h, BB) for h in hs])
 
 
+def drained(c: Client, grants: int) -> None:
+    """Wait until the daemon's drainer committed c's puts and granted its channel
+    `grants` slots (it does both after each put, on its own thread)."""
+    t0 = time.monotonic()
+    while c._puts.pending() or len(c._puts.grants) + len(c._puts.ring.unclaimed_grants()) \
+            < grants:
+        assert time.monotonic() - t0 < 10, "the drainer did not commit and grant in 10 s"
+        time.sleep(0.005)
+
+
 def op_count(daemon, op: str) -> float:
     text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
     found = re.findall(rf'^kvtier_ops_total{{op="{op}",outcome="ok"}} (\S+)$', text, re.M)
@@ -104,11 +114,12 @@ def test_a_batch_bigger_than_the_stock_takes_one_flush_not_a_put(make_daemon, mo
         assert c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * 24
         assert op_count(d, "put") == ops["put"] and op_count(d, "reserve") == ops["reserve"]
         assert op_count(d, "flush") == ops["flush"] + 1
+        drained(c, 32)  # two batches of 24 would be 48: the half of the arena is 32
         out = np.zeros((24, BB), np.uint8)
         assert other.get_n(hs, out) == [TierKind.DRAM] * 24  # committed: any reader sees them
         assert np.array_equal(out, blocks(hs))
-        # a second channel: c holds the quarter of the arena kept in stock, so this one
-        # can be granted at most the rest of the half, 16 slots: not enough for 30
+        # a second channel: c, putting batches of 24, holds the half of the arena that
+        # grants may take, so this one is granted nothing: not enough for 30
         monkeypatch.setattr(putpath, "REFUSED_RETRY_S", 0.0)  # its first (1 block) falls short
         other.put_n(chain(22, 1), blocks(chain(22, 1)))
         ops = {op: op_count(d, op) for op in ("put", "flush")}
@@ -136,11 +147,7 @@ def test_batches_bigger_than_the_stock_go_on_without_a_flush(make_daemon):
         for k in range(5):
             hs = chain(31 + k, 24)
             assert c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * 24
-            t0 = time.monotonic()  # the drainer commits the put and grants the next one's
-            while c._puts.pending() or len(c._puts.grants) + len(
-                    c._puts.ring.unclaimed_grants()) < 24:
-                assert time.monotonic() - t0 < 10, "the drainer did not grant a next batch"
-                time.sleep(0.005)
+            drained(c, 32)  # committed, and two batches granted (the half of the arena)
         assert op_count(d, "flush") == flushes + 1
         out = np.zeros((24, BB), np.uint8)
         assert c.get_n(hs, out) == [TierKind.DRAM] * 24 and np.array_equal(out, blocks(hs))
