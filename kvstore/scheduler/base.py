@@ -138,11 +138,15 @@ def decode_estimate_s(request: RouteRequest, load: DecodeLoad, cost: CostModel) 
 
 def choose_decode(request: RouteRequest, view: ClusterView, cost: CostModel) -> tuple[str, float]:
     """The decode instance with the fastest step once `request` joins, among those with KV
-    room for it; when none has room, the one with the most free KV (the request waits)."""
+    room for it; when none has room, the one with the most free KV (the request waits).
+    Equal estimates go to the less loaded (fewer sequences, then less KV): a cost model
+    fitted to a busy host's noisy timings can come out flat (no per-sequence or per-token
+    term), and the name alone then sent every request to the same instance."""
     need = request.input_tokens + request.output_tokens
     fits = [d for d in view.decode if d.kv_tokens + need <= d.kv_capacity_tokens]
     if fits:
-        best = min(fits, key=lambda d: (decode_estimate_s(request, d, cost), d.node_id))
+        best = min(fits, key=lambda d: (decode_estimate_s(request, d, cost), d.batch_size,
+                                        d.kv_tokens, d.node_id))
     else:
         best = max(view.decode, key=lambda d: (d.kv_capacity_tokens - d.kv_tokens, d.node_id))
     return best.node_id, decode_estimate_s(request, best, cost)

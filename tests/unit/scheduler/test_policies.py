@@ -1,10 +1,13 @@
 """Each policy on hand-made clusters where the right choice is obvious."""
+import dataclasses
+
 import pytest
 
 from kvstore.events import EventKind, KVEvent, TierKind
 from kvstore.index import ClusterIndex
 from kvstore.scheduler import (ClusterView, DecodeLoad, PolicyKind, PrefillLoad,
                                RejectReason, RouteRequest, SchedulerConfig, make_policy)
+from kvstore.scheduler.cost_model import DecodeCost
 
 BLOCK = 512
 
@@ -115,6 +118,19 @@ def test_decode_choice_by_load_and_capacity():
     view = cluster({}, {"a": 0.0}, decode=decode)
     for kind in (PolicyKind.LEAST_LOADED, PolicyKind.PREFIX, PolicyKind.CONDUCTOR):
         assert make_policy(kind).place(request(), view).decode_node == "light"
+
+
+def test_decode_choice_under_a_flat_cost_model_goes_to_the_less_loaded():
+    """A decode cost fitted flat (a constant step: what noisy timings can give) makes every
+    estimate equal; the request goes to the instance with fewer sequences, not the first by
+    name."""
+    base = SchedulerConfig().cost
+    flat = dataclasses.replace(base, decode=DecodeCost(0.01, 0.0, 0.0))
+    decode = (DecodeLoad("d0", 1, 500, 1_000_000), DecodeLoad("d1", 0, 0, 1_000_000))
+    view = cluster({}, {"a": 0.0}, decode=decode)
+    for kind in (PolicyKind.LEAST_LOADED, PolicyKind.PREFIX, PolicyKind.CONDUCTOR):
+        policy = make_policy(kind, SchedulerConfig(cost=flat))
+        assert policy.place(request(), view).decode_node == "d1"
 
 
 def test_early_rejection_on_slo():
