@@ -31,17 +31,22 @@ class Grants:
         if i is None:
             return []
         with self._lock:  # no room is made for slots the share will not grant
-            n = min(n, self._p.tiers[i].num_slots // share - len(self._granted))
+            n = min(n, self._grantable(self._p.tiers[i], share))
         if n <= 0:
             return []
         self._make_room_in(i, n)
         with self._lock:
             self._check_open()
             tier = self._p.tiers[i]
-            k = min(n, tier.num_free(), tier.num_slots // share - len(self._granted))
+            k = min(n, tier.num_free(), self._grantable(tier, share))
             slots = (tier.alloc_n(k) if k > 0 else None) or []
             self._granted.update(slots)
             return slots
+
+    def _grantable(self, tier, share: int) -> int:
+        """Under the lock: how many more slots of `tier` all writers together may hold
+        granted within 1/share of it."""
+        return tier.num_slots // share - len(self._granted)
 
     def commit_granted(self, hashes: Sequence[bytes], slots: Sequence[int]) -> list[PutStatus]:
         """Bind each granted slot to the block written into it and publish it. Per block:

@@ -123,9 +123,13 @@ class DirectPuts:
 
     def _take(self, n: int) -> list[int]:
         """Up to n granted slots, as many as are granted now."""
+        self._refill(n)
+        return [self.grants.pop() for _ in range(min(n, len(self.grants)))]
+
+    def _refill(self, n: int) -> None:
+        """Fewer than n slots in hand: take every grant the ring holds."""
         if len(self.grants) < n:
             self.grants += self.ring.take_grants(self.ring.grant_capacity)
-        return [self.grants.pop() for _ in range(min(n, len(self.grants)))]
 
     def _flush_for(self, n: int, held: int) -> bool:
         """One FLUSH for a batch of n, `held` of whose slots are in hand: the daemon's
@@ -149,8 +153,7 @@ class DirectPuts:
 
     def _enough(self, n: int) -> bool:
         """Are there n granted slots and n ring entries free (taking what the ring has)?"""
-        if len(self.grants) < n:
-            self.grants += self.ring.take_grants(self.ring.grant_capacity)
+        self._refill(n)
         return len(self.grants) >= n and self.ring.room() >= n
 
     def pending(self) -> bool:
