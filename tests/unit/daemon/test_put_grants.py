@@ -1,6 +1,8 @@
 """How many DRAM slots a put channel keeps granted: enough to ride out a drainer a busy
 host leaves unscheduled, at most a quarter of the namespace's DRAM for all its channels
 (half while a client puts batches bigger than its stock)."""
+import contextlib
+
 import numpy as np
 
 from kvstore.daemon import putchannel
@@ -12,10 +14,18 @@ from kvstore.keys import Namespace
 NS = Namespace("grants", num_layers=8, num_kv_heads=8, head_dim=64)  # 256 KiB blocks
 
 
-def test_the_channels_of_a_namespace_share_a_quarter_of_its_dram(tmp_path):
-    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=192 << 20, ssd_bytes=0))
+@contextlib.contextmanager
+def hosted_ns(tmp_path, dram_bytes: int):
+    """NS hosted by a daemon's namespace registry with `dram_bytes` of DRAM and no SSD."""
+    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=dram_bytes, ssd_bytes=0))
     try:
-        hosted = reg.open(NS, ADMIN)
+        yield reg.open(NS, ADMIN)
+    finally:
+        reg.close()
+
+
+def test_the_channels_of_a_namespace_share_a_quarter_of_its_dram(tmp_path):
+    with hosted_ns(tmp_path, 192 << 20) as hosted:
         slots = hosted.dram.num_slots  # 768
         a = PutChannel(hosted)
         assert a.target() == min(GRANT_CAPACITY, GRANT_BYTES // NS.block_bytes, slots // 4) == 192
@@ -28,28 +38,19 @@ def test_the_channels_of_a_namespace_share_a_quarter_of_its_dram(tmp_path):
         b.close()
         b.close()  # a second close counts nothing twice
         assert hosted.put_channels == 0
-    finally:
-        reg.close()
 
 
 def test_a_tiny_arena_grants_nothing(tmp_path):
-    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=15 * NS.block_bytes,
-                                ssd_bytes=0))
-    try:
-        ch = PutChannel(reg.open(NS, ADMIN))
+    with hosted_ns(tmp_path, 15 * NS.block_bytes) as hosted:
+        ch = PutChannel(hosted)
         assert ch.target() == 0 and not ch.granted  # its clients put with a request
         ch.close()
-    finally:
-        reg.close()
 
 
 def test_a_flush_for_a_big_batch_grants_it_up_to_half_the_dram(tmp_path):
     """A FLUSH naming a batch bigger than the channel's stock grants that batch's slots
     (the client writes them at once), as far as half the DRAM tier over all writers."""
-    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=64 * NS.block_bytes,
-                                ssd_bytes=0))
-    try:
-        hosted = reg.open(NS, ADMIN)
+    with hosted_ns(tmp_path, 64 * NS.block_bytes) as hosted:
         a = PutChannel(hosted)
         assert a.target() == 16 and len(a.granted) == 16
         a.drain(want=24)
@@ -64,18 +65,13 @@ def test_a_flush_for_a_big_batch_grants_it_up_to_half_the_dram(tmp_path):
         assert len(b.granted) == 20
         b.close()
         assert hosted.store.stats().tiers[0].free_blocks == 64  # every slot back
-    finally:
-        reg.close()
 
 
 def test_a_channel_putting_big_batches_keeps_two_granted(tmp_path, monkeypatch):
     """After a FLUSH for a batch bigger than the stock, each commit of such a batch tops
     the grants up to two batches (within half the DRAM), so the next put finds slots
     without a FLUSH; once the client stops putting them, the stock is the usual one."""
-    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=128 * NS.block_bytes,
-                                ssd_bytes=0))
-    try:
-        hosted = reg.open(NS, ADMIN)
+    with hosted_ns(tmp_path, 128 * NS.block_bytes) as hosted:
         a = PutChannel(hosted)
         assert a.target() == 32 and len(a.granted) == 32
         a.drain(want=40)
@@ -94,20 +90,14 @@ def test_a_channel_putting_big_batches_keeps_two_granted(tmp_path, monkeypatch):
         assert len(a.granted) == 64 - 8  # no top-up: more than the stock is granted still
         assert hosted.store.contains_n([bytes([9, i]) * 8 for i in range(8)]) == [True] * 8
         a.close()
-    finally:
-        reg.close()
 
 
 def test_granting_evicts_no_more_than_the_share_lets_it_grant(tmp_path):
     """A grant capped by the share makes room for the slots it grants, not for all it was
     asked: a top-up asking for more than the cap evicted blocks just put."""
-    reg = Registry(DaemonConfig(data_dir=str(tmp_path), dram_bytes=64 * NS.block_bytes,
-                                ssd_bytes=0))
-    try:
-        store = reg.open(NS, ADMIN).store
+    with hosted_ns(tmp_path, 64 * NS.block_bytes) as hosted:
+        store = hosted.store
         hs = [bytes([7, i]) * 8 for i in range(40)]
         store.put_n(hs, np.zeros((40, NS.block_bytes), np.uint8))
         assert len(store.grant_n(40, share=2)) == 32  # half of 64: 24 free, 8 evicted
         assert sum(store.contains_n(hs)) == 32
-    finally:
-        reg.close()
