@@ -3,6 +3,9 @@ teardown (kvstore.daemon.process.DaemonProcess)."""
 from __future__ import annotations
 
 import os
+import re
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -12,6 +15,19 @@ from kvstore.keys import Namespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 NS = Namespace("test-model", num_layers=1, num_kv_heads=1, head_dim=64)  # 4 KiB blocks
+
+
+def op_count(daemon, op: str, expect: float | None = None) -> float:
+    """The daemon's count of `op` requests served. The daemon counts a request just after
+    sending its reply, so with `expect` this waits (a little) for that count to land."""
+    for _ in range(50):
+        text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
+        found = re.findall(rf'^kvtier_ops_total{{op="{op}",outcome="ok"}} (\S+)$', text, re.M)
+        count = float(found[0]) if found else 0.0
+        if expect is None or count >= expect:
+            return count
+        time.sleep(0.05)
+    return count
 
 
 def block_of(h: bytes, nbytes: int) -> np.ndarray:

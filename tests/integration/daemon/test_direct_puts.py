@@ -5,11 +5,9 @@ the daemon goes away."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 
@@ -22,7 +20,7 @@ from kvstore.putring import PutRing
 from kvstore.store import PutStatus
 from transfer.shm import ShmSegment
 
-from .conftest import NS, ROOT, block_of
+from .conftest import NS, ROOT, block_of, op_count
 
 BB = NS.block_bytes
 
@@ -43,12 +41,6 @@ def drained(c: Client, grants: int) -> None:
             < grants:
         assert time.monotonic() - t0 < 10, "the drainer did not commit and grant in 10 s"
         time.sleep(0.005)
-
-
-def op_count(daemon, op: str) -> float:
-    text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
-    found = re.findall(rf'^kvtier_ops_total{{op="{op}",outcome="ok"}} (\S+)$', text, re.M)
-    return float(found[0]) if found else 0.0
 
 
 def dram_used(daemon) -> int:
@@ -113,7 +105,7 @@ def test_a_batch_bigger_than_the_stock_takes_one_flush_not_a_put(make_daemon, mo
         hs = chain(21, 24)
         assert c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * 24
         assert op_count(d, "put") == ops["put"] and op_count(d, "reserve") == ops["reserve"]
-        assert op_count(d, "flush") == ops["flush"] + 1
+        assert op_count(d, "flush", ops["flush"] + 1) == ops["flush"] + 1
         drained(c, 32)  # two batches of 24 would be 48: the half of the arena is 32
         out = np.zeros((24, BB), np.uint8)
         assert other.get_n(hs, out) == [TierKind.DRAM] * 24  # committed: any reader sees them
@@ -121,11 +113,13 @@ def test_a_batch_bigger_than_the_stock_takes_one_flush_not_a_put(make_daemon, mo
         # a second channel: c, putting batches of 24, holds the half of the arena that
         # grants may take, so this one is granted nothing: not enough for 30
         monkeypatch.setattr(putpath, "REFUSED_RETRY_S", 0.0)  # its first (1 block) falls short
-        other.put_n(chain(22, 1), blocks(chain(22, 1)))
         ops = {op: op_count(d, op) for op in ("put", "flush")}
+        other.put_n(chain(22, 1), blocks(chain(22, 1)))  # a FLUSH that fell short, a PUT
+        ops = {op: op_count(d, op, ops[op] + 1) for op in ("put", "flush")}
         big = chain(23, 30)
         assert other.put_n(big, blocks(big)) == [PutStatus.STORED] * 30  # by request
-        assert op_count(d, "put") == ops["put"] + 1 and op_count(d, "flush") == ops["flush"] + 1
+        assert op_count(d, "put", ops["put"] + 1) == ops["put"] + 1
+        assert op_count(d, "flush", ops["flush"] + 1) == ops["flush"] + 1
         monkeypatch.setattr(putpath, "REFUSED_RETRY_S", 3600.0)
         again = chain(24, 30)
         assert other.put_n(again, blocks(again)) == [PutStatus.STORED] * 30
@@ -133,7 +127,6 @@ def test_a_batch_bigger_than_the_stock_takes_one_flush_not_a_put(make_daemon, mo
         out = np.zeros((30, BB), np.uint8)
         assert c.get_n(again, out) == [TierKind.DRAM] * 30
         assert np.array_equal(out, blocks(again))
-
 
 
 def test_batches_bigger_than_the_stock_go_on_without_a_flush(make_daemon):
@@ -148,7 +141,7 @@ def test_batches_bigger_than_the_stock_go_on_without_a_flush(make_daemon):
             hs = chain(31 + k, 24)
             assert c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * 24
             drained(c, 32)  # committed, and two batches granted (the half of the arena)
-        assert op_count(d, "flush") == flushes + 1
+        assert op_count(d, "flush", flushes + 1) == flushes + 1
         out = np.zeros((24, BB), np.uint8)
         assert c.get_n(hs, out) == [TierKind.DRAM] * 24 and np.array_equal(out, blocks(hs))
 

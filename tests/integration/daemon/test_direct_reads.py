@@ -8,10 +8,7 @@ accepted would show.
 from __future__ import annotations
 
 import multiprocessing as mp
-import re
-import time
 import threading
-import urllib.request
 
 import numpy as np
 
@@ -19,20 +16,7 @@ from kvstore.client import Client
 from kvstore.events import TierKind
 from kvstore.keys import Namespace, hash_blocks
 
-from .conftest import NS, block_of
-
-
-def op_count(daemon, op: str, expect: float | None = None) -> float:
-    """The daemon's count of `op` requests served. The daemon counts a request just after
-    sending its reply, so with `expect` this waits (a little) for that count to land."""
-    for _ in range(50):
-        text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
-        found = re.findall(rf'^kvtier_ops_total{{op="{op}",outcome="ok"}} (\S+)$', text, re.M)
-        count = float(found[0]) if found else 0.0
-        if expect is None or count >= expect:
-            return count
-        time.sleep(0.05)
-    return count
+from .conftest import NS, block_of, op_count
 
 
 BIG = Namespace("test-model-big", num_layers=64, num_kv_heads=1, head_dim=64)  # 256 KiB
