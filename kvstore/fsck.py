@@ -18,7 +18,7 @@ from rocksdict import Rdict
 
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
-from kvstore.tiers.slabfile import SlabFile
+from kvstore.tiers.slabfile import SlabFile, old_layout
 from kvstore.tiers.ssd import SsdTier, TIER_FILE
 from kvstore.tiers.ssdindex import parse_entry, rocksdb_options
 
@@ -47,12 +47,16 @@ def _namespace(path: str) -> Namespace:
     meta = os.path.join(path, TIER_FILE)
     if not os.path.isfile(meta):
         raise ConfigError(f"{path} is not an SSD tier directory (no {TIER_FILE})")
+    if old_layout(path):
+        raise ConfigError(f"{path} is an SSD tier of an older layout (headers inside slabs.dat): "
+                          "the daemon moves it aside and starts it empty at its next start; "
+                          "there is nothing to check or repair in place")
     with open(meta) as f:
         return Namespace(**json.load(f))
 
 
 def _check(path: str, ns: Namespace) -> FsckReport:
-    slabs = SlabFile(os.path.join(path, "slabs.dat"), ns, 1 << 62)
+    slabs = SlabFile(path, ns, 1 << 62)
     try:
         entries, index_error = _read_index(os.path.join(path, "index"))
         ok, bad, claimed = 0, [], set()
@@ -128,7 +132,7 @@ def _repair(path: str, ns: Namespace) -> None:
 
 
 def _grown_slots(path: str, ns: Namespace) -> int:
-    slabs = SlabFile(os.path.join(path, "slabs.dat"), ns, 1 << 62)
+    slabs = SlabFile(path, ns, 1 << 62)
     try:
         return max(1, slabs.num_grown)
     finally:

@@ -1,16 +1,23 @@
-"""The SSD tier's payload file: fixed-size slots in one file that grows by extents.
+"""The SSD tier's payload files: fixed-size slots, grown by extents.
 
-Slot i lives at byte `i * stride`:
+    <dir>/slabs.dat    slot i's payload at i * stride (the block size rounded up to a page)
+    <dir>/headers.dat  slot i's 64-byte block header (kvstore.layout: hash, namespace,
+                       checksum) at i * 64
 
-    payload (block_bytes) | block header (64 B, kvstore.layout: hash, namespace, checksum) | pad
+Each byte of a block is written once (a `pwritev` of a run of consecutive slots' payloads,
+then one of their headers) and read back with one `preadv` straight into the caller's
+buffer (then one of the headers). The headers make every slot self-describing: a read
+checks the hash and the checksum, and the tier's index can always be rebuilt from them
+(recovery reads the header file in windows, not a slot at a time).
 
-with `stride` the payload plus header rounded up to 4 KiB, so every slot starts on a page.
-Each byte of a block is written once (`pwritev` of payload + header, batched over runs of
-consecutive slots) and read back with one `preadv` straight into the caller's buffer. The
-header makes every slot self-describing: a read checks the hash and the checksum, and the
-tier's index can always be rebuilt from the file alone.
+Headers live apart so that a payload starts at a multiple of its own size: the page cache
+then keeps it in large folios. A slot of payload | header | pad (the first layout) is
+never so aligned, and its 1 MiB put cost 0.77 of a plain file's write, its warm read 0.82,
+against 0.83-0.86 and 0.86-0.95 apart (hashing included; 256 KiB: 0.70 -> 0.81 and
+0.71 -> 0.83; measured in one process, the layouts in turn). A directory of the first
+layout (slabs.dat with no headers.dat) is not read: `old_layout` names it.
 
-The file grows on demand in extents of `extent_slots` slots, each reserved with
+Both files grow on demand in extents of `extent_slots` slots, each reserved with
 `posix_fallocate` before a slot in it is handed out: a full disk shows up as "no room to
 grow" (a clean NO_SPACE for the put), never as a write that fails halfway.
 """
@@ -24,33 +31,48 @@ from kvstore.errors import BlockFormatError, TierIOError
 from kvstore.keys import Namespace
 from kvstore.layout import HEADER_BYTES, checksum, decode_header, encode_header
 
+SLABS, HEADERS = "slabs.dat", "headers.dat"
 PAGE = 4096
 EXTENT_BYTES = 256 << 20
-INDEX_HEADROOM = 1 << 20  # disk the slab file never takes: the index must still write
-IOV_BLOCKS = 300  # blocks per preadv/pwritev (3 iovecs each, under IOV_MAX = 1024)
+INDEX_HEADROOM = 1 << 20  # disk the slab files never take: the index must still write
+IOV_BLOCKS = 500  # blocks per preadv/pwritev (2 iovecs each at most, under IOV_MAX = 1024)
 HASHED_RUN_BYTES = 2 << 20  # reads and writes go in runs of about a cache's worth, each run
 # hashed right next to its I/O (see write_n)
+HEADER_WINDOW = 4096  # headers read at once when scanning (256 KiB)
 
 
 def stride_of(block_bytes: int) -> int:
-    return -(-(block_bytes + HEADER_BYTES) // PAGE) * PAGE
+    return -(-block_bytes // PAGE) * PAGE
+
+
+def old_layout(directory: str) -> bool:
+    """Whether `directory` holds a slab file of the first layout (headers inside it)."""
+    return (os.path.isfile(os.path.join(directory, SLABS))
+            and not os.path.exists(os.path.join(directory, HEADERS)))
 
 
 class SlabFile:
-    def __init__(self, path: str, ns: Namespace, num_slots: int) -> None:
-        self.path, self.ns, self.num_slots = path, ns, num_slots
+    def __init__(self, directory: str, ns: Namespace, num_slots: int) -> None:
+        self.path = os.path.join(directory, SLABS)
+        self.headers_path = os.path.join(directory, HEADERS)
+        self.ns, self.num_slots = ns, num_slots
         self.block_bytes = ns.block_bytes
         self.stride = stride_of(self.block_bytes)
+        self.slot_disk_bytes = self.stride + HEADER_BYTES
         self.extent_slots = max(1, EXTENT_BYTES // self.stride)
+        # the headers first: a directory with slabs.dat alone is of the first layout
+        self.hfd = _open(self.headers_path)
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise TierIOError(f"cannot open the SSD slab file {path}: {e}") from e
-        size = os.fstat(self.fd).st_size
-        self.num_grown = min(num_slots, size // self.stride)  # slots backed by the file
-        pad = self.stride - self.block_bytes - HEADER_BYTES
-        self._pad_view = memoryview(bytes(pad))
-        self._scratch_view = memoryview(bytearray(pad))
+            self.fd = _open(self.path)
+        except BaseException:
+            os.close(self.hfd)
+            raise
+        # slots backed by both files (a crash between their extents leaves one longer)
+        self.num_grown = min(num_slots, os.fstat(self.fd).st_size // self.stride,
+                             os.fstat(self.hfd).st_size // HEADER_BYTES)
+        pad = self.stride - self.block_bytes
+        self._pad_view = memoryview(bytes(pad)) if pad else None
+        self._scratch_view = memoryview(bytearray(pad)) if pad else None
         self._run_blocks = max(1, HASHED_RUN_BYTES // self.block_bytes)
 
     def grow(self, min_slots: int = 1) -> range:
@@ -60,11 +82,12 @@ class SlabFile:
         start = self.num_grown
         n = min(self.num_slots, start + max(self.extent_slots, min_slots)) - start
         st = os.statvfs(self.path)
-        n = min(n, max(0, st.f_bavail * st.f_frsize - INDEX_HEADROOM) // self.stride)
+        n = min(n, max(0, st.f_bavail * st.f_frsize - INDEX_HEADROOM) // self.slot_disk_bytes)
         error = None if n else OSError(errno.ENOSPC, "no room left beside the index's "
                                        f"{INDEX_HEADROOM >> 10} KiB")
         while n >= min(min_slots, self.num_slots - start) and n > 0:
             try:
+                os.posix_fallocate(self.hfd, start * HEADER_BYTES, n * HEADER_BYTES)
                 os.posix_fallocate(self.fd, start * self.stride, n * self.stride)
             except OSError as e:
                 error, n = e, n // 2
@@ -74,22 +97,28 @@ class SlabFile:
         if error is None:
             return range(0)
         raise TierIOError(f"the SSD tier cannot grow {self.path} by {min_slots} slots "
-                          f"({min_slots * self.stride >> 10} KiB): {error}") from error
+                          f"({min_slots * self.slot_disk_bytes >> 10} KiB): {error}") from error
 
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes],
                 payloads: Sequence[memoryview]) -> list[int]:
-        """Write blocks (flat byte views) with their headers; returns each payload's
+        """Write blocks (flat byte views) and their headers; returns each payload's
         checksum. Each pwritev is of at most HASHED_RUN_BYTES (one block at least), hashed
         just before it: the bytes are still in cache when the kernel copies them (16 x 4 MiB
-        hashed first and written after: ~45 us more per block, measured)."""
+        hashed first and written after: ~45 us more per block, measured). A run's headers
+        go after its payloads, so a crash between the two leaves a header that does not
+        match the payload beside it (a miss), never one that vouches for bytes not there."""
         sums = [0] * len(payloads)
         pad = self._pad_view
         for first, idx in _runs(slots, self._run_blocks):
-            bufs = []
+            bufs, heads = [], []
             for i in idx:
                 sums[i] = checksum(payloads[i])
-                bufs += [payloads[i], encode_header(self.ns, hashes[i], sums[i]), pad]
-            self._io(os.pwritev, first, bufs)
+                bufs.append(payloads[i])
+                if pad is not None:
+                    bufs.append(pad)
+                heads.append(encode_header(self.ns, hashes[i], sums[i]))
+            self._io(os.pwritev, self.fd, first * self.stride, bufs)
+            self._io(os.pwritev, self.hfd, first * HEADER_BYTES, heads)
         return sums
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes],
@@ -100,16 +129,20 @@ class SlabFile:
         ok = [False] * len(slots)
         pad = self._scratch_view
         for first, idx in _runs(slots, self._run_blocks):
-            headers = [bytearray(HEADER_BYTES) for _ in idx]
+            heads = memoryview(bytearray(HEADER_BYTES * len(idx)))
             bufs = []
-            for i, header in zip(idx, headers):
-                bufs += [dsts[i], header, pad]
+            for i in idx:
+                bufs.append(dsts[i])
+                if pad is not None:
+                    bufs.append(pad)
             try:
-                self._io(os.preadv, first, bufs)
+                self._io(os.preadv, self.fd, first * self.stride, bufs)
+                self._io(os.preadv, self.hfd, first * HEADER_BYTES, [heads])
             except TierIOError:
                 continue
-            for i, header in zip(idx, headers):  # verified while the run is in cache
-                ok[i] = self._intact(header, bytes(hashes[i]), dsts[i])
+            for k, i in enumerate(idx):  # verified while the run is in cache
+                ok[i] = self._intact(heads[k * HEADER_BYTES:(k + 1) * HEADER_BYTES],
+                                     bytes(hashes[i]), dsts[i])
         return ok
 
     def _intact(self, header: bytes, block_hash: bytes, payload: memoryview) -> bool:
@@ -123,25 +156,32 @@ class SlabFile:
 
     def headers(self, slots: Sequence[int]) -> Iterator[tuple[int, bytes | None, int]]:
         """(slot, block hash, checksum) of the headers found in `slots` (hash None: no valid
-        header of this namespace); what recovery checks and rebuilds an index from."""
-        buf = bytearray(HEADER_BYTES)
+        header of this namespace); what recovery checks and rebuilds an index from. The
+        header file is read up to HEADER_WINDOW headers at a time (sorted slots: once over)."""
+        window, base, last = b"", 0, max(slots, default=0)
         for slot in slots:
+            if not base <= slot < base + len(window) // HEADER_BYTES:
+                base, n = slot, min(HEADER_WINDOW, last - slot + 1)
+                try:
+                    window = os.pread(self.hfd, n * HEADER_BYTES, slot * HEADER_BYTES)
+                except OSError:
+                    window = b""
+            at = (slot - base) * HEADER_BYTES
+            raw = window[at:at + HEADER_BYTES]
             try:
-                n = os.preadv(self.fd, [buf], slot * self.stride + self.block_bytes)
-                hdr = decode_header(buf) if n == HEADER_BYTES else None
-            except (OSError, BlockFormatError):
+                hdr = decode_header(raw) if len(raw) == HEADER_BYTES else None
+            except BlockFormatError:
                 hdr = None
             good = (hdr is not None and hdr.ns_id == self.ns.ns_id
                     and hdr.shape == self.ns.block_shape)
             yield slot, (hdr.block_hash if good else None), (hdr.checksum if good else 0)
 
-    def _io(self, fn, first: int, bufs: list) -> None:
-        """One pwritev/preadv of `bufs` at slot `first`, continued until every byte moved."""
-        offset = first * self.stride
+    def _io(self, fn, fd: int, offset: int, bufs: list) -> None:
+        """One pwritev/preadv of `bufs` at `offset` of `fd`, continued until every byte moved."""
         views = [v if isinstance(v, memoryview) else memoryview(v) for v in bufs if len(v)]
         while views:
             try:
-                n = fn(self.fd, views[:1024], offset)
+                n = fn(fd, views[:1024], offset)
             except OSError as e:
                 raise TierIOError(f"SSD tier I/O on {self.path} failed: {e}") from e
             if n == 0:
@@ -154,14 +194,24 @@ class SlabFile:
 
     def truncate_to(self, num_slots: int) -> None:
         """Give back disk beyond `num_slots` (a reopen with less capacity)."""
-        if os.fstat(self.fd).st_size > num_slots * self.stride:
-            os.ftruncate(self.fd, num_slots * self.stride)
-            self.num_grown = min(self.num_grown, num_slots)
+        for fd, size in ((self.fd, self.stride), (self.hfd, HEADER_BYTES)):
+            if os.fstat(fd).st_size > num_slots * size:
+                os.ftruncate(fd, num_slots * size)
+        self.num_grown = min(self.num_grown, num_slots)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for name in ("fd", "hfd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+def _open(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise TierIOError(f"cannot open the SSD slab file {path}: {e}") from e
 
 
 def _runs(slots: Sequence[int], most: int = IOV_BLOCKS) -> list[tuple[int, list[int]]]:

@@ -1,19 +1,20 @@
 """SSD tier: block payloads in a slab file of fixed slots, a small RocksDB index beside it.
 
-    <path>/slabs.dat   slot i at i * stride: payload | 64-byte block header | pad
-                       (kvstore.tiers.slabfile; grows by extents as slots are needed)
-    <path>/index/      RocksDB: block hash -> (slot, checksum)  (kvstore.tiers.ssdindex)
+    <path>/slabs.dat    slot i's payload at i * stride        (kvstore.tiers.slabfile; both
+    <path>/headers.dat  slot i's 64-byte block header at i * 64  grow by extents as needed)
+    <path>/index/       RocksDB: block hash -> (slot, checksum)  (kvstore.tiers.ssdindex)
 
 Each payload byte is written once, straight from the caller's buffer, and read back with
-one preadv into the destination; the header beside it (hash, namespace, xxh3_64 checksum)
+one preadv into the destination; its slot's header (hash, namespace, xxh3_64 checksum)
 is checked on every read, so a corrupted or misplaced block is a miss, never wrong KV.
 
-Crash consistency by ordering and verification: a block's payload and header are written
-before its index entry (WAL on when `durable`), so an entry never points at bytes that were
+Crash consistency by ordering and verification: a block's payload, then its header, are
+written before its index entry (WAL on when `durable`), so an entry never points at bytes that were
 not written; a freed slot's entry is deleted in the same index write as the entries that
 follow it (never later than the entry of the block that reuses the slot), and anything left
 stale by a crash fails the header check at open and is dropped. Survives close/reopen and
-SIGKILL.
+SIGKILL. A directory of an older layout is moved aside at open, not read (its blocks are a
+cache: the tier starts empty beside it).
 
 Failures stay local: a disk with no room to grow turns allocation into None (the store
 answers NO_SPACE); a refused index write fails that call (TierIOError) and the index
@@ -37,7 +38,7 @@ from kvstore.errors import StoreClosedError, TierIOError
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.tiers.base import ByteBatch, FreeSlots
-from kvstore.tiers.slabfile import SlabFile
+from kvstore.tiers.slabfile import SlabFile, old_layout
 from kvstore.tiers.ssdindex import SlotIndex, parse_entry
 from transfer.copy import copy_bytes
 
@@ -51,12 +52,12 @@ class SsdTier:
     persistent = True
 
     def __init__(self, ns: Namespace, path: str, num_slots: int, durable: bool = True) -> None:
-        _set_aside_legacy(path)
+        _set_aside_old_layout(path)
         os.makedirs(path, exist_ok=True)
         _write_tier_file(path, ns)
         self.ns, self.path, self.durable = ns, path, durable
         self.num_slots, self.slot_bytes = num_slots, ns.block_bytes
-        self.slabs = SlabFile(os.path.join(path, "slabs.dat"), ns, num_slots)
+        self.slabs = SlabFile(path, ns, num_slots)
         self.index = SlotIndex(os.path.join(path, "index"), durable, self._table)
         try:
             self._at_open = self.index.open()  # entries as found; `recover` checks them
@@ -69,7 +70,7 @@ class SsdTier:
         self._closed = False
         self.num_dropped_at_open = 0
         self.num_recovered_from_slabs = 0
-        _warn_if_bigger_than_disk(path, num_slots * self.slabs.stride)
+        _warn_if_bigger_than_disk(path, num_slots * self.slabs.slot_disk_bytes)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -247,11 +248,17 @@ def _write_tier_file(path: str, ns: Namespace) -> None:
     os.replace(meta + ".tmp", meta)
 
 
-def _set_aside_legacy(path: str) -> None:
-    """A directory of the old layout (one RocksDB value per block) is moved aside, not read:
-    its blocks are a cache, and the new tier starts empty beside it."""
+def _set_aside_old_layout(path: str) -> None:
+    """A directory of an older layout is moved aside, not read: its blocks are a cache, and
+    the new tier starts empty beside it. Layouts: one RocksDB value per block (a RocksDB
+    `CURRENT` at the top), then a slab file whose slots held each block's header."""
     if os.path.isfile(os.path.join(path, "CURRENT")):
-        aside = f"{path}.legacy-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.rename(path, aside)
-        log.warning("SSD tier %s was in the old one-value-per-block layout: moved to %s "
-                    "(remove it once unneeded); starting empty", path, aside)
+        layout = "one-value-per-block"
+    elif old_layout(path):
+        layout = "header-in-slot slab"
+    else:
+        return
+    aside = f"{path}.legacy-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.rename(path, aside)
+    log.warning("SSD tier %s was in the old %s layout: moved to %s (remove it once "
+                "unneeded); starting empty", path, layout, aside)

@@ -14,6 +14,7 @@ from engine_adapter.kvcodec import BlockCodec
 from kvstore.client import Client
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.layout import HEADER_BYTES
+from kvstore.tiers.slabfile import stride_of
 
 CODECS = ["raw", "int8", "fp8_e4m3", "zstd"]
 HASH_AT = 44  # offset of the block hash in the 64-byte header (kvstore/layout.py)
@@ -91,7 +92,7 @@ def test_a_corrupted_compressed_block_on_ssd_is_a_miss(make_daemon, tmp_path, co
     with Client(d.url, namespace=ns) as c:
         c.put_n(hashes, encoded)
     assert d.stop() == 0
-    flip_payload_byte(os.path.join(data, f"{ns.ns_id:016x}", "ssd", "slabs.dat"), hashes[2],
+    flip_payload_byte(os.path.join(data, f"{ns.ns_id:016x}", "ssd"), hashes[2],
                       ns.block_bytes, offset=ns.block_bytes // 2)
     d.start()
     back = torch.zeros_like(encoded)
@@ -101,13 +102,16 @@ def test_a_corrupted_compressed_block_on_ssd_is_a_miss(make_daemon, tmp_path, co
     assert torch.equal(back[[0, 1, 3, 4, 5]], encoded[[0, 1, 3, 4, 5]])
 
 
-def flip_payload_byte(slab_path: str, block_hash: bytes, block_bytes: int, offset: int) -> None:
-    """Flip a bit in a block's payload in an SSD slab file (a slot is payload | header,
-    the header holding the block's hash), found by its hash, with the daemon stopped."""
-    with open(slab_path, "r+b") as f:
-        content = f.read()
-        at = content.find(bytes(block_hash)) - HASH_AT - block_bytes
-        assert at >= 0 and content[at + block_bytes:at + block_bytes + 4] == b"KVTB"
-        assert HEADER_BYTES == 64
-        f.seek(at + offset)
-        f.write(bytes([content[at + offset] ^ 0x10]))
+def flip_payload_byte(ssd_dir: str, block_hash: bytes, block_bytes: int, offset: int) -> None:
+    """Flip a bit in a block's payload in an SSD tier directory (slot i's header at i * 64
+    of headers.dat holds the block's hash, its payload at i * stride of slabs.dat), found by
+    its hash, with the daemon stopped."""
+    with open(os.path.join(ssd_dir, "headers.dat"), "rb") as f:
+        headers = f.read()
+    at = headers.find(bytes(block_hash)) - HASH_AT
+    assert at >= 0 and at % HEADER_BYTES == 0 and headers[at:at + 4] == b"KVTB"
+    with open(os.path.join(ssd_dir, "slabs.dat"), "r+b") as f:
+        f.seek(at // HEADER_BYTES * stride_of(block_bytes) + offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))

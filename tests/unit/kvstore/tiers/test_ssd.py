@@ -3,8 +3,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
+from rocksdict import Rdict
 
+from kvstore.errors import ConfigError
+from kvstore.fsck import fsck
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.layout import HEADER_BYTES, decode_header
 from kvstore.tiers import slabfile
@@ -21,6 +25,20 @@ def _blocks(n, seed=0):
     return torch.randint(0, 256, (n, NS.block_bytes), dtype=torch.uint8, generator=g)
 
 
+def _payload(directory, slot: int) -> bytes:
+    """A slot's payload as on disk: slabs.dat at slot * stride (a page-rounded block)."""
+    with open(directory / "slabs.dat", "rb") as f:
+        f.seek(slot * stride_of(NS.block_bytes))
+        return f.read(NS.block_bytes)
+
+
+def _header(directory, slot: int):
+    """A slot's block header as on disk: headers.dat at slot * 64."""
+    with open(directory / "headers.dat", "rb") as f:
+        f.seek(slot * HEADER_BYTES)
+        return decode_header(f.read(HEADER_BYTES))
+
+
 def _flip(path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -29,16 +47,12 @@ def _flip(path, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x40]))
 
 
-def test_slots_hold_the_payload_then_its_header_and_the_index_only_slots(tmp_path):
+def test_slots_hold_aligned_payloads_headers_apart_and_the_index_only_slots(tmp_path):
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(2)
     tier.write_n(slots, HASHES[:2], _blocks(2))
-    stride = stride_of(NS.block_bytes)
-    with open(tmp_path / "slabs.dat", "rb") as f:
-        f.seek(slots[1] * stride)
-        raw = f.read(NS.block_bytes + HEADER_BYTES)
-    assert raw[:NS.block_bytes] == _blocks(2)[1].numpy().tobytes()
-    assert decode_header(raw[NS.block_bytes:]).block_hash == HASHES[1]
+    assert _payload(tmp_path, slots[1]) == _blocks(2)[1].numpy().tobytes()
+    assert _header(tmp_path, slots[1]).block_hash == HASHES[1]
     entry = parse_entry(bytes(HASHES[1]), tier.raw_db()[bytes(HASHES[1])])
     assert entry[1] == slots[1] and len(tier.raw_db()[bytes(HASHES[1])]) == 16
     tier.close()
@@ -55,13 +69,9 @@ def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatc
     slots = slots[:4] + slots[5:]  # a gap: two runs of consecutive slots, split further
     blocks = _blocks(9, seed=3)
     tier.write_n(slots, HASHES[:9], blocks)
-    stride = stride_of(NS.block_bytes)
-    with open(tmp_path / "slabs.dat", "rb") as f:
-        for i, slot in enumerate(slots):
-            f.seek(slot * stride)
-            raw = f.read(NS.block_bytes + HEADER_BYTES)
-            assert raw[:NS.block_bytes] == blocks[i].numpy().tobytes()
-            assert decode_header(raw[NS.block_bytes:]).block_hash == HASHES[i]
+    for i, slot in enumerate(slots):
+        assert _payload(tmp_path, slot) == blocks[i].numpy().tobytes()
+        assert _header(tmp_path, slot).block_hash == HASHES[i]
     out = torch.zeros_like(blocks)
     assert tier.read_n(slots, HASHES[:9], out) == [True] * 9
     assert torch.equal(out, blocks)
@@ -188,7 +198,7 @@ def test_a_slot_read_under_another_hash_or_a_bad_header_fails(tmp_path):
     tier.write_n(slots, HASHES[:2], _blocks(2))
     out = torch.zeros(1, NS.block_bytes, dtype=torch.uint8)
     assert tier.read_n(slots[:1], HASHES[1:2], out) == [False]       # misplaced
-    _flip(tmp_path / "slabs.dat", slots[1] * stride_of(NS.block_bytes) + NS.block_bytes + 2)
+    _flip(tmp_path / "headers.dat", slots[1] * HEADER_BYTES + 2)
     assert tier.read_n(slots[1:], HASHES[1:2], out) == [False]       # header magic broken
     tier.close()
 
@@ -249,3 +259,78 @@ def test_queued_deletes_stay_bounded_while_the_index_refuses_writes(tmp_path, mo
     tier.write_n(tier.alloc_n(1), HASHES[2:3], _blocks(1, seed=2))
     assert not tier.index._stale and bytes(HASHES[0]) not in tier.raw_db()
     tier.close()
+
+
+def test_payloads_sit_at_multiples_of_their_page_rounded_size():
+    """Headers live apart so a power-of-two block lands at a multiple of its own size (the
+    page cache keeps it in large folios); odd sizes round up to a page."""
+    assert stride_of(1 << 20) == 1 << 20 and stride_of(4096) == 4096
+    assert stride_of(NS.block_bytes) == 4096 and stride_of(13824) == 16384
+
+
+def test_a_crash_between_a_payload_and_its_header_is_a_miss_not_wrong_kv(tmp_path):
+    """A put into a reused slot dies after its payload is written and before its header:
+    the old block's header and index entry remain over the new bytes. The old block then
+    fails its checksum (a miss) and the new one was never indexed."""
+    _crash_after(tmp_path, 2, 4, """
+        slot = tier.alloc_n(1)
+        tier.write_n(slot, hashes[:1], data[:1])
+        tier.free_n(slot, hashes[:1])  # its index delete is still queued
+        assert tier.alloc_n(1) == slot
+        pwritev = os.pwritev
+        def crash_at_the_header(fd, bufs, offset):
+            if fd == tier.slabs.hfd:
+                print("written", flush=True)
+                os.kill(os.getpid(), 9)
+            return pwritev(fd, bufs, offset)
+        os.pwritev = crash_at_the_header
+        tier.write_n(slot, hashes[1:2], data[1:2])
+    """)
+    tier = SsdTier(NS, str(tmp_path), 4)
+    found = dict(tier.recover())
+    assert set(found) <= {bytes(HASHES[0])}  # the old entry, at most: its header is there
+    out = torch.zeros(1, NS.block_bytes, dtype=torch.uint8)
+    for h, slot in found.items():
+        assert tier.read_n([slot], [h], out) == [False]  # its payload is another block's
+    tier.close()
+
+
+def test_a_header_file_cut_short_by_a_crash_loses_only_its_missing_slots(tmp_path):
+    """The two files grow by separate fallocates: slots past the shorter are not used."""
+    tier = SsdTier(NS, str(tmp_path), 4)
+    slots = tier.alloc_n(3)
+    tier.write_n(slots, HASHES[:3], _blocks(3))
+    tier.close()
+    os.truncate(tmp_path / "headers.dat", 2 * HEADER_BYTES)
+    tier = SsdTier(NS, str(tmp_path), 4)
+    found = dict(tier.recover())
+    assert found == {bytes(h): s for h, s in zip(HASHES[:3], slots) if s < 2}
+    fresh = tier.alloc_n(2)  # the files grow again, both
+    tier.write_n(fresh, HASHES[5:7], _blocks(2, seed=1))
+    out = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)
+    assert tier.read_n(fresh, HASHES[5:7], out) == [True, True]
+    assert torch.equal(out, _blocks(2, seed=1))
+    tier.close()
+
+
+@pytest.mark.parametrize("layout", ["header-in-slot slab", "one-value-per-block"])
+def test_a_directory_of_an_older_layout_is_moved_aside_and_fsck_says_so(tmp_path, layout,
+                                                                      caplog):
+    path = tmp_path / "ssd"
+    if layout == "one-value-per-block":
+        db = Rdict(str(path))
+        db[bytes(HASHES[0])] = b"an old block"
+        db.close()
+    else:  # the first slab layout: slabs.dat alone, its slots holding their headers
+        tier = SsdTier(NS, str(path), 4)
+        tier.write_n(tier.alloc_n(2), HASHES[:2], _blocks(2))
+        tier.close()
+        os.unlink(path / "headers.dat")
+        with pytest.raises(ConfigError, match="older layout"):
+            fsck(str(path))
+    tier = SsdTier(NS, str(path), 4)
+    assert tier.recover() == [] and tier.num_free() == 4
+    aside = [p for p in os.listdir(tmp_path) if p.startswith("ssd.legacy-")]
+    assert len(aside) == 1 and layout in caplog.text and aside[0] in caplog.text
+    tier.close()
+    assert fsck(str(path)).clean
