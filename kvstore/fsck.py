@@ -103,13 +103,14 @@ def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set) -> s
     h, slot, _ = entry
     if slot >= slabs.num_grown:
         return f"slot {slot} is beyond the slab file"
+    # before the claim: a stale entry (a delete a crash cut off) naming the same slot as the
+    # block now in it takes nothing from it
+    ((_, holder, c),) = slabs.headers([slot])
+    if holder is not None and holder != h:
+        return (f"slot {slot} now holds another block: a stale entry (its delete was cut "
+                "off by a crash), harmless; the next start or --repair drops it")
     dst = memoryview(np.empty(slabs.block_bytes, np.uint8))
-    if not slabs.read_n([slot], [h], [dst])[0]:  # before the claim: a stale entry (a delete
-        # a crash cut off) naming the same slot as the block now in it takes nothing from it
-        ((_, holder, _),) = slabs.headers([slot])
-        if holder is not None and holder != h:
-            return (f"slot {slot} now holds another block: a stale entry (its delete was cut "
-                    "off by a crash), harmless; the next start or --repair drops it")
+    if holder is None or not slabs.read_n([slot], [c], [dst])[0]:
         return f"slot {slot} does not hold this block intact (checksum or header)"
     if slot in claimed:
         return f"slot {slot} is listed twice"

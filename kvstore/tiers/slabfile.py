@@ -6,9 +6,9 @@
 
 Each byte of a block is written once (a `pwritev` of a run of consecutive slots' payloads,
 then one of their headers) and read back with one `preadv` straight into the caller's
-buffer (then one of the headers). The headers make every slot self-describing: a read
-checks the hash and the checksum, and the tier's index can always be rebuilt from them
-(recovery reads the header file in windows, not a slot at a time).
+buffer, checked against the checksum the tier holds for it. The headers make every slot
+self-describing: the tier's index is checked against them at open and can always be
+rebuilt from them (recovery reads the header file in windows, not a slot at a time).
 
 Headers live apart so that a payload starts at a multiple of its own size: the page cache
 then keeps it in large folios. A slot of payload | header | pad (the first layout) is
@@ -121,15 +121,16 @@ class SlabFile:
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES, heads)
         return sums
 
-    def read_n(self, slots: Sequence[int], hashes: Sequence[bytes],
+    def read_n(self, slots: Sequence[int], sums: Sequence[int | None],
                dsts: Sequence[memoryview]) -> list[bool]:
-        """Read blocks into `dsts` (flat writable byte views); False where the slot does not
-        hold that block intact (another hash, a bad header, a checksum mismatch, an
-        unreadable sector)."""
+        """Read payloads into `dsts` (flat writable byte views), each checked against the
+        checksum expected of it (the tier's, from its index and the slot's header at open;
+        None: none is known, a miss); False where they differ (another block, damage, an
+        unreadable sector). One preadv per run, no header read: the checksum the tier holds
+        is what the header would say."""
         ok = [False] * len(slots)
         pad = self._scratch_view
         for first, idx in _runs(slots, self._run_blocks):
-            heads = memoryview(bytearray(HEADER_BYTES * len(idx)))
             bufs = []
             for i in idx:
                 bufs.append(dsts[i])
@@ -137,22 +138,11 @@ class SlabFile:
                     bufs.append(pad)
             try:
                 self._io(os.preadv, self.fd, first * self.stride, bufs)
-                self._io(os.preadv, self.hfd, first * HEADER_BYTES, [heads])
             except TierIOError:
                 continue
-            for k, i in enumerate(idx):  # verified while the run is in cache
-                ok[i] = self._intact(heads[k * HEADER_BYTES:(k + 1) * HEADER_BYTES],
-                                     bytes(hashes[i]), dsts[i])
+            for i in idx:  # verified while the run is in cache
+                ok[i] = sums[i] is not None and checksum(dsts[i]) == sums[i]
         return ok
-
-    def _intact(self, header: bytes, block_hash: bytes, payload: memoryview) -> bool:
-        try:
-            hdr = decode_header(header)
-        except BlockFormatError:
-            return False
-        return (hdr.block_hash == block_hash and hdr.ns_id == self.ns.ns_id
-                and hdr.shape == self.ns.block_shape
-                and checksum(payload) == hdr.checksum)
 
     def headers(self, slots: Sequence[int]) -> Iterator[tuple[int, bytes | None, int]]:
         """(slot, block hash, checksum) of the headers found in `slots` (hash None: no valid

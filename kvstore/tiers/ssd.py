@@ -5,8 +5,9 @@
     <path>/index/       RocksDB: block hash -> (slot, checksum)  (kvstore.tiers.ssdindex)
 
 Each payload byte is written once, straight from the caller's buffer, and read back with
-one preadv into the destination; its slot's header (hash, namespace, xxh3_64 checksum)
-is checked on every read, so a corrupted or misplaced block is a miss, never wrong KV.
+one preadv into the destination, its xxh3_64 checksum checked on every read against the
+one the tier holds (written in its slot's header and index entry, taken from the header
+at open), so a corrupted or misplaced block is a miss, never wrong KV.
 
 Crash consistency by ordering and verification: a block's payload, then its header, are
 written before its index entry (WAL on when `durable`), so an entry never points at bytes that were
@@ -121,16 +122,26 @@ class SsdTier:
         """Straight into host destinations (one preadv per run of slots); device ones
         through a host buffer."""
         self._check_open()
+        sums = self._sums(slots, hashes)
         if isinstance(dsts, torch.Tensor) and dsts.device.type == "cpu":
-            return self.slabs.read_n(slots, hashes, _host_views(dsts, self.slot_bytes))
+            return self.slabs.read_n(slots, sums, _host_views(dsts, self.slot_bytes))
         on_host = [d.device.type == "cpu" for d in dsts]
         views = [memoryview(d.numpy()) if host else memoryview(np.empty(self.slot_bytes, np.uint8))
                  for d, host in zip(dsts, on_host)]
-        ok = self.slabs.read_n(slots, hashes, views)
+        ok = self.slabs.read_n(slots, sums, views)
         for d, v, host, good in zip(dsts, views, on_host, ok):
             if good and not host:
                 copy_bytes(d, np.frombuffer(v, np.uint8))
         return ok
+
+    def _sums(self, slots: Sequence[int], hashes: Sequence[bytes]) -> list[int | None]:
+        """The checksum each slot's payload must have (None where the tier does not hold
+        that block in that slot)."""
+        out = []
+        for slot, h in zip(slots, hashes):
+            held = self._held.get(bytes(h))
+            out.append(held[1] if held is not None and held[0] == slot else None)
+        return out
 
     # ------------------------------------------------------------- open
 
@@ -168,12 +179,12 @@ class SsdTier:
                 dropped.append(key)
                 continue
             by_slot.setdefault(entry[1], []).append((entry[0], entry[2]))
-        on_disk = {slot: h for slot, h, _ in self.slabs.headers(sorted(by_slot))}
+        on_disk = {slot: (h, c) for slot, h, c in self.slabs.headers(sorted(by_slot))}
         found: dict[bytes, tuple[int, int]] = {}
         for slot, cands in by_slot.items():
-            for h, c in cands:
-                if on_disk.get(slot) == h:
-                    found[h] = (slot, c)
+            for h, _ in cands:
+                if on_disk.get(slot, (None, 0))[0] == h:  # the header's checksum: the one
+                    found[h] = (slot, on_disk[slot][1])  # written with these bytes
                 else:
                     dropped.append(h)
         return found, dropped
@@ -196,9 +207,9 @@ class SsdTier:
         """A copy of the block in `slot` (read and verified: an SSD slot has no in-memory
         view; the store never demotes from its last tier)."""
         self._check_open()
-        ((_, block_hash, _),) = self.slabs.headers([slot])
+        ((_, block_hash, c),) = self.slabs.headers([slot])
         out = np.empty(self.slot_bytes, np.uint8)
-        if block_hash is None or not self.slabs.read_n([slot], [block_hash], [memoryview(out)])[0]:
+        if block_hash is None or not self.slabs.read_n([slot], [c], [memoryview(out)])[0]:
             raise TierIOError(f"SSD slot {slot} of {self.path} holds no intact block")
         return torch.from_numpy(out)
 

@@ -192,14 +192,22 @@ def test_a_flipped_byte_on_disk_fails_verification(tmp_path):
     tier.close()
 
 
-def test_a_slot_read_under_another_hash_or_a_bad_header_fails(tmp_path):
+def test_a_slot_read_under_another_hash_fails_and_a_bad_header_is_dropped_at_open(tmp_path):
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(2)
     tier.write_n(slots, HASHES[:2], _blocks(2))
     out = torch.zeros(1, NS.block_bytes, dtype=torch.uint8)
     assert tier.read_n(slots[:1], HASHES[1:2], out) == [False]       # misplaced
-    _flip(tmp_path / "headers.dat", slots[1] * HEADER_BYTES + 2)
-    assert tier.read_n(slots[1:], HASHES[1:2], out) == [False]       # header magic broken
+    _flip(tmp_path / "headers.dat", slots[1] * HEADER_BYTES + 2)     # header magic broken
+    # a read checks the payload against the checksum the tier holds: still intact
+    assert tier.read_n(slots[1:], HASHES[1:2], out) == [True]
+    assert torch.equal(out[0], _blocks(2)[1])
+    tier.close()
+    report = fsck(str(tmp_path))
+    assert [h for h, _ in report.bad] == [bytes(HASHES[1])] and report.num_ok == 1
+    tier = SsdTier(NS, str(tmp_path), 4)  # the header no longer vouches for it: dropped
+    assert [h for h, _ in tier.recover()] == [bytes(HASHES[0])]
+    assert tier.num_dropped_at_open == 1
     tier.close()
 
 
