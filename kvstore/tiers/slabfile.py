@@ -12,9 +12,9 @@ rebuilt from them (recovery reads the header file in windows, not a slot at a ti
 
 Headers live apart so that a payload starts at a multiple of its own size: the page cache
 then keeps it in large folios. A slot of payload | header | pad (the first layout) is
-never so aligned, and its 1 MiB put cost 0.77 of a plain file's write, its warm read 0.82,
-against 0.83-0.86 and 0.86-0.95 apart (hashing included; 256 KiB: 0.70 -> 0.81 and
-0.71 -> 0.83; measured in one process, the layouts in turn). A directory of the first
+never so aligned: in raw loops (hashing included, the layouts in turn in one process) its
+1 MiB write ran at 0.77 of a plain file's and its warm read at 0.82, against 0.83-0.86 and
+0.86-0.95 apart (256 KiB: 0.70 -> 0.81 and 0.71 -> 0.83). A directory of the first
 layout (slabs.dat with no headers.dat) is not read: `old_layout` names it.
 
 Both files grow on demand in extents of `extent_slots` slots, each reserved with
@@ -173,14 +173,17 @@ class SlabFile:
             try:
                 n = fn(fd, views[:1024], offset)
             except OSError as e:
-                raise TierIOError(f"SSD tier I/O on {self.path} failed: {e}") from e
+                raise TierIOError(f"SSD tier I/O on {self._name(fd)} failed: {e}") from e
             if n == 0:
-                raise TierIOError(f"SSD tier I/O on {self.path} hit the end of the file")
+                raise TierIOError(f"SSD tier I/O on {self._name(fd)} hit the end of the file")
             offset += n
             while views and n >= len(views[0]):
                 n -= len(views.pop(0))
             if n:
                 views[0] = views[0][n:]
+
+    def _name(self, fd: int) -> str:
+        return self.headers_path if fd == self.hfd else self.path
 
     def truncate_to(self, num_slots: int) -> None:
         """Give back disk beyond `num_slots` (a reopen with less capacity)."""

@@ -10,12 +10,12 @@ one the tier holds (written in its slot's header and index entry, taken from the
 at open), so a corrupted or misplaced block is a miss, never wrong KV.
 
 Crash consistency by ordering and verification: a block's payload, then its header, are
-written before its index entry (WAL on when `durable`), so an entry never points at bytes that were
-not written; a freed slot's entry is deleted in the same index write as the entries that
-follow it (never later than the entry of the block that reuses the slot), and anything left
-stale by a crash fails the header check at open and is dropped. Survives close/reopen and
-SIGKILL. A directory of an older layout is moved aside at open, not read (its blocks are a
-cache: the tier starts empty beside it).
+written before its index entry (WAL on when `durable`), so an entry never points at bytes
+that were not written; a freed slot's entry is deleted in the same index write as the
+entries that follow it (never later than the entry of the block that reuses the slot), and
+anything left stale by a crash fails the header check at open and is dropped. Survives
+close/reopen and SIGKILL. A directory of an older layout is moved aside at open, not read
+(its blocks are a cache: the tier starts empty beside it).
 
 Failures stay local: a disk with no room to grow turns allocation into None (the store
 answers NO_SPACE); a refused index write fails that call (TierIOError) and the index
