@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 
@@ -12,6 +11,7 @@ from aiohttp import web
 from kvstore.daemon.config import (DaemonConfig, coerce, default_of, options, read_token_file,
                                    read_toml)
 from kvstore.errors import ConfigError
+from kvstore.tuning import freeze_gc_heap
 
 log = logging.getLogger("kvtier.serve")
 
@@ -92,16 +92,6 @@ def _not_dumpable() -> None:
                     "same user can read its memory", ctypes.get_errno())
 
 
-def _freeze_startup_objects() -> None:
-    """Everything built by the start (torch's, aiohttp's and our modules, each store's
-    recovered entries) goes to a generation the cyclic GC never scans again. A full
-    collection walks every tracked object while holding the GIL, so each one stopped every
-    thread of the daemon: 15-105 ms here, about once a second under a stream of puts, which
-    was the whole p99.9 of a same-host FLUSH. Runtime objects are still collected."""
-    gc.collect()
-    gc.freeze()
-
-
 def _default_gpu_bytes() -> int:
     import torch
     return (1 << 30) if torch.cuda.is_available() else 0
@@ -140,7 +130,7 @@ async def serve(cfg: DaemonConfig) -> None:
         await site.start()
         http_port = site._server.sockets[0].getsockname()[1]
         data_port = app[DATAPLANE].port
-        _freeze_startup_objects()
+        freeze_gc_heap()  # what the start built, and each full pass's survivors after it
         auth = "token required" if cfg.auth_required else "no auth (loopback only)"
         print(f"kvtier serve: data plane kvtier://{cfg.host}:{data_port}  control "
               f"http://{cfg.host}:{http_port}  data dir {cfg.data_dir}  ({auth})\n"
