@@ -48,6 +48,7 @@ from kvstore.config import StoreConfig, TierConfig
 from kvstore.events import TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
+from kvstore.tuning import freeze_gc_heap
 
 from kvtier.report import Row, add_common_args, report
 from transfer.shm import ShmSegment
@@ -518,8 +519,7 @@ def main() -> None:
     # that imported torch stops it for 40-85 ms, and one of those inside a measurement
     # window (80 ms with --quick) doubled that row's mean, on whichever side happened to
     # allocate the object that triggered it.
-    gc.collect()
-    gc.freeze()
+    freeze_gc_heap()
     try:
         rows = data_rows(url, redis, mooncake, raw, seconds) + async_rows(url, seconds) \
             + metadata_rows(url, seconds)

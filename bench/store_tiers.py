@@ -15,7 +15,6 @@ block-hashing throughput against one xxh3_128 pass over the same token bytes.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shutil
 import statistics
@@ -34,7 +33,7 @@ from kvstore.events import TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tiers.gpu import default_device
-from kvstore.tuning import tune_malloc_for_large_blocks
+from kvstore.tuning import freeze_gc_heap, tune_malloc_for_large_blocks
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"16KiB": 16 * KiB, "256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
@@ -232,12 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     workdir = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "kvtier-data")
     gpu_label = "gpu" if default_device() == "cuda" else "gpu(cpu tensor)"
     rows = hashing_rows(args.seed)
-    # As bench.store_service and an engine once loaded: the setup's heap (torch's above
-    # all) out of the cyclic GC. A full pass over it took 60-85 ms (a gc callback in the
-    # single 256 KiB SSD put loop), longer than a whole 32 MiB run, and landed on the
-    # tier's side: the store's entries and events allocate, the plain-file loop hardly does.
-    gc.collect()
-    gc.freeze()
+    # As bench.store_service, `kvtier serve` and an engine once loaded: the setup's heap
+    # (torch's above all) out of the cyclic GC. A full pass over it took 60-85 ms (a gc
+    # callback in the single 256 KiB SSD put loop), longer than a whole 32 MiB run, and
+    # landed on the tier's side: the store's entries and events allocate, the plain-file
+    # loop hardly does.
+    freeze_gc_heap()
     try:
         for size_name, size in sizes.items():
             ns = namespace_for(size)
