@@ -15,6 +15,7 @@ block-hashing throughput against one xxh3_128 pass over the same token bytes.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 import os
 import shutil
 import statistics
@@ -177,27 +178,47 @@ class PlainFile:
 
 def tier_rows(kind: TierKind, label: str, size_name: str, ns: Namespace, n: int, reps: int,
               workdir: str, bases: list, durable: bool = True, cold: bool = False) -> list[Row]:
-    """Put, get (and cold get) rows of one tier, one row per (baseline, its name) in
-    `bases`, each baseline measured in turn with the tier (`paired_times`)."""
+    """Put, get (and cold get) rows of one tier, one row per (baseline factory, its name) in
+    `bases`, each baseline measured in turn with the tier (`paired_times`).
+
+    Each mode gets a fresh store and fresh baselines: a file's warm reads depend on how its
+    pages came into the cache (written whole: 9.2-10.3 GB/s here; read back by readahead
+    after a cold run: 6.6-8.7, and still after overwriting it), so a baseline kept across
+    modes was a fresh file for the single rows and a read-back one for the x16 rows, which
+    faced a fresh store every time."""
     rows = []
     nbytes = n * ns.block_bytes
     gbps = nbytes / 1e9
     for mode, batch in (("single", 1), ("batched x16", 16)):
         case = TierCase(kind, ns, n, batch, workdir, durable)
-        # every run starts with nothing dirty in the page cache (written back untimed), so
-        # no run pays for the writeback of the one before it
-        settle = [os.sync] * (1 + len(bases)) if kind is TierKind.SSD else None
-        for op, fn, base_fn in (("put", case.put, "write"), ("get", case.get, "read")):
-            t, base_ts = paired_times(fn, [getattr(b, base_fn) for b, _ in bases], reps,
-                                      before=settle)
-            rows += [Row(f"{label} {op} {size_name} {mode}", "GB/s", gbps / t, name, gbps / bt)
-                     for (_, name), bt in zip(bases, base_ts)]
-        if cold:
-            drops = [case.drop_cache] + [b.drop_cache for b, _ in bases]
-            t, base_ts = paired_times(case.get, [b.read for b, _ in bases], reps, before=drops)
-            rows += [Row(f"{label} cold get {size_name} {mode}", "GB/s", gbps / t,
-                         f"{name} (cold)", gbps / bt) for (_, name), bt in zip(bases, base_ts)]
-        case.close()
+        made = []
+        try:
+            for make, name in bases:
+                made.append((make(), name))
+            rows += _mode_rows(kind, f"{size_name} {mode}", label, case, made, gbps, reps, cold)
+        finally:
+            for b, _ in made:
+                b.close()
+            case.close()
+    return rows
+
+
+def _mode_rows(kind: TierKind, what: str, label: str, case: TierCase, bases: list, gbps: float,
+               reps: int, cold: bool) -> list[Row]:
+    rows = []
+    # every run starts with nothing dirty in the page cache (written back untimed), so no
+    # run pays for the writeback of the one before it
+    settle = [os.sync] * (1 + len(bases)) if kind is TierKind.SSD else None
+    for op, fn, base_fn in (("put", case.put, "write"), ("get", case.get, "read")):
+        t, base_ts = paired_times(fn, [getattr(b, base_fn) for b, _ in bases], reps,
+                                  before=settle)
+        rows += [Row(f"{label} {op} {what}", "GB/s", gbps / t, name, gbps / bt)
+                 for (_, name), bt in zip(bases, base_ts)]
+    if cold:
+        drops = [case.drop_cache] + [b.drop_cache for b, _ in bases]
+        t, base_ts = paired_times(case.get, [b.read for b, _ in bases], reps, before=drops)
+        rows += [Row(f"{label} cold get {what}", "GB/s", gbps / t, f"{name} (cold)", gbps / bt)
+                 for (_, name), bt in zip(bases, base_ts)]
     return rows
 
 
@@ -241,21 +262,16 @@ def main(argv: list[str] | None = None) -> None:
         for size_name, size in sizes.items():
             ns = namespace_for(size)
             n = max(16, (args.mib * MiB) // size)
-            copy = Memcpy(n * size)
+            copy = partial(Memcpy, n * size)
             for kind, label in ((TierKind.GPU, gpu_label), (TierKind.DRAM, "dram")):
                 rows += tier_rows(kind, label, size_name, ns, n, reps, workdir,
                                   [(copy, "memcpy")])
-            plain = PlainFile(n * size, size, workdir)
-            summed = PlainFile(n * size, size, workdir, checksum=True)
-            try:
-                rows += tier_rows(TierKind.SSD, "ssd", size_name, ns, n, reps, workdir,
-                                  [(plain, "plain file"), (summed, "plain file + xxh3")],
-                                  cold=True)
-                rows += tier_rows(TierKind.SSD, "ssd(no WAL)", size_name, ns, n, reps, workdir,
-                                  [(plain, "plain file")], durable=False)
-            finally:
-                plain.close()
-                summed.close()
+            plain = partial(PlainFile, n * size, size, workdir)
+            summed = partial(PlainFile, n * size, size, workdir, checksum=True)
+            rows += tier_rows(TierKind.SSD, "ssd", size_name, ns, n, reps, workdir,
+                              [(plain, "plain file"), (summed, "plain file + xxh3")], cold=True)
+            rows += tier_rows(TierKind.SSD, "ssd(no WAL)", size_name, ns, n, reps, workdir,
+                              [(plain, "plain file")], durable=False)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report("store_tiers", rows, args.json)
