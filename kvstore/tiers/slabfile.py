@@ -108,36 +108,28 @@ class SlabFile:
         go after its payloads, so a crash between the two leaves a header that does not
         match the payload beside it (a miss), never one that vouches for bytes not there."""
         sums = [0] * len(payloads)
-        pad = self._pad_view
         for first, idx in _runs(slots, self._run_blocks):
-            bufs, heads = [], []
+            heads = []
             for i in idx:
                 sums[i] = checksum(payloads[i])
-                bufs.append(payloads[i])
-                if pad is not None:
-                    bufs.append(pad)
                 heads.append(encode_header(self.ns, hashes[i], sums[i]))
-            self._io(os.pwritev, self.fd, first * self.stride, bufs)
+            self._io(os.pwritev, self.fd, first * self.stride,
+                     _padded([payloads[i] for i in idx], self._pad_view))
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES, heads)
         return sums
 
     def read_n(self, slots: Sequence[int], sums: Sequence[int | None],
                dsts: Sequence[memoryview]) -> list[bool]:
         """Read payloads into `dsts` (flat writable byte views), each checked against the
-        checksum expected of it (the tier's, from its index and the slot's header at open;
-        None: none is known, a miss); False where they differ (another block, damage, an
-        unreadable sector). One preadv per run, no header read: the checksum the tier holds
-        is what the header would say."""
+        checksum expected of it (the one the tier holds: returned by `write_n`, taken from
+        the slot's header at open; None: none is known, a miss); False where they differ
+        (another block, damage, an unreadable sector). One preadv per run, no header read:
+        the checksum the tier holds is what the header would say."""
         ok = [False] * len(slots)
-        pad = self._scratch_view
         for first, idx in _runs(slots, self._run_blocks):
-            bufs = []
-            for i in idx:
-                bufs.append(dsts[i])
-                if pad is not None:
-                    bufs.append(pad)
             try:
-                self._io(os.preadv, self.fd, first * self.stride, bufs)
+                self._io(os.preadv, self.fd, first * self.stride,
+                         _padded([dsts[i] for i in idx], self._scratch_view))
             except TierIOError:
                 continue
             for i in idx:  # verified while the run is in cache
@@ -205,6 +197,13 @@ def _open(path: str) -> int:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise TierIOError(f"cannot open the SSD slab file {path}: {e}") from e
+
+
+def _padded(payloads: list, pad: memoryview | None) -> list:
+    """A run's payload iovecs, each followed by the pad to its page-rounded stride."""
+    if pad is None:
+        return payloads
+    return [v for payload in payloads for v in (payload, pad)]
 
 
 def _runs(slots: Sequence[int], most: int = IOV_BLOCKS) -> list[tuple[int, list[int]]]:

@@ -178,13 +178,14 @@ class SsdTier:
             if entry is None or entry[1] >= min(self.num_slots, self.slabs.num_grown):
                 dropped.append(key)
                 continue
-            by_slot.setdefault(entry[1], []).append((entry[0], entry[2]))
+            by_slot.setdefault(entry[1], []).append(entry[0])
         on_disk = {slot: (h, c) for slot, h, c in self.slabs.headers(sorted(by_slot))}
         found: dict[bytes, tuple[int, int]] = {}
-        for slot, cands in by_slot.items():
-            for h, _ in cands:
-                if on_disk.get(slot, (None, 0))[0] == h:  # the header's checksum: the one
-                    found[h] = (slot, on_disk[slot][1])  # written with these bytes
+        for slot, hashes in by_slot.items():
+            header_hash, c = on_disk.get(slot, (None, 0))
+            for h in hashes:
+                if h == header_hash:  # with the header's checksum: the one written with
+                    found[h] = (slot, c)  # these bytes
                 else:
                     dropped.append(h)
         return found, dropped
