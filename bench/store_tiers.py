@@ -6,7 +6,9 @@ directory, warm (from the page cache) and cold (both files written back and drop
 the page cache with fdatasync + POSIX_FADV_DONTNEED before every read), and also with a
 plain file that checksums each block (xxh3_64, as the tier must: the floor of its promise
 that a corrupted block is a miss). Each tier row and its baselines are timed in turn
-(`paired_times`), every SSD run starting with nothing dirty in the page cache.
+(`paired_times`), every SSD run starting with nothing dirty in the page cache. Each
+measurement moves `--mib` MiB (by default twice the largest CPU cache), so that both sides
+copy from and to memory, not from a cache one of them happens to have warmed.
 On a machine without CUDA the GPU tier runs on a CPU tensor (and says so). Also reports
 block-hashing throughput against one xxh3_128 pass over the same token bytes.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from functools import partial
+import glob
 import os
 import shutil
 import statistics
@@ -38,6 +41,34 @@ from kvstore.tuning import freeze_gc_heap, tune_malloc_for_large_blocks
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {"16KiB": 16 * KiB, "256KiB": 256 * KiB, "1MiB": MiB, "4MiB": 4 * MiB}
+
+
+def largest_cpu_cache() -> int:
+    """Bytes of the host's largest CPU cache (sysfs; 32 MiB where it cannot be read)."""
+    sizes = []
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(index) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": KiB, "M": MiB}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=32 * MiB)
+
+
+def default_mib() -> int:
+    """MiB moved per measurement: twice the largest CPU cache, 64 at least. With less, the
+    warm rows measure the cache, not the tier: on a host with a 32 MiB L3, a 32 MiB run of
+    1 MiB plain-file reads ran at 11-15 GB/s and the tier's at 8-10, in cache or not from
+    run to run (ratios 0.60-0.83 on the same code), while at 64 MiB both read from memory
+    at 5-6.6 GB/s and the ratios held within 0.74-0.85 (4 MiB rows, which move 16 blocks,
+    64 MiB, at least: 0.81-0.85, where 32 MiB of the smaller sizes before them had left
+    them at 0.52-1.49)."""
+    return max(64, 2 * largest_cpu_cache() // MiB)
 
 
 def namespace_for(block_bytes: int) -> Namespace:
@@ -241,13 +272,15 @@ def main(argv: list[str] | None = None) -> None:
                         "temporary directory under ./kvtier-data, on the same disk as a real store)")
     parser.add_argument("--no-tune", action="store_true", help="leave glibc malloc as it is "
                         "(by default the bench tunes it like `kvtier serve`: kvstore/tuning.py)")
-    parser.add_argument("--mib", type=int, default=32, help="MiB moved per measurement (default 32)")
+    parser.add_argument("--mib", type=int, default=default_mib(),
+                        help="MiB moved per measurement (default: twice the largest CPU cache, "
+                        "64 at least: %(default)s here), at least 16 blocks")
     args = parser.parse_args(argv)
     if not args.no_tune:
         tune_malloc_for_large_blocks()  # as `kvtier serve` does
     torch.manual_seed(args.seed)
     sizes = {k: v for k, v in SIZES.items() if not args.quick or k in ("256KiB", "1MiB")}
-    reps = 7 if args.quick else 11  # a 32 MiB run is a few ms: medians of many
+    reps = 7 if args.quick else 11  # a 64 MiB run is ~10 ms: medians of many
     os.makedirs(args.dir or "kvtier-data", exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "kvtier-data")
     gpu_label = "gpu" if default_device() == "cuda" else "gpu(cpu tensor)"
