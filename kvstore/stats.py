@@ -42,7 +42,7 @@ class StoreStats(NamedTuple):
                 reservations: int, leases: int, write_errors: int = 0,
                 background_errors: int = 0) -> "StoreStats":
         rows = tuple(
-            TierStats(t.kind, t.num_slots, t.num_slots - t.num_free(), t.num_free(),
+            TierStats(t.kind, t.num_slots, t.num_used(), t.num_free(),
                       TierCounters(**{f.name: getattr(c, f.name) for f in fields(c)}))
             for t, c in zip(tiers, counters))
         return cls(ns.model, ns.block_bytes, rows, misses, reservations, leases, write_errors,

@@ -309,8 +309,10 @@ class TieredStore(Reads, Grants):
     def _over_watermarks(self, p: TierMap) -> list[Move]:
         moves = []
         for i, (tier, cfg) in enumerate(zip(p.tiers, self.config.tiers)):
-            if tier.num_slots - tier.num_free() > cfg.high_watermark * tier.num_slots:
-                moves += p.plan_room(i, tier.num_slots - int(cfg.low_watermark * tier.num_slots))
+            used = tier.num_used()  # not num_slots - num_free(): a disk that refused to grow
+            if used > cfg.high_watermark * tier.num_slots:  # leaves no free slot, yet the
+                excess = used - int(cfg.low_watermark * tier.num_slots)  # tier is not full
+                moves += p.plan_room(i, tier.num_free() + excess)
         return moves
 
     def _make_room_in(self, i: int, n: int) -> None:

@@ -31,6 +31,9 @@ class ArenaTier:
     def num_free(self) -> int:
         return len(self._free)
 
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
     def alloc_n(self, n: int) -> list[int] | None:
         self._check_open()
         return self._free.take(n)

@@ -32,7 +32,12 @@ class Tier(Protocol):
     persistent: bool  # True when blocks survive close/reopen (and `recover` lists them)
 
     def num_free(self) -> int:
-        """Slots not allocated."""
+        """Slots that can be allocated now."""
+
+    def num_used(self) -> int:
+        """Slots allocated (holding or reserved for a block): what the watermarks count. Not
+        always num_slots - num_free(): a tier whose disk refused to grow has no more free
+        slots for now, yet holds no more blocks."""
 
     def alloc_n(self, n: int) -> list[int] | None:
         """Take n free slots, or None (taking nothing) when fewer than n are free."""

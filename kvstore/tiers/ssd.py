@@ -85,6 +85,9 @@ class SsdTier:
             growable = 0
         return len(self._free) + growable
 
+    def num_used(self) -> int:
+        return self.slabs.num_grown - len(self._free)
+
     def alloc_n(self, n: int) -> list[int] | None:
         self._check_open()
         while len(self._free) < n:

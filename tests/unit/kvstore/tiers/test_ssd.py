@@ -342,3 +342,44 @@ def test_a_directory_of_an_older_layout_is_moved_aside_and_fsck_says_so(tmp_path
     assert len(aside) == 1 and layout in caplog.text and aside[0] in caplog.text
     tier.close()
     assert fsck(str(path)).clean
+
+
+def test_a_disk_that_refuses_to_grow_does_not_make_maintenance_evict_everything(tmp_path,
+                                                                               monkeypatch):
+    """A full disk leaves the tier no free slot for a while, yet it holds no more blocks:
+    the watermarks count the slots in use, so the background pass keeps them (it used to
+    take the ungrowable capacity for blocks and evict every one to reach the low mark)."""
+    from kvstore.config import StoreConfig, TierConfig
+    from kvstore.errors import TierIOError
+    from kvstore.events import TierKind
+    from kvstore.store import TieredStore
+
+    ns = Namespace("grow", num_layers=1, num_kv_heads=1, head_dim=64)
+    monkeypatch.setattr(slabfile, "EXTENT_BYTES", 8 * stride_of(ns.block_bytes))
+    store = TieredStore(ns, StoreConfig((TierConfig(TierKind.SSD, 1000, path=str(tmp_path)),)))
+    try:
+        real_grow = slabfile.SlabFile.grow
+
+        def grow(self, min_slots=1):
+            if self.num_grown >= 24:  # the disk is full from here on
+                raise TierIOError("no space left on device (simulated)")
+            return real_grow(self, min_slots)
+
+        monkeypatch.setattr(slabfile.SlabFile, "grow", grow)
+        hashes = hash_blocks(ns, list(range(16 * 40)))
+        rows = torch.randint(0, 256, (40, ns.block_bytes), dtype=torch.uint8)
+        for i, h in enumerate(hashes):  # past 24 blocks a put makes room by dropping the oldest
+            store.put_n([h], rows[i:i + 1])
+        held = [i for i, hit in enumerate(store.contains_n(hashes)) if hit]
+        assert len(held) == 24
+        tier = store.stats().tier(TierKind.SSD)
+        assert tier.used_blocks == 24 and tier.free_blocks == 0
+        evicted = tier.counters.evictions
+        store.maintain()
+        out = torch.zeros_like(rows)
+        got = store.get_n([hashes[i] for i in held], out[:len(held)])
+        assert None not in got, "maintenance evicted blocks of a tier far below its watermark"
+        assert torch.equal(out[:len(held)], rows[held])
+        assert store.stats().tier(TierKind.SSD).counters.evictions == evicted
+    finally:
+        store.close(flush=False)
