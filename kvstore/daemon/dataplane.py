@@ -22,7 +22,6 @@ import errno
 import logging
 import secrets
 import socket
-import struct
 import threading
 import time
 

@@ -30,6 +30,7 @@ from transfer import ShmSegment
 
 STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
+SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
 
 
 def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
@@ -268,6 +269,19 @@ class Session:
         store, hashes = self.store, msg.hash_list
         self.release_n(msg.release)
         bb, arena = self.hosted.ns.block_bytes, self.dram_rows()
+        if len(hashes) * bb > self.cfg.max_payload_bytes:  # the reply, and the scratch it
+            raise w.RemoteError(w.ErrorCode.TOO_LARGE,  # may take: bounded like a put's
+                                f"a GET of {len(hashes)} blocks of {bb} bytes could answer "
+                                f"{len(hashes) * bb} bytes; a reply carries at most "
+                                f"{self.cfg.max_payload_bytes}: split the batch")
+        try:
+            self._get(store, msg, hashes, bb, arena)
+        finally:
+            if self._scratch.numel() > SCRATCH_KEEP:  # a big batch's scratch is not kept
+                self._scratch = torch.empty(0, dtype=torch.uint8)  # for the connection's
+                self._rows = self._scratch.view(0, 0)  # idle life
+
+    def _get(self, store, msg: w.Get, hashes, bb: int, arena) -> None:
         rows = self.scratch_rows(len(hashes), bb)
         lease = store.fetch_n(hashes, rows, ttl_s=self.cfg.lease_ttl_s,
                               lease_tier=TierKind.DRAM if arena is not None else None,

@@ -3,7 +3,6 @@ closed, and the daemon keeps serving everyone else."""
 from __future__ import annotations
 
 import socket
-import struct
 import time
 
 import msgpack
@@ -265,3 +264,27 @@ def test_a_killed_daemon_leaves_nothing_in_dev_shm(make_daemon):
         d.kill()
     assert set(os.listdir("/dev/shm")) <= before
     d.start()
+
+
+def test_a_get_whose_reply_would_exceed_the_payload_limit_is_refused(make_daemon, tmp_path):
+    """A GET names its blocks, duplicates included: one naming the same stored block many
+    times once made the daemon gather (and keep, per connection) a reply of any size. It
+    is bounded like a put's payload, and the connection goes on."""
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text(f"[serve]\nmax_payload_bytes = {16 * BB}\n")
+    d = make_daemon("--config", str(cfg))
+    h = hash_blocks(NS, np.arange(16) + 7)[0]
+    with raw_conn(d) as s:
+        assert isinstance(hello(s), w.HelloOk)
+        w.send_frame(s, w.Put(hashes=h), w.Op.PUT, False, [block_of(h, BB)])
+        assert isinstance(w.recv_frame(s, 1 << 30).msg, w.PutOk)
+        w.send_frame(s, w.Get(hashes=h * 17), w.Op.GET, False)
+        frame = w.recv_frame(s, 1 << 30)
+        assert frame.op is w.Op.ERROR and frame.msg.code == w.ErrorCode.TOO_LARGE, frame.msg
+        assert "split the batch" in frame.msg.message
+        w.send_frame(s, w.Get(hashes=h * 16), w.Op.GET, False)  # at the limit: served
+        frame = w.recv_frame(s, 1 << 30)
+        assert frame.msg.tiers == bytes([TierKind.DRAM]) * 16 and frame.payload_bytes == 16 * BB
+        out = bytearray(frame.payload_bytes)
+        w.recv_exact(s, memoryview(out))
+        assert bytes(out) == block_of(h, BB).tobytes() * 16
