@@ -130,6 +130,7 @@ class ServedConnection:
             if s.bytes_out:
                 m.bytes_out.inc(s.bytes_out)
             s.bytes_in = s.bytes_out = 0
+            s.trim_scratch()
         if self.authenticated and not was_authenticated:
             self.reader.authenticated()
             w.kernel_timeouts(self.sock, self.server.cfg.idle_timeout_s)

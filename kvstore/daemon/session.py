@@ -62,6 +62,13 @@ class Session:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes]
 
+    def trim_scratch(self) -> None:
+        """After each request: scratch a big batch took (a put's or a GET's SSD / GPU blocks)
+        is let go rather than kept for the connection's idle life."""
+        if self._scratch.numel() > SCRATCH_KEEP:
+            self._scratch = torch.empty(0, dtype=torch.uint8)
+            self._rows = self._scratch.view(0, 0)
+
     def scratch_rows(self, n: int, block_bytes: int) -> torch.Tensor:
         """`[n, block_bytes]` of scratch; the view is kept for the next request of the same
         shape (a GET of one block is the common case: no torch view op per request)."""
@@ -274,14 +281,6 @@ class Session:
                                 f"a GET of {len(hashes)} blocks of {bb} bytes could answer "
                                 f"{len(hashes) * bb} bytes; a reply carries at most "
                                 f"{self.cfg.max_payload_bytes}: split the batch")
-        try:
-            self._get(store, msg, hashes, bb, arena)
-        finally:
-            if self._scratch.numel() > SCRATCH_KEEP:  # a big batch's scratch is not kept
-                self._scratch = torch.empty(0, dtype=torch.uint8)  # for the connection's
-                self._rows = self._scratch.view(0, 0)  # idle life
-
-    def _get(self, store, msg: w.Get, hashes, bb: int, arena) -> None:
         rows = self.scratch_rows(len(hashes), bb)
         lease = store.fetch_n(hashes, rows, ttl_s=self.cfg.lease_ttl_s,
                               lease_tier=TierKind.DRAM if arena is not None else None,
