@@ -363,9 +363,7 @@ class TieredStore(Reads, Grants):
     def drain_events(self) -> list[KVEvent]:
         """KV events since the last drain, in seq order (a gap: the buffer overflowed)."""
         with self._lock:
-            out = list(self._p.events)
-            self._p.events.clear()
-            return out
+            return self._p.take_events()
 
     def snapshot(self) -> tuple[int, dict[TierKind, list[bytes]]]:
         """The store's whole content by tier, as of its last event: (that event's seq, or -1
