@@ -16,3 +16,13 @@ def test_paired_runs_each_function_in_turns_with_a_rotating_order():
         runs[-1] += k
     assert [r[0] for r in runs] == list("abc" "bca" "cab")
     assert all(len(r) >= 5 for r in runs)  # a turn is never a single call
+
+
+def test_twin_row_times_as_many_copies_in_a_row_as_fit_in_the_ops_p50():
+    from bench.store_service import Stats, _twin_row
+    calls = []
+    row = _twin_row("shm put 256KiB x1", Stats(1.0, 62.0, 500.0), Stats(1.0, 20.0, 40.0),
+                    lambda: calls.append(1), nbytes=1, seconds=0.0)
+    assert row.case == "shm put 256KiB x1 p99" and row.value == 500.0
+    assert row.baseline == "3 memcpys in a row (same CPU time)"
+    assert len(calls) % 3 == 0 and len(calls) >= 3 * 5  # whole twins only: warm-up + a turn
