@@ -60,6 +60,9 @@ class PutRing:
         off += RECORD.itemsize * cap
         self.grants = buf[off:off + 8 * gcap].view("<i8")
         self.capacity, self.grant_capacity = cap, gcap
+        # the creator's (daemon's) own indices: the client can write the shared header, so
+        # the daemon never reads back what it owns, and clamps what the client owns
+        self._cr, self._gw = int(self.head[CR]), int(self.head[GW])
 
     # ---------------------------------------------------------------- client side
 
@@ -92,8 +95,9 @@ class PutRing:
     def peek(self) -> tuple[list[bytes], list[int]]:
         """Every published commit record, oldest first, left in the ring: `consume` them
         once committed, so that `pending` stays non-zero until the slot directory shows
-        them (the client's EXISTS answer for a block put twice rests on that)."""
-        r, w = int(self.head[CR]), int(self.head[CW])
+        them (the client's EXISTS answer for a block put twice rests on that). A write
+        index the client moved back or too far reads as nothing or a full ring."""
+        r, w = self._cr, int(self.head[CW])
         n = max(0, min(w - r, self.capacity))
         idx = (np.arange(r, r + n) % self.capacity) if n else np.empty(0, np.int64)
         recs = self.commits[idx]
@@ -101,18 +105,24 @@ class PutRing:
 
     def consume(self, n: int) -> None:
         """The n oldest records are committed: their ring entries are free again."""
-        self.head[CR] = int(self.head[CR]) + n
+        self._cr += n
+        self.head[CR] = self._cr
+
+    def _grants_out(self) -> int:
+        """Grants pushed and not taken: by the client's read index, held within 0..capacity."""
+        return min(max(self._gw - int(self.head[GR]), 0), self.grant_capacity)
 
     def grant_room(self) -> int:
-        return self.grant_capacity - int(self.head[GW] - self.head[GR])
+        return self.grant_capacity - self._grants_out()
 
     def push_grants(self, slots: list[int]) -> None:
-        w = int(self.head[GW])
+        w = self._gw
         for k, slot in enumerate(slots):
             self.grants[(w + k) % self.grant_capacity] = slot
-        self.head[GW] = w + len(slots)
+        self._gw = w + len(slots)
+        self.head[GW] = self._gw
 
     def unclaimed_grants(self) -> list[int]:
         """Granted slots the client has not taken (given back when the channel ends)."""
-        r, w = int(self.head[GR]), int(self.head[GW])
-        return [int(self.grants[i % self.grant_capacity]) for i in range(r, w)]
+        w = self._gw
+        return [int(self.grants[i % self.grant_capacity]) for i in range(w - self._grants_out(), w)]

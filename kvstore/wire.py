@@ -30,6 +30,7 @@ import os
 import re
 import socket
 import struct
+import time
 from typing import ClassVar
 
 import msgspec
@@ -491,22 +492,36 @@ class FrameReader:
     the header (the start of a payload, or of the next frame) are kept and handed out first,
     so every read of that socket must go through this reader.
 
-    `max_header` starts at the pre-authentication limit; the daemon raises it once a HELLO
-    has passed (`authenticated`)."""
+    `max_header` starts at the pre-authentication limit and `deadline` (a time.monotonic()
+    by which the first frames must have arrived whole: a socket timeout bounds each read
+    alone, so a client sending a byte a second would never time out) applies until then;
+    the daemon lifts both once a HELLO has passed (`authenticated`)."""
 
     CHUNK = 16 << 10
 
-    def __init__(self, sock: socket.socket, max_header: int = MAX_HEADER_BYTES) -> None:
+    def __init__(self, sock: socket.socket, max_header: int = MAX_HEADER_BYTES,
+                 deadline: float | None = None) -> None:
         self.sock = sock
         self.max_header = max_header
+        self.deadline = deadline
         self._buf = b""  # buffered bytes not handed out yet
 
     def authenticated(self) -> None:
         self.max_header = MAX_HEADER_BYTES
+        self.deadline = None
+
+    def _before_read(self) -> None:
+        """Bound the next read by what is left of the deadline (TimeoutError once past)."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the connection did not authenticate in time")
+        kernel_timeouts(self.sock, max(left, 1e-3))  # (0 s would mean no timeout at all)
 
     def _fill(self, n: int) -> None:
         parts, have = [self._buf], len(self._buf)
         while have < n:
+            if self.deadline is not None:
+                self._before_read()
             chunk = self.sock.recv(max(self.CHUNK, n - have))
             if not chunk:
                 raise ConnectionError("peer closed the connection mid-frame")

@@ -121,8 +121,11 @@ async def kv_events(request: web.Request) -> web.Response:
     try:
         ns_id = int(request.query["ns"], 16)
         after = int(request.query["after"]) if "after" in request.query else None
+        if not 0 <= ns_id < 1 << 64 or (after is not None and not -1 <= after < 1 << 63):
+            raise ValueError("out of range")
     except (KeyError, ValueError):
-        raise web.HTTPBadRequest(text="GET /kv/events?ns=<namespace id in hex>[&after=<seq>]\n")
+        raise web.HTTPBadRequest(text="GET /kv/events?ns=<namespace id: 16 hex digits at most>"
+                                 "[&after=<seq: -1 or more, under 2**63>]\n")
     node = request.app[CONFIG].node_id
     hosted: Hosted | None = request.app[REGISTRY].find(ns_id, grant)
     if hosted is None:  # not opened (or not this token's): nothing stored

@@ -36,6 +36,7 @@ from kvstore.errors import KVStoreError, StoreClosedError
 log = logging.getLogger("kvtier.dataplane")
 ACCEPT_BACKOFF_S = (0.01, 1.0)  # first and longest pause when the process is out of fds
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+PAYLOAD_OPS = frozenset((w.Op.PUT, w.Op.COMMIT))  # the only requests that carry block bytes
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -57,7 +58,8 @@ class ServedConnection:
     def __init__(self, sock: socket.socket, server: "DataPlane", local: bool) -> None:
         self.sock, self.server = sock, server
         self.busy = False
-        self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES)
+        self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES,
+                                    time.monotonic() + server.cfg.hello_timeout_s)
         self.session = Session(sock, self.reader, server.registry, server.cfg,
                                server.instance, server.local_name, local, server.drainer)
 
@@ -92,6 +94,10 @@ class ServedConnection:
         if frame.op is not w.Op.HELLO and not self.authenticated:
             raise w.ProtocolError(f"{frame.op.name} before HELLO: send HELLO (token and "
                                   "namespace) first")
+        if frame.payload_bytes and frame.op not in PAYLOAD_OPS:
+            # its bytes would be read as the next frame: the stream is out of step
+            raise w.ProtocolError(f"{frame.op.name} takes no payload, but the frame "
+                                  f"announces {frame.payload_bytes} bytes")
         was_authenticated = self.authenticated
         outcome = "ok"
         try:

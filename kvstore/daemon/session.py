@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from typing import Sequence
 
 import numpy as np
@@ -31,6 +32,8 @@ from transfer import ShmSegment
 STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
+MAX_OPEN_RESERVATIONS = 64  # per connection (a client has one open at a time, or a few)
+MAX_RESERVED_HASHES = 1 << 17  # blocks reserved at once per connection (two full RESERVEs)
 
 
 def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
@@ -46,7 +49,8 @@ class Session:
         self.drainer = drainer
         self.channel: PutChannel | None = None
         self.hosted: Hosted | None = None
-        self.reservations: dict[int, Reservation] = {}
+        self.reservations: dict[int, Reservation] = {}  # open on this connection, oldest first
+        self._reserved_until: dict[int, float] = {}  # when the store reclaims each of them
         self.leases: set[int] = set()
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._rows = self._scratch.view(0, 0)
@@ -303,16 +307,38 @@ class Session:
             store.release(lease.lease_id)
 
     def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:
-        res = self.store.reserve_n(msg.hash_list, timeout_s=self.cfg.reservation_timeout_s)
+        hashes = msg.hash_list
+        self._make_room_for_reservation(len(hashes))
+        res = self.store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
         self.reservations[res.reservation_id] = res
+        self._reserved_until[res.reservation_id] = (time.monotonic()
+                                                    + self.cfg.reservation_timeout_s)
         slots = [s[1] if s is not None and s[0] is TierKind.DRAM else w.NO_SLOT for s in res.slots]
         self.reply(w.Op.RESERVE, w.ReserveOk(
             reservation_id=res.reservation_id,
             statuses=bytes(STATUS_CODES[s] for s in res.statuses),
             slots=np.array(slots, "<i8").tobytes()))
 
+    def _make_room_for_reservation(self, num_hashes: int) -> None:
+        """Forget the reservations the store has reclaimed (their timeout passed); refuse a
+        new one past MAX_OPEN_RESERVATIONS or MAX_RESERVED_HASHES on this connection (each
+        open one is memory the daemon keeps for the connection until commit or abort)."""
+        now = time.monotonic()
+        for rid in [r for r, until in self._reserved_until.items() if until <= now]:
+            self._forget_reservation(rid)
+        held = sum(len(r.hashes) for r in self.reservations.values())
+        if (len(self.reservations) >= MAX_OPEN_RESERVATIONS
+                or held + num_hashes > MAX_RESERVED_HASHES):
+            raise w.RemoteError(w.ErrorCode.QUOTA, f"this connection has {len(self.reservations)} "
+                                f"reservations open ({held} blocks): commit or abort them first "
+                                f"(at most {MAX_OPEN_RESERVATIONS}, {MAX_RESERVED_HASHES} blocks)")
+
+    def _forget_reservation(self, rid: int) -> Reservation | None:
+        self._reserved_until.pop(rid, None)
+        return self.reservations.pop(rid, None)
+
     def commit(self, msg: w.Commit, payload_bytes: int) -> None:
-        res = self.reservations.pop(msg.reservation_id, None)
+        res = self._forget_reservation(msg.reservation_id)
         if res is None:
             self.drain(payload_bytes)
             raise w.RemoteError(w.ErrorCode.RESERVATION, f"reservation {msg.reservation_id} "
@@ -333,7 +359,7 @@ class Session:
         self.reply(w.Op.COMMIT, w.Ack(value=len(res.hashes)))
 
     def abort(self, msg: w.Abort, payload_bytes: int) -> None:
-        if self.reservations.pop(msg.reservation_id, None) is not None:
+        if self._forget_reservation(msg.reservation_id) is not None:
             self._abort(msg.reservation_id)
         self.reply(w.Op.ABORT, w.Ack())
 
@@ -403,10 +429,12 @@ class Session:
         """Everything this connection held, given back (it closed)."""
         try:
             self._close_channel()
-            self.close_ops()
         finally:
-            self.close()
-            self._drop_agent_key()
+            try:
+                self.close_ops()  # even if the channel's last drain failed
+            finally:
+                self.close()
+                self._drop_agent_key()
 
     def close_ops(self) -> None:
         """The connection ended (or re-helloed): its reservations and leases end with it."""
@@ -415,6 +443,7 @@ class Session:
         for rid in list(self.reservations):
             self._abort(rid)
         self.reservations.clear()
+        self._reserved_until.clear()
         self.release_n(list(self.leases))
 
 

@@ -121,6 +121,45 @@ def test_a_negative_flush_want_is_a_protocol_error(secured):
     still_serving(secured)
 
 
+@pytest.mark.parametrize("msg", [w.Exists(hashes=b"x" * 16), w.Get(hashes=b"x" * 16),
+                                 w.Stats(), w.Flush()])
+def test_a_payload_on_an_op_that_takes_none_is_a_protocol_error(secured, msg):
+    """Bytes after such a frame would be read as the next frame (here, a forged STATS):
+    the connection is answered and closed instead, and nothing the bytes say is served."""
+    forged = w.encode(w.Stats(), w.Op.STATS, False)
+    with raw_conn(secured) as s:
+        assert call(s, hello_msg(NS, "admin-secret")).op is w.Op.HELLO
+        reply = call(s, msg, [forged])
+        assert reply.op is w.Op.ERROR and reply.msg.code == w.ErrorCode.PROTOCOL
+        assert "takes no payload" in reply.msg.message and closed(s)
+    with raw_conn(secured) as s:  # before HELLO too
+        reply = call(s, hello_msg(NS, "admin-secret"), [forged])
+        assert reply.op is w.Op.ERROR and closed(s)
+    still_serving(secured)
+
+
+def test_open_reservations_per_connection_are_bounded_and_pruned(make_daemon, token_file):
+    """One connection cannot pile up reservations (each is memory the daemon keeps for it):
+    past 64 open a RESERVE is refused (QUOTA) and the connection stays usable; the ones the
+    store reclaimed after their timeout stop counting."""
+    from kvstore.daemon.session import MAX_OPEN_RESERVATIONS
+    d = make_daemon("--token-file", token_file, "--reservation-timeout", "1",
+                    dram_size="1MiB")
+    hashes = hash_blocks(NS, np.arange(16 * (MAX_OPEN_RESERVATIONS + 2)))
+    with raw_conn(d) as s:
+        assert call(s, hello_msg(NS, "admin-secret")).op is w.Op.HELLO
+        for h in hashes[:MAX_OPEN_RESERVATIONS]:
+            assert call(s, w.Reserve(hashes=h)).op is w.Op.RESERVE
+        reply = call(s, w.Reserve(hashes=hashes[-1]))
+        assert reply.op is w.Op.ERROR and reply.msg.code == w.ErrorCode.QUOTA
+        assert "reservations open" in reply.msg.message
+        first = call(s, w.Stats()).msg  # still served
+        assert first.open_reservations == MAX_OPEN_RESERVATIONS
+        assert wait_for(lambda: call(s, w.Stats()).msg.open_reservations == 0)  # reclaimed
+        assert call(s, w.Reserve(hashes=hashes[-1])).op is w.Op.RESERVE  # and forgotten here
+    still_serving(d)
+
+
 def test_connections_are_capped_and_the_unauthenticated_ones_more_so(make_daemon, token_file):
     d = make_daemon("--token-file", token_file, "--max-connections", "8")
     idle = [raw_conn(d) for _ in range(2)]  # 8 // 4 = 2 may wait unauthenticated
@@ -170,6 +209,30 @@ def test_silent_connections_are_closed(make_daemon, token_file):
         import time
         time.sleep(1.5)
         assert c.contains_n([h]) == [True]
+
+
+def test_a_hello_dribbled_a_byte_at_a_time_still_times_out(make_daemon, token_file):
+    """--hello-timeout bounds the whole HELLO, not each read: a client sending a byte
+    every 0.3 s (each read well within the timeout) is closed, and stops holding one of
+    the few slots unauthenticated connections get (8 // 4 = 2 here)."""
+    d = make_daemon("--token-file", token_file, "--hello-timeout", "1",
+                    "--max-connections", "8")
+    frame = w.encode(hello_msg(NS, "admin-secret"), w.Op.HELLO, False)
+    slow = [raw_conn(d, timeout=0.3) for _ in range(2)]
+    try:
+        for sent, byte in enumerate(frame):  # ~0.3 s a byte: 1 s is 3-4 bytes in
+            if all(closed(s) for s in slow):
+                break
+            for s in slow:
+                try:
+                    s.sendall(bytes([byte]))
+                except OSError:
+                    pass  # closed by the daemon meanwhile
+        assert sent < len(frame) // 2, "a dribbled HELLO kept its connection open"
+        assert wait_for(lambda: _serves(d))  # the slots they held are free again
+    finally:
+        for s in slow:
+            s.close()
 
 
 def test_out_of_descriptors_pauses_accepting_and_recovers(make_daemon, token_file):

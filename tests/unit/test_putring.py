@@ -2,7 +2,7 @@
 consumes them after committing, wrap-around, and a client that lies about its index."""
 import numpy as np
 
-from kvstore.putring import CW, PutRing, ring_bytes
+from kvstore.putring import CR, CW, GR, GW, PutRing, ring_bytes
 
 
 def ring(cap=4, gcap=4):
@@ -42,3 +42,25 @@ def test_grants_flow_the_other_way():
     assert client.take_grants(5) == [7, 8] and client.take_grants(1) == []
     daemon.push_grants([9])
     assert daemon.unclaimed_grants() == [9]
+
+
+def test_a_client_that_rewrites_the_daemons_indices_changes_nothing_the_daemon_reads():
+    """The whole header is shared memory the client can write: the daemon keeps its own
+    indices (commit read, grant write) and holds the client's (commit write, grant read)
+    within the ring, so no value makes it fail, overflow or read past the ring."""
+    daemon, client = ring(cap=4, gcap=4)
+    daemon.push_grants([7, 8])
+    client.push([b"a" * 16], [7])
+    for lie in (0, 1 << 63, (1 << 64) - 1):
+        client.head[CR], client.head[GW] = lie, lie
+        assert daemon.peek() == ([b"a" * 16], [7])
+        assert daemon.grant_room() == 2 and sorted(daemon.unclaimed_grants()) == [7, 8]
+    for gr in (0, 1 << 63, (1 << 64) - 1):  # the client's own grant index, any value
+        client.head[GR] = gr
+        assert 0 <= daemon.grant_room() <= 4 and len(daemon.unclaimed_grants()) <= 4
+    client.head[GR] = 0
+    daemon.consume(1)
+    daemon.push_grants([9, 10])
+    assert daemon.peek() == ([], []) and int(daemon.head[CR]) == 1 and int(daemon.head[GW]) == 4
+    client.head[CW] = 0  # moved back: nothing to read, nothing to fail
+    assert daemon.peek() == ([], [])

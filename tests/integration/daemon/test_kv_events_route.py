@@ -73,7 +73,10 @@ def test_bad_queries_and_tenants(make_daemon, tmp_path):
     assert len(snap.blocks[TierKind.DRAM]) == 2
     _, other = read(d, alice, token="bob-secret")  # bob cannot see alice's namespace
     assert not any(other.blocks.values())
-    for query, code in (("", 400), ("ns=zz", 400), (f"ns={alice.ns_id:x}&after=x", 400)):
+    for query, code in (("", 400), ("ns=zz", 400), (f"ns={alice.ns_id:x}&after=x", 400),
+                        ("ns=" + "f" * 17, 400), ("ns=-1", 400),  # wider than 64 bits
+                        (f"ns={alice.ns_id:x}&after={1 << 64}", 400),
+                        (f"ns={alice.ns_id:x}&after=-2", 400)):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(urllib.request.Request(
                 f"{d.http}/kv/events?{query}", headers={"Authorization": "Bearer admin"}))
