@@ -157,6 +157,11 @@ def _as_int32_bytes(token_ids: Sequence[int] | np.ndarray) -> memoryview:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":  # 1.5 would hash as 1, NaN as anything
+        if (arr.dtype.kind != "f" or not np.all(np.isfinite(arr))
+                or np.any(arr != np.trunc(arr))):
+            raise ValueError(f"token ids must be integers, got {arr.dtype} values such as "
+                             f"{arr[0]!r}")
     if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
         raise ValueError("token ids must fit in int32")
     return memoryview(np.ascontiguousarray(arr, dtype="<i4")).cast("B")

@@ -91,6 +91,20 @@ def test_bad_tokens_and_parent_are_refused():
         hash_blocks(NS, list(range(4)), parent=b"short")
 
 
+@pytest.mark.parametrize("tokens", [[1.5, 2.7, 3.0, 4.0], [float("nan"), 1, 2, 3],
+                                    [float("inf")] * 4, [True, False, True, False],
+                                    ["a", "b", "c", "d"]])
+def test_token_ids_that_are_not_integers_are_refused(tokens):
+    """1.5 would hash as 1 and NaN as whatever int32 it casts to: another prompt's KV."""
+    with pytest.raises(ValueError, match="integers"):
+        hash_blocks(NS, tokens)
+
+
+def test_integral_floats_hash_as_their_integers():
+    toks = np.arange(2 * NS.block_tokens)
+    assert hash_blocks(NS, toks.astype(np.float64)) == hash_blocks(NS, toks)
+
+
 def test_block_shape_and_bytes():
     ns = Namespace("m", num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16")
     assert ns.block_shape == (30, 2, 16, 3, 64)
