@@ -1,6 +1,7 @@
 """Store configuration: frozen, validated at construction."""
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
@@ -20,6 +21,16 @@ def parse_size(text: str | int) -> int:
         raise ConfigError(f"cannot read size {text!r}: use a number with an optional unit "
                           "such as 512MiB, 4GiB or 1G")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _whole(value) -> int | None:
+    """`value` as an int when it is a whole number (numpy's too), else None (bools, floats)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def tier_kind(name: str | TierKind) -> TierKind:
@@ -47,8 +58,11 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", tier_kind(self.kind))
-        if self.capacity_blocks <= 0:
-            raise ConfigError(f"{self.kind.name} tier capacity must be at least one block")
+        cap = _whole(self.capacity_blocks)
+        if cap is None or cap <= 0:
+            raise ConfigError(f"{self.kind.name} tier capacity must be a whole number of blocks, "
+                              f"at least one; got {self.capacity_blocks!r}")
+        object.__setattr__(self, "capacity_blocks", cap)
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError(f"{self.kind.name} tier watermarks need 0 < low <= high <= 1, got "
                               f"low={self.low_watermark} high={self.high_watermark}")
@@ -75,5 +89,10 @@ class StoreConfig:
         if kinds != sorted(set(kinds)):
             raise ConfigError(f"tiers must be distinct and ordered fastest first (gpu, dram, ssd); "
                               f"got {[k.name.lower() for k in kinds]}")
-        if self.reservation_timeout_s <= 0:
-            raise ConfigError("reservation_timeout_s must be > 0")
+        if not self.reservation_timeout_s > 0:  # NaN too: nothing would ever be reclaimed
+            raise ConfigError(f"reservation_timeout_s must be > 0, got {self.reservation_timeout_s}")
+        if self.background_interval_s is not None and not self.background_interval_s > 0:
+            raise ConfigError("background_interval_s must be > 0 (or None: no maintenance "
+                              f"thread), got {self.background_interval_s}")
+        if (_whole(self.event_buffer) or 0) < 1:
+            raise ConfigError(f"event_buffer must be a whole number >= 1, got {self.event_buffer!r}")

@@ -119,6 +119,14 @@ def test_config_errors():
         TierConfig("ssd", 4)
     with pytest.raises(ConfigError, match="watermarks"):
         TierConfig("dram", 4, high_watermark=0.5, low_watermark=0.9)
+    for cap in (2.5, True, "3", 0):
+        with pytest.raises(ConfigError, match="whole number of blocks"):
+            TierConfig("dram", cap)
+    assert TierConfig("dram", np.int64(3)).capacity_blocks == 3
+    for bad in (dict(reservation_timeout_s=float("nan")), dict(reservation_timeout_s=0),
+                dict(background_interval_s=0), dict(event_buffer=0)):
+        with pytest.raises(ConfigError, match=next(iter(bad))):  # NaN: never reclaimed
+            StoreConfig((TierConfig("dram", 4),), **bad)
 
 
 def test_closed_store_refuses_work(tmp_path):
