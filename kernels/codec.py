@@ -165,6 +165,8 @@ def decode_torch(values: torch.Tensor, scales: torch.Tensor, codec: str, dst: to
         _fp8_bits_to_f32(values, out)
         scale = scale * FP8_DECODE_BIAS
     out.mul_(scale)
+    if dst.dtype == torch.float16:  # saturate: 127 x a scale rounded up to fp16 can pass
+        out.clamp_(-65504.0, 65504.0)  # its largest value, inf once stored
     if out is not dst:
         dst.copy_(out)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+FP16_MAX = np.float32(65504.0)  # the largest finite float16
 ROWS_PER_CHUNK = 4096  # rows of head_dim values per numpy pass (~1 MiB of fp32 at D = 64)
 FP8_MAX, FP8_MIN_NORMAL = 448.0, 2.0 ** -6
 
@@ -38,7 +39,8 @@ def _store(dst: np.ndarray, f32: np.ndarray, model_dtype: torch.dtype) -> None:
     if model_dtype == torch.bfloat16:  # round half to even into the top 16 bits
         bits = f32.view(np.int32)
         dst[...] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.int16)
-    else:
+    else:  # float16: saturate (127 x an fp16 scale rounded up can pass 65504: inf otherwise)
+        np.clip(f32, -FP16_MAX, FP16_MAX, out=f32)
         dst[...] = f32
 
 

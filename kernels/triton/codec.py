@@ -70,7 +70,8 @@ def _encode_kernel(x_ptr, q_ptr, s_ptr, R, LAYERS, BLOCK_BYTES, CHUNK,
 
 @triton.jit
 def _decode_kernel(q_ptr, s_ptr, out_ptr, ids_ptr, R, LAYERS, BLOCK_BYTES, CHUNK,
-                   FP8: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr):
+                   FP8: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr,
+                   VMAX: tl.constexpr):
     bl = tl.program_id(0).to(tl.int64)
     i, layer = bl // LAYERS, bl % LAYERS
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
@@ -82,7 +83,8 @@ def _decode_kernel(q_ptr, s_ptr, out_ptr, ids_ptr, R, LAYERS, BLOCK_BYTES, CHUNK
     v = _fp8_e4m3_value(q & 255) if FP8 else q.to(tl.float32)
     blk = tl.load(ids_ptr + i).to(tl.int64)
     dst = ((blk * LAYERS + layer) * R + rows[:, None]) * D + cols[None, :]
-    tl.store(out_ptr + dst, (v * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    val = tl.minimum(tl.maximum(v * scale[:, None], -VMAX), VMAX)  # fp16: 65504, not inf
+    tl.store(out_ptr + dst, val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _geometry(block_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -120,4 +122,5 @@ def decode_blocks(encoded: torch.Tensor, codec: str, kv_cache: torch.Tensor,
         _decode_kernel[(n * layers, triton.cdiv(rows, ROWS))](
             encoded.view(torch.int8), encoded.view(ref.SCALE_DTYPE), kv_cache, block_ids,
             rows, layers, ref.encoded_bytes(shape), chunk,
-            FP8=codec == "fp8_e4m3", D=d, D_PAD=next_pow2(d), ROWS=ROWS)
+            FP8=codec == "fp8_e4m3", D=d, D_PAD=next_pow2(d), ROWS=ROWS,
+            VMAX=65504.0 if kv_cache.dtype == torch.float16 else 3.0e38)

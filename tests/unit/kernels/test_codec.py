@@ -81,6 +81,24 @@ def test_huge_values_saturate_instead_of_turning_inf(codec, limit):
     assert torch.isfinite(out).all() and out[0, 0, 0, 0, 0, 0] == pytest.approx(limit, rel=0.01)
 
 
+@pytest.mark.parametrize("path", ["cpu", "torch"])
+@pytest.mark.parametrize("codec", CODECS)
+def test_float16s_largest_values_decode_finite(codec, path):
+    """65504 / 127 rounds *up* to an fp16 scale of 516, and 127 x 516 = 65532 is inf in
+    float16: the decoder saturates at the destination's range instead."""
+    x = torch.zeros((1, *SHAPE), dtype=torch.float16)
+    x[0, 0, 0, 0, 0, :2] = torch.tensor([65504.0, -65504.0])
+    enc = ref.encode_blocks(x, codec)
+    out = torch.zeros_like(x)
+    if path == "cpu":
+        ref.decode_blocks(enc, codec, out, torch.tensor([0]))
+    else:
+        ref.decode_torch(*ref.encoded_views(enc, SHAPE), codec, out)
+    assert torch.isfinite(out).all()
+    top = min(65504.0, ref.SPECS[codec].qmax * ref.SPECS[codec].scale_max)  # fp8: 448 x 128
+    assert out[0, 0, 0, 0, 0, :2].tolist() == pytest.approx([top, -top], rel=0.01)
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_decode_writes_block_i_into_cache_block_ids_i_and_nothing_else(codec):
     x = _blocks(n=3)
@@ -117,6 +135,7 @@ def test_triton_codec_is_bit_exact_with_the_reference(triton_device, codec, dtyp
     kt = pytest.importorskip("kernels.triton")
     x = _blocks(n=2, shape=shape, dtype=dtype, seed=3)
     x[1, 0, 0, 0, 0, :4] = torch.tensor([2 ** -12, -2 ** -9, 0.0, -0.0]).to(dtype)  # fp8 subnormals
+    x[1, 0, 1, 0, 0, :2] = torch.tensor([65504.0, -65504.0]).to(dtype)  # fp16's edge: saturates
     expect = ref.encode_blocks(x, codec)
     got = kt.encode_blocks(x.to(triton_device), codec)
     assert torch.equal(got.cpu(), expect)
