@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from rocksdict import Rdict
+from rocksdict import AccessType, Rdict
 
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
@@ -51,8 +51,12 @@ def _namespace(path: str) -> Namespace:
         raise ConfigError(f"{path} is an SSD tier of an older layout (headers inside slabs.dat): "
                           "the daemon moves it aside and starts it empty at its next start; "
                           "there is nothing to check or repair in place")
-    with open(meta) as f:
-        return Namespace(**json.load(f))
+    try:
+        with open(meta) as f:
+            return Namespace(**json.load(f))
+    except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON, not a namespace
+        raise ConfigError(f"{meta} does not name a namespace ({e}): the tier rewrites it at "
+                          "its next open; fsck cannot check the blocks without it") from e
 
 
 def _check(path: str, ns: Namespace) -> FsckReport:
@@ -76,11 +80,14 @@ def _check(path: str, ns: Namespace) -> FsckReport:
 
 
 def _read_index(path: str) -> tuple[list[tuple[bytes, bytes]], str | None]:
+    """Every entry of the index, read-only (a check writes nothing: opened read-write, a
+    missing index was created empty, which the tier then took for the real one)."""
+    if not os.path.isfile(os.path.join(path, "CURRENT")):
+        return [], "the index is missing (the tier rebuilds it from the slab file)"
     try:
-        db = Rdict(path, options=rocksdb_options())
+        db = Rdict(path, options=rocksdb_options(), access_type=AccessType.read_only())
     except Exception as e:  # noqa: BLE001 - RocksDB's own words
-        raise ConfigError(f"cannot open the index {path}: {e} (is a daemon using it? stop "
-                          "it first)") from e
+        return [], f"the index cannot be opened: {e}"
     entries, error = [], None
     try:
         it = db.iter()

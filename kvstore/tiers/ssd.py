@@ -60,11 +60,14 @@ class SsdTier:
         self.num_slots, self.slot_bytes = num_slots, ns.block_bytes
         self.slabs = SlabFile(path, ns, num_slots)
         self.index = SlotIndex(os.path.join(path, "index"), durable, self._table)
+        had_index = os.path.isfile(os.path.join(self.index.path, "CURRENT"))
         try:
             self._at_open = self.index.open()  # entries as found; `recover` checks them
         except BaseException:
             self.slabs.close()
             raise
+        if not had_index and self.slabs.num_grown:  # slabs written, the index gone (deleted,
+            self.index.damaged = True  # never synced): rebuilt from the headers, as if damaged
         self._held: dict[bytes, tuple[int, int]] = {}  # hash -> (slot, checksum): the truth
         self._free = FreeSlots(0)
         self._grow_failed_at: float | None = None
@@ -255,11 +258,19 @@ def _warn_if_bigger_than_disk(path: str, nbytes: int) -> None:
 
 
 def _write_tier_file(path: str, ns: Namespace) -> None:
+    """Name the namespace the directory holds now (rewritten when it differs: a directory
+    reopened for another namespace keeps no block of the first, and fsck must check the
+    blocks against the namespace that wrote them)."""
     meta = os.path.join(path, TIER_FILE)
-    if os.path.isfile(meta):
-        return
+    text = json.dumps(dataclasses.asdict(ns))
+    try:
+        with open(meta) as f:
+            if f.read() == text:
+                return
+    except (OSError, UnicodeDecodeError):
+        pass  # absent or unreadable: written afresh
     with open(meta + ".tmp", "w") as f:
-        json.dump(dataclasses.asdict(ns), f)
+        f.write(text)
     os.replace(meta + ".tmp", meta)
 
 

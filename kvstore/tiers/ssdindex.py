@@ -76,7 +76,7 @@ class SlotIndex:
             self._db = self._open_db()
             return self._scan()
         except Exception as e:  # noqa: BLE001 - RocksDB raises plain Exceptions
-            if "Corruption" not in str(e):  # e.g. out of descriptors: not the index's fault
+            if not _damage(e):  # e.g. out of descriptors, its lock held: not the index's fault
                 self.close()
                 raise TierIOError(f"cannot open the SSD index {self.path}: {e}") from e
             self.damaged = True
@@ -170,7 +170,8 @@ class SlotIndex:
         self._failed_at = None
         try:
             if self._db is not None:
-                self._db.close()
+                db, self._db = self._db, None
+                db.close()
             self._db = self._open_db()
             self._scan()
             log.warning("SSD index %s reopened after an error", self.path)
@@ -184,15 +185,24 @@ class SlotIndex:
             raise TierIOError(f"the SSD index {self.path} cannot be rebuilt: {e}") from e
 
     def rebuild(self, entries: Iterable[tuple[bytes, int, int]]) -> None:
-        """Set the current index aside and write `entries` into a fresh one."""
-        self._stale.clear()  # the fresh index holds only `entries`
-        self._set_aside()
+        """Write `entries` into a fresh index, then put it in the current one's place (set
+        aside). Built beside it first: on a full disk the build fails and the current index
+        stays where it is, the one the next open reads (setting it aside first left an empty
+        directory there, and every block acknowledged before was lost at the next open)."""
         tmp = self.path + ".new"
         shutil.rmtree(tmp, ignore_errors=True)
-        db = Rdict(tmp, options=rocksdb_options())
-        db.write(_batch(entries))
-        db.flush()
-        db.close()
+        try:
+            db = Rdict(tmp, options=rocksdb_options())
+            try:
+                db.write(_batch(entries))
+                db.flush()
+            finally:
+                db.close()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._stale.clear()  # the fresh index holds only `entries`
+        self._set_aside()
         os.rename(tmp, self.path)
         self._db = self._open_db()
         self.num_rebuilds += 1
@@ -235,3 +245,11 @@ def parse_entry(key: bytes, value: bytes) -> tuple[bytes, int, int] | None:
         return None
     slot, c = ENTRY.unpack(value)
     return key, slot, c
+
+
+def _damage(e: Exception) -> bool:
+    """Whether RocksDB's error says the index itself is broken (a corrupted file, or one of
+    its files gone: a MANIFEST deleted reads "IO error: No such file"), which a rebuild
+    from the slab headers mends, rather than something a retry may see pass."""
+    text = str(e)
+    return "Corruption" in text or "No such file or directory" in text

@@ -48,6 +48,10 @@ def test_fsck_finds_and_repairs_a_corrupted_block(tmp_path, capsys):
 def test_fsck_of_a_wrong_directory_is_a_clear_error(tmp_path, capsys):
     assert main(["fsck", str(tmp_path)]) == 2
     assert "not an SSD tier directory" in capsys.readouterr().err
+    for junk in ("{not json", '{"model": "m", "colour": 3}', "[1, 2]"):
+        (tmp_path / "tier.json").write_text(junk)
+        assert main(["fsck", str(tmp_path)]) == 2
+        assert "does not name a namespace" in capsys.readouterr().err
 
 
 def test_malloc_tuning_applies_on_glibc():
