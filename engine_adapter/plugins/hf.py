@@ -30,7 +30,8 @@ class GenerateStats(NamedTuple):
     num_loaded_tokens: int    # prefix KV taken from kvtier
     num_computed_tokens: int  # prompt tokens the model ran a forward pass over
     num_saved_blocks: int     # blocks handed to the store after generating (new or not)
-    bypassed: bool            # plain generate ran (batch > 1 or a caller-owned cache)
+    bypassed: bool            # plain generate ran: batch > 1, a caller-owned cache, padding
+    # in the attention mask, inputs_embeds, or a model with sliding-window layers
 
 
 def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, tenant: str = "",
@@ -69,6 +70,15 @@ def blocks_to_cache(blocks: torch.Tensor, config) -> Any:
     return cache
 
 
+def _full_attention_only(model) -> bool:
+    """Whether every layer of the model's cache keeps the whole sequence (no sliding-window
+    layer, which transformers builds from the config's `sliding_window` / `layer_types`)."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    return not any(getattr(layer, "is_sliding", False) or hasattr(layer, "sliding_window")
+                   for layer in getattr(cache, "layers", ()))
+
+
 class KVTierGenerate:
     """`generate` with kvtier prefix offload for one transformers model."""
 
@@ -86,13 +96,16 @@ class KVTierGenerate:
         self._plain_generate = model.generate
         self.last: GenerateStats | None = None
         self._staging = torch.empty((0, *self.ns.block_shape), dtype=model.dtype)  # grow-only
+        self._full_attention = _full_attention_only(model)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         if input_ids is None:
-            input_ids = kwargs.pop("input_ids")
-        if input_ids.shape[0] != 1 or kwargs.get("cache") is not None \
-                or kwargs.get("past_key_values") is not None:
-            self.last = GenerateStats(input_ids.shape[-1], 0, input_ids.shape[-1], 0, True)
+            input_ids = kwargs.pop("input_ids", None)
+        if not self._offloadable(input_ids, kwargs):
+            n = 0 if input_ids is None else input_ids.shape[-1]
+            self.last = GenerateStats(n, 0, n, 0, True)
+            if input_ids is None:
+                return self._plain_generate(**kwargs)
             return self._plain_generate(input_ids, **kwargs)
         tokens = input_ids[0].tolist()
         bt = self.ns.block_tokens
@@ -105,6 +118,17 @@ class KVTierGenerate:
         num_saved = self._save(out.sequences[0].tolist(), out.cache, num_loaded // bt)
         self.last = GenerateStats(len(tokens), num_loaded, len(tokens) - num_loaded, num_saved, False)
         return out if want_dict else out.sequences
+
+    def _offloadable(self, input_ids, kwargs) -> bool:
+        """Whether this call's KV is a function of its token ids alone, as block hashes
+        assume: one sequence of ids (not inputs_embeds), no cache of the caller's, no padding
+        (left padding shifts every position: the same ids get other KV), and every layer
+        holding the whole sequence (a sliding-window layer keeps only its window)."""
+        mask = kwargs.get("attention_mask")
+        return (input_ids is not None and input_ids.shape[0] == 1 and self._full_attention
+                and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
+                and kwargs.get("inputs_embeds") is None
+                and (mask is None or bool(torch.all(mask != 0))))
 
     def _load_prefix(self, hashes) -> tuple[Any, int]:
         from transformers import DynamicCache

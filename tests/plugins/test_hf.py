@@ -144,3 +144,61 @@ def test_a_wrong_daemon_token_is_refused(smollm2, kvtier_daemon):
     model, _ = smollm2
     with pytest.raises(Exception, match="bad or missing token"):
         KVTierGenerate(model, StoreSpec(url=kvtier_daemon.url, token="not-the-token"))
+
+
+def test_padded_calls_bypass_so_the_same_ids_unpadded_get_their_own_kv(smollm2, tmp_path):
+    """KV depends on the attention mask (left padding shifts every position), a block hash
+    only on the ids: a padded call neither loads nor saves, so the same ids unpadded later
+    match a plain generate (they used to load the padded call's KV and diverge)."""
+    model, tokenizer = smollm2
+    ids = prompt_ids(tokenizer, QUESTIONS[0])
+    pad = torch.full((1, 21), tokenizer.pad_token_id or 0, dtype=ids.dtype)
+    padded = torch.cat([pad, ids], dim=1)
+    mask = torch.cat([torch.zeros_like(pad), torch.ones_like(ids)], dim=1)
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)))
+    try:
+        out = kv.generate(padded, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert kv.last.bypassed and kv.last.num_saved_blocks == 0
+        assert torch.equal(out, model.generate(padded, attention_mask=mask,
+                                               max_new_tokens=NEW_TOKENS, do_sample=False))
+        assert torch.equal(kv.generate(padded, max_new_tokens=NEW_TOKENS, do_sample=False),
+                           plain(model, padded))
+        assert not kv.last.bypassed
+        ones = torch.ones_like(ids)  # an all-ones mask changes nothing: offloaded as usual
+        kv.generate(ids, attention_mask=ones, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert not kv.last.bypassed
+    finally:
+        kv.close()
+
+
+def test_inputs_embeds_are_generated_plainly(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    ids = prompt_ids(tokenizer, QUESTIONS[1])
+    embeds = model.get_input_embeddings()(ids)
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)))
+    try:
+        out = kv.generate(inputs_embeds=embeds, max_new_tokens=4, do_sample=False)
+        assert kv.last.bypassed
+        assert torch.equal(out, model.generate(inputs_embeds=embeds, max_new_tokens=4,
+                                               do_sample=False))
+    finally:
+        kv.close()
+
+
+def test_a_sliding_window_model_is_generated_plainly(tmp_path):
+    """A sliding-window layer keeps only its window, so its cache cannot be cut into
+    prefix blocks (this used to crash after generating, the output lost)."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        sliding_window=8)
+    model = MistralForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (1, 40))
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)), model_id="tiny-mistral")
+    try:
+        assert torch.equal(kv.generate(ids, max_new_tokens=6, do_sample=False), expected)
+        assert kv.last.bypassed
+    finally:
+        kv.close()
