@@ -11,6 +11,7 @@ cannot be opened is logged, counted and left where it is, and the daemon serves 
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from typing import NamedTuple
 
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.daemon.config import ADMIN, DaemonConfig
+from kvstore.errors import ConfigError
 from kvstore.events import EventRing, KVEvent, TierKind
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
@@ -30,6 +32,7 @@ from transfer import Agent, AgentConfig, BackendKind
 
 log = logging.getLogger("kvtier.namespaces")
 NS_FILE = "namespace.json"
+LOCK_FILE = ".kvtier-serve.lock"  # flocked by the daemon serving the data dir (claim_data_dir)
 MEMORY_TIERS = (TierKind.GPU, TierKind.DRAM)
 
 
@@ -90,7 +93,11 @@ class Hosted:
 
     @property
     def label(self) -> str:
-        return f"{self.ns.model}@{self.ns.tenant}" if self.ns.tenant else self.ns.model
+        """The namespace's metrics label: model[@tenant]/ns_id (the id keeps apart two
+        namespaces of one model that differ in shape, dtype, revision or codec, whose
+        samples were otherwise duplicates in one family)."""
+        name = f"{self.ns.model}@{self.ns.tenant}" if self.ns.tenant else self.ns.model
+        return f"{name}/{self.ns.ns_id:016x}"
 
     @property
     def dram(self):
@@ -133,9 +140,31 @@ def namespace_of(hello: Hello) -> Namespace:
         raise RemoteError(ErrorCode.NAMESPACE, str(e)) from e
 
 
+def claim_data_dir(path: str) -> int:
+    """Check that `path` is a writable directory no other daemon serves, and hold an flock
+    on its lock file until the returned descriptor is closed (the kernel drops it when the
+    process dies, even by SIGKILL). ConfigError, saying what to do, otherwise: a daemon that
+    started anyway answered "unavailable, retry later" for every namespace."""
+    what = f"the data dir {path!r}"
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:  # a regular file there, a dangling symlink, a read-only filesystem
+        raise ConfigError(f"{what} cannot be used ({e}): pass a writable directory as "
+                          "--data-dir") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        raise ConfigError(f"another kvtier serve is using {what} ({e}): stop it, or give "
+                          "this one its own --data-dir") from e
+    return fd
+
+
 class Registry:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
+        self._dir_lock = claim_data_dir(cfg.data_dir)
         self._lock = threading.Lock()
         self._hosted: dict[int, Hosted] = {}
         self._closed = False
@@ -259,9 +288,14 @@ class Registry:
         with self._lock:
             self._closed = True
             hosted, self._hosted = list(self._hosted.values()), {}
-        for h in hosted:
-            _close_agent(h)
-            h.store.close(flush=True)
+        try:
+            for h in hosted:
+                _close_agent(h)
+                h.store.close(flush=True)
+        finally:
+            if self._dir_lock >= 0:
+                os.close(self._dir_lock)  # another daemon may take the directory now
+                self._dir_lock = -1
 
 
 def _write_meta(directory: str, ns: Namespace) -> None:

@@ -78,6 +78,23 @@ def test_timeout_and_unreachable_errors(make_daemon):
     c.close()
 
 
+def test_namespaces_of_one_model_have_their_own_metrics_labels(make_daemon):
+    """Two namespaces of one model that differ only in shape: every per-tier sample is its
+    own (one label each, not duplicate samples in one family)."""
+    import dataclasses
+    wide = dataclasses.replace(NS, head_dim=2 * NS.head_dim)
+    d = make_daemon()
+    for ns in (NS, wide):
+        with Client(d.url, namespace=ns, use_shm=False) as c:
+            hs = hash_blocks(ns, np.arange(16))
+            c.put_n(hs, np.zeros((1, ns.block_bytes), np.uint8))
+    with urllib.request.urlopen(d.http + "/metrics", timeout=5) as r:
+        used = [line for line in r.read().decode().splitlines()
+                if line.startswith("kvtier_tier_used_blocks{") and 'tier="dram"' in line]
+    assert len(used) == 2 and len(set(line.split("}")[0] for line in used)) == 2, used
+    assert all(NS.model in line for line in used)
+
+
 def test_metrics_admin_and_config_file(make_daemon, tmp_path):
     cfg = tmp_path / "kvtier.toml"
     cfg.write_text('[serve]\nquota_blocks = 50\nnode_id = "node-a"\n[quotas]\nteam = 20\n')
@@ -132,3 +149,24 @@ def test_echo_gets_the_daemon_output_as_it_comes(make_daemon):
     d = make_daemon(echo=echo)
     assert f"data plane {d.url}" in echo.getvalue()
     assert echo.getvalue() in d.output()
+
+
+def test_an_unusable_data_dir_is_refused_at_start(make_daemon, tmp_path):
+    """A second daemon on a data dir, a regular file, or a dangling symlink: `kvtier serve`
+    exits 2 saying why, instead of starting and answering "unavailable" to every client."""
+    from .conftest import Daemon
+    first = make_daemon(data_dir=str(tmp_path / "shared"))
+    second = Daemon(str(tmp_path / "shared"))
+    with pytest.raises(RuntimeError, match="another kvtier serve is using"):
+        second.start(timeout_s=30)
+    assert second.proc.wait(10) == 2
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "at-all")
+    for bad in ("file", "dangling"):
+        d = Daemon(str(tmp_path / bad))
+        with pytest.raises(RuntimeError, match="cannot be used"):
+            d.start(timeout_s=30)
+    assert first.stop() == 0
+    restarted = make_daemon(data_dir=str(tmp_path / "shared"))  # the lock went with the first
+    with Client(restarted.url, namespace=NS, use_shm=False) as c:
+        assert c.contains_n(hash_blocks(NS, np.arange(16))) == [False]
