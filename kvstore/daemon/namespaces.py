@@ -167,6 +167,7 @@ class Registry:
         self._dir_lock = claim_data_dir(cfg.data_dir)
         self._lock = threading.Lock()
         self._hosted: dict[int, Hosted] = {}
+        self._clearing: set[int] = set()  # namespaces whose files `clear` is deleting
         self._closed = False
         self.failed: dict[str, str] = {}  # namespace directories that did not open: why
 
@@ -181,6 +182,9 @@ class Registry:
         with self._lock:
             if self._closed:
                 raise RemoteError(ErrorCode.UNAVAILABLE, "the daemon is shutting down")
+            if ns.ns_id in self._clearing:  # its files are being deleted: a store made now
+                raise RemoteError(ErrorCode.UNAVAILABLE, "this namespace is being cleared; "
+                                  "retry in a moment")  # would lose them mid-way
             hosted = self._hosted.get(ns.ns_id)
             if hosted is None:
                 tiers = self._plan(ns)
@@ -275,13 +279,19 @@ class Registry:
     def clear(self, hosted: Hosted) -> None:
         """Drop a namespace's blocks on every tier; the next hello starts it empty.
         Connections still using it get an UNAVAILABLE error and reconnect."""
+        ns_id = hosted.ns.ns_id
         with self._lock:
-            if self._hosted.get(hosted.ns.ns_id) is not hosted:
+            if self._hosted.get(ns_id) is not hosted or ns_id in self._clearing:
                 return
-            del self._hosted[hosted.ns.ns_id]
-        _close_agent(hosted)
-        hosted.store.close(flush=False)
-        shutil.rmtree(self._dir(hosted.ns), ignore_errors=True)
+            del self._hosted[ns_id]
+            self._clearing.add(ns_id)  # no HELLO opens it again until its files are gone
+        try:
+            _close_agent(hosted)
+            hosted.store.close(flush=False)
+            shutil.rmtree(self._dir(hosted.ns), ignore_errors=True)
+        finally:
+            with self._lock:
+                self._clearing.discard(ns_id)
 
     def close(self) -> None:
         """Close every store with flush: memory-tier blocks go to SSD for the next start."""
