@@ -62,6 +62,7 @@ class PutRing:
         self.capacity, self.grant_capacity = cap, gcap
         # the creator's (daemon's) own indices: the client can write the shared header, so
         # the daemon never reads back what it owns, and clamps what the client owns
+        self._creator = capacity is not None
         self._cr, self._gw = int(self.head[CR]), int(self.head[GW])
 
     # ---------------------------------------------------------------- client side
@@ -108,9 +109,14 @@ class PutRing:
         self._cr += n
         self.head[CR] = self._cr
 
+    def _grant_write(self) -> int:
+        """The grant write index: the daemon's own copy on its side, the header's on the
+        client's (which only reads it)."""
+        return self._gw if self._creator else int(self.head[GW])
+
     def _grants_out(self) -> int:
         """Grants pushed and not taken: by the client's read index, held within 0..capacity."""
-        return min(max(self._gw - int(self.head[GR]), 0), self.grant_capacity)
+        return min(max(self._grant_write() - int(self.head[GR]), 0), self.grant_capacity)
 
     def grant_room(self) -> int:
         return self.grant_capacity - self._grants_out()
@@ -124,5 +130,5 @@ class PutRing:
 
     def unclaimed_grants(self) -> list[int]:
         """Granted slots the client has not taken (given back when the channel ends)."""
-        w = self._gw
+        w = self._grant_write()
         return [int(self.grants[i % self.grant_capacity]) for i in range(w - self._grants_out(), w)]

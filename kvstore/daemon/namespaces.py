@@ -32,7 +32,6 @@ from transfer import Agent, AgentConfig, BackendKind
 
 log = logging.getLogger("kvtier.namespaces")
 NS_FILE = "namespace.json"
-LOCK_FILE = ".kvtier-serve.lock"  # flocked by the daemon serving the data dir (claim_data_dir)
 MEMORY_TIERS = (TierKind.GPU, TierKind.DRAM)
 
 
@@ -142,13 +141,16 @@ def namespace_of(hello: Hello) -> Namespace:
 
 def claim_data_dir(path: str) -> int:
     """Check that `path` is a writable directory no other daemon serves, and hold an flock
-    on its lock file until the returned descriptor is closed (the kernel drops it when the
-    process dies, even by SIGKILL). ConfigError, saying what to do, otherwise: a daemon that
-    started anyway answered "unavailable, retry later" for every namespace."""
+    on the directory itself (nothing is created in it) until the returned descriptor is
+    closed (the kernel drops it when the process dies, even by SIGKILL). ConfigError, saying
+    what to do, otherwise: a daemon that started anyway answered "unavailable, retry later"
+    for every namespace."""
     what = f"the data dir {path!r}"
     try:
         os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not os.access(path, os.W_OK):  # a read-only filesystem or directory
+            raise PermissionError(f"{path} is not writable")
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:  # a regular file there, a dangling symlink, a read-only filesystem
         raise ConfigError(f"{what} cannot be used ({e}): pass a writable directory as "
                           "--data-dir") from e
