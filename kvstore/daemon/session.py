@@ -49,8 +49,8 @@ class Session:
         self.drainer = drainer
         self.channel: PutChannel | None = None
         self.hosted: Hosted | None = None
-        self.reservations: dict[int, Reservation] = {}  # open on this connection, oldest first
-        self._reserved_until: dict[int, float] = {}  # when the store reclaims each of them
+        # open on this connection: id -> (reservation, when the store reclaims it)
+        self.reservations: dict[int, tuple[Reservation, float]] = {}
         self.leases: set[int] = set()
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._rows = self._scratch.view(0, 0)
@@ -310,9 +310,8 @@ class Session:
         hashes = msg.hash_list
         self._make_room_for_reservation(len(hashes))
         res = self.store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
-        self.reservations[res.reservation_id] = res
-        self._reserved_until[res.reservation_id] = (time.monotonic()
-                                                    + self.cfg.reservation_timeout_s)
+        self.reservations[res.reservation_id] = (res, time.monotonic()
+                                                 + self.cfg.reservation_timeout_s)
         slots = [s[1] if s is not None and s[0] is TierKind.DRAM else w.NO_SLOT for s in res.slots]
         self.reply(w.Op.RESERVE, w.ReserveOk(
             reservation_id=res.reservation_id,
@@ -324,9 +323,9 @@ class Session:
         new one past MAX_OPEN_RESERVATIONS or MAX_RESERVED_HASHES on this connection (each
         open one is memory the daemon keeps for the connection until commit or abort)."""
         now = time.monotonic()
-        for rid in [r for r, until in self._reserved_until.items() if until <= now]:
-            self._forget_reservation(rid)
-        held = sum(len(r.hashes) for r in self.reservations.values())
+        for rid in [r for r, (_, until) in self.reservations.items() if until <= now]:
+            del self.reservations[rid]
+        held = sum(len(r.hashes) for r, _ in self.reservations.values())
         if (len(self.reservations) >= MAX_OPEN_RESERVATIONS
                 or held + num_hashes > MAX_RESERVED_HASHES):
             raise w.RemoteError(w.ErrorCode.QUOTA, f"this connection has {len(self.reservations)} "
@@ -334,8 +333,7 @@ class Session:
                                 f"(at most {MAX_OPEN_RESERVATIONS}, {MAX_RESERVED_HASHES} blocks)")
 
     def _forget_reservation(self, rid: int) -> Reservation | None:
-        self._reserved_until.pop(rid, None)
-        return self.reservations.pop(rid, None)
+        return self.reservations.pop(rid, (None, 0.0))[0]
 
     def commit(self, msg: w.Commit, payload_bytes: int) -> None:
         res = self._forget_reservation(msg.reservation_id)
@@ -443,7 +441,6 @@ class Session:
         for rid in list(self.reservations):
             self._abort(rid)
         self.reservations.clear()
-        self._reserved_until.clear()
         self.release_n(list(self.leases))
 
 
