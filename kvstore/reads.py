@@ -94,6 +94,51 @@ class Reads:
             hits = tuple(None if t is None else (t, e.slot) for t, e in zip(tiers, held))
         return Lease(lid, hits, (False,) * len(hashes))
 
+    def hold_n(self, hashes: Sequence[bytes], tier_kind: TierKind, prefix: bool = False
+               ) -> tuple[list[TierKind | None], list[Entry]] | None:
+        """For a reader that copies every hit straight out of `tier_kind`'s slots before it
+        lets go (the daemon streaming DRAM slots to a TCP client): one locked visit that
+        finds, holds and counts the blocks, as `fetch_n` would, with no lease to keep.
+        Returns (the tier per hash or None, the entries held, in order: read `e.slot`,
+        then give them back with `unhold_n`), or None, with nothing held or counted, when
+        some block lies in another tier (`fetch_n` copies those). With `prefix`, only the
+        longest stored prefix is held; the first miss ends it and is the one counted."""
+        check_hashes(hashes)
+        with self._lock:
+            self._check_open()
+            t = self._tier_index(tier_kind)
+            if t is None:
+                return None
+            p = self._p
+            get, kinds, held, misses = p.entries.get, [], [], 0
+            for h in hashes:
+                e = get(h if type(h) is bytes else bytes(h))
+                if visible(e):
+                    if e.tier != t:
+                        return None
+                    held.append(e)
+                    kinds.append(tier_kind)
+                else:
+                    misses += 1
+                    kinds.append(None)
+                    if prefix:
+                        kinds += [None] * (len(hashes) - len(kinds))
+                        break
+            self._num_misses += misses
+            c, lru = p.counters[t], p.lru[t]
+            c.hits += len(held)
+            c.bytes_out += len(held) * p.block_bytes
+            for e in held:
+                e.readers += 1
+                lru.pop(e.hash, None)
+        return kinds, held
+
+    def unhold_n(self, entries: Sequence[Entry]) -> None:
+        """Give back the blocks `hold_n` held (they are recent now)."""
+        if entries:
+            with self._lock:
+                self._unhold(entries)
+
     def _lease_kept(self, kept: list[Entry], ttl_s: float) -> int:
         """Under the lock: a lease on blocks a read kept held; its id, 0 when none were."""
         if not kept:

@@ -276,7 +276,8 @@ class Session:
     def get(self, msg: w.Get, payload_bytes: int) -> None:
         """One store visit per hash: DRAM blocks are leased, the rest copied (and
         promoted). A client that maps the arena (`shm`) gets the leased slots and only the
-        other blocks inline; any other client gets every block inline."""
+        other blocks inline; any other client gets every block inline, a batch found all
+        in DRAM sent straight from its slots, held (no lease) until the reply is out."""
         store, hashes = self.store, msg.hash_list
         self.release_n(msg.release)
         bb, arena = self.hosted.ns.block_bytes, self.dram_rows()
@@ -285,6 +286,17 @@ class Session:
                                 f"a GET of {len(hashes)} blocks of {bb} bytes could answer "
                                 f"{len(hashes) * bb} bytes; a reply carries at most "
                                 f"{self.cfg.max_payload_bytes}: split the batch")
+        if not msg.shm and arena is not None:  # a DRAM-resident batch streams from its slots,
+            held = store.hold_n(hashes, TierKind.DRAM, msg.prefix)  # held while it goes out
+            if held is not None:
+                kinds, entries = held
+                self.hosted.count_lease_hits(len(entries))
+                try:
+                    self.reply(w.Op.GET, w.GetOk(tiers=tier_bytes(kinds)),
+                               [arena[e.slot] for e in entries])
+                finally:
+                    store.unhold_n(entries)
+                return
         rows = self.scratch_rows(len(hashes), bb)
         lease = store.fetch_n(hashes, rows, ttl_s=self.cfg.lease_ttl_s,
                               lease_tier=TierKind.DRAM if arena is not None else None,

@@ -117,6 +117,45 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.release(lease.lease_id)
         self._follow_events()
 
+    @rule(hashes=keys, prefix=st.booleans(), evict_meanwhile=st.booleans())
+    def hold(self, hashes, prefix, evict_meanwhile):
+        """Held DRAM slots keep their bytes while held (even against an eviction); a batch
+        with a block in another tier is refused whole, with nothing counted or held."""
+        before = set(self.present)
+        hits0 = self.store.stats().hits
+        misses0 = self.store.stats().misses
+        got = self.store.hold_n(hashes, TierKind.DRAM, prefix)
+        dram = self.store._p.tiers.index(self.store.tier(TierKind.DRAM))
+        if got is None:
+            in_order = hashes[:next((i for i, h in enumerate(hashes) if prefix and h not in before),
+                                    len(hashes))]
+            assert any(h in before and self.store._p.entries[h].tier != dram for h in in_order)
+            assert self.store.stats().hits == hits0
+            assert self.store.stats().misses == misses0
+            return
+        kinds, held = got
+        arena = self.store.tier(TierKind.DRAM).arena
+        try:
+            if evict_meanwhile:
+                self.store.evict_n(hashes)
+            stop, n_hits, n_misses = False, 0, 0
+            for h, kind in zip(hashes, kinds):
+                if stop:
+                    assert kind is None
+                    continue
+                assert (kind is TierKind.DRAM) == (h in before)
+                n_hits += kind is not None
+                n_misses += kind is None
+                stop = prefix and kind is None
+            assert [e.hash for e in held] == [h for h, k in zip(hashes, kinds) if k is not None]
+            for e in held:
+                assert np.array_equal(arena[e.slot].numpy(), CONTENT[e.hash])
+            assert self.store.stats().hits == hits0 + n_hits
+            assert self.store.stats().misses == misses0 + n_misses
+        finally:
+            self.store.unhold_n(held)
+        self._follow_events()
+
     @rule(hashes=keys)
     def match(self, hashes):
         m = self.store.match_prefix(hashes)

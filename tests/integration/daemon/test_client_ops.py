@@ -152,3 +152,33 @@ def test_a_same_host_ssd_hit_comes_through_its_promoted_dram_slot(make_daemon):
         assert out_bytes() == before, "the promoted blocks were sent inline"
         assert c.stats().hits == hits + 2, "a block was counted twice"
         assert [c.match_prefix([h]).tiers for h in want] == [(TierKind.DRAM,)] * 2
+
+
+def test_a_tcp_get_streams_dram_slots_and_falls_back_for_a_batch_with_ssd_blocks(make_daemon):
+    """A TCP client's GET of a DRAM-resident batch is sent from the held slots; a batch
+    with one block on SSD takes the copying path: bytes exact, every hit counted once,
+    nothing left held, and the DRAM blocks still evictable afterwards."""
+    d = make_daemon("--dram-size", "16KiB")  # 4 DRAM slots
+    hs = chain(88, 10)
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        c.put_n(hs, np.stack([block_of(h, BB) for h in hs]))  # 6 demoted to SSD
+        tiers = [c.match_prefix([h]).tiers[0] if c.match_prefix([h]).num_blocks else None
+                 for h in hs]
+        in_dram = [h for h, t in zip(hs, tiers) if t is TierKind.DRAM]
+        on_ssd = [h for h, t in zip(hs, tiers) if t is TierKind.SSD]
+        assert in_dram and on_ssd
+        stranger = chain(99, 1)[0]
+        for batch in ([*in_dram, stranger], [on_ssd[0], *in_dram]):
+            hits = c.stats().hits
+            misses = c.stats().misses
+            dst = np.zeros((len(batch), BB), np.uint8)
+            got = c.get_n(batch, dst)
+            assert [g is not None for g in got] == [h != stranger for h in batch]
+            assert all(np.array_equal(o, block_of(h, BB)) for o, h, g in zip(dst, batch, got) if g)
+            assert c.stats().hits == hits + sum(g is not None for g in got)
+            assert c.stats().misses == misses + (stranger in batch)
+        assert c.stats().open_leases == 0
+        # nothing stays held: a fresh batch of puts can still evict the blocks just read
+        more = chain(89, 8)
+        assert all(s is not PutStatus.NO_SPACE for s in
+                   c.put_n(more, np.stack([block_of(h, BB) for h in more])))
