@@ -67,6 +67,10 @@ class DaemonConfig:
                             "(0 = any)")
     max_connections: int = opt(1024, "open data-plane connections at most (a quarter of "
                                "them may be waiting to authenticate)")
+    max_tenant_connections: int = opt(0, "authenticated data-plane connections one tenant "
+                                      "may hold (0 = three quarters of --max-connections "
+                                      "when the token file names two tenants or more, else "
+                                      "no cap); admin tokens are not capped")
     hello_timeout_s: float = opt(10.0, "seconds a new connection has to authenticate",
                                  flag="--hello-timeout")
     idle_timeout_s: float = opt(600.0, "seconds an authenticated connection may stay "
@@ -109,6 +113,8 @@ class DaemonConfig:
                               "only binds loopback (pass --token-file to serve other hosts)")
         if self.dram_bytes <= 0 and self.ssd_bytes <= 0 and self.gpu_bytes <= 0:
             raise ConfigError("at least one tier needs a size (--dram-size / --ssd-size)")
+        if self.max_tenant_connections < 0:
+            raise ConfigError("max_tenant_connections must be 0 (the default cap) or more")
         if min(self.max_namespaces, self.max_namespaces_total, self.max_connections) < 1:
             raise ConfigError("max_namespaces, max_namespaces_total and max_connections "
                               "must be >= 1")
@@ -127,6 +133,16 @@ class DaemonConfig:
     @property
     def auth_required(self) -> bool:
         return bool(self.tokens)
+
+    @property
+    def tenant_connection_cap(self) -> int:
+        """Connections one tenant may hold (0 = no cap): --max-tenant-connections, or by
+        default three quarters of --max-connections once two tenants share the daemon, so
+        none of them can take every connection from the others."""
+        if self.max_tenant_connections:
+            return self.max_tenant_connections
+        tenants = {t for _, t in self.tokens if t != ADMIN}
+        return max(1, self.max_connections * 3 // 4) if len(tenants) >= 2 else 0
 
     def tenant_of(self, token: str) -> str | None:
         """The tenant a token grants (ADMIN for every tenant), None for a bad token.

@@ -9,7 +9,8 @@ Two listeners: TCP (any host) and, for clients on this host, an abstract Unix-do
 with a random name (no file to guess; any uid may connect; the name reaches clients only in
 HELLO's reply). Both speak the same protocol; only the Unix one can pass descriptors.
 
-Limits before work: at most `max_connections` open, a quarter of them unauthenticated; a new
+Limits before work: at most `max_connections` open, a quarter of them unauthenticated and,
+where tenants share the daemon, three quarters per tenant (`max_tenant_connections`); a new
 connection must authenticate within `hello_timeout_s`, and an authenticated one is closed
 after `idle_timeout_s` of silence (kernel socket timeouts, so blocking MSG_WAITALL reads keep
 their speed). Running out of descriptors (EMFILE) pauses accepting, never stops it.
@@ -18,6 +19,7 @@ Shutdown: stop accepting, wake idle connections, let busy ones finish their op, 
 """
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import secrets
@@ -26,7 +28,7 @@ import threading
 import time
 
 from kvstore import wire as w
-from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.namespaces import Registry
 from kvstore.daemon.putchannel import Drainer
@@ -58,6 +60,7 @@ class ServedConnection:
     def __init__(self, sock: socket.socket, server: "DataPlane", local: bool) -> None:
         self.sock, self.server = sock, server
         self.busy = False
+        self.tenant: str | None = None  # whose token this connection holds (counted per tenant)
         self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES,
                                     time.monotonic() + server.cfg.hello_timeout_s)
         self.session = Session(sock, self.reader, server.registry, server.cfg,
@@ -101,6 +104,8 @@ class ServedConnection:
         was_authenticated = self.authenticated
         outcome = "ok"
         try:
+            if frame.op is w.Op.HELLO:
+                self._claim_tenant(frame.msg)
             HANDLERS[frame.op](self.session, frame.msg, frame.payload_bytes)
         except w.ProtocolError:
             outcome = "protocol"
@@ -142,6 +147,17 @@ class ServedConnection:
             w.kernel_timeouts(self.sock, self.server.cfg.idle_timeout_s)
             self.server.authenticated(self)
 
+    def _claim_tenant(self, hello: w.Hello) -> None:
+        """Count this connection against the tenant its token grants, before the HELLO is
+        served: past the tenant's cap it is refused (UNAVAILABLE), so one tenant cannot
+        take every connection from the others. A bad token is the handler's to refuse."""
+        tenant = self.server.cfg.tenant_of(hello.token)
+        if tenant is not None and tenant != self.tenant:
+            refused = self.server.move_tenant(self, tenant)
+            if refused is not None:
+                self.server.metrics.connections_refused.inc()
+                raise w.RemoteError(w.ErrorCode.UNAVAILABLE, refused)
+
     def _send_error(self, code: w.ErrorCode, message: str) -> None:
         try:
             w.send_frame(self.sock, w.Error(code=int(code), message=message), w.Op.ERROR, True)
@@ -176,6 +192,7 @@ class DataPlane:
         self.stopping = threading.Event()
         self.conns: dict[ServedConnection, threading.Thread] = {}
         self.num_pending = 0  # connections not yet authenticated
+        self.tenant_conns: collections.Counter[str] = collections.Counter()
         self._acceptors = [threading.Thread(target=self._accept, args=(s, s is self.local_sock),
                                             name="kvtier-accept", daemon=True)
                            for s in (sock, self.local_sock) if s is not None]
@@ -247,12 +264,35 @@ class DataPlane:
             return "too many connections waiting to authenticate; retry"
         return None
 
+    def move_tenant(self, conn: ServedConnection, tenant: str) -> str | None:
+        """Count `conn` under `tenant` (and no longer under the one it held), or say why
+        not: the tenant holds its cap of connections already (admin tokens are uncapped)."""
+        cap = self.cfg.tenant_connection_cap
+        with self.lock:
+            held = self.tenant_conns[tenant]
+            if cap and tenant != ADMIN and held >= cap:
+                return (f"tenant {tenant!r} holds {held} connections, the most one tenant may "
+                        "(--max-tenant-connections): close some, or share them (a Client "
+                        "pools its connections)")
+            self._uncount_tenant(conn)
+            self.tenant_conns[tenant] += 1
+            conn.tenant = tenant
+        return None
+
+    def _uncount_tenant(self, conn: ServedConnection) -> None:
+        if conn.tenant is not None:
+            self.tenant_conns[conn.tenant] -= 1
+            if not self.tenant_conns[conn.tenant]:
+                del self.tenant_conns[conn.tenant]
+            conn.tenant = None
+
     def authenticated(self, conn: ServedConnection) -> None:
         with self.lock:
             self.num_pending -= 1
 
     def forget(self, conn: ServedConnection) -> None:
         with self.lock:
+            self._uncount_tenant(conn)
             if self.conns.pop(conn, None) is not None:
                 self.metrics.connections.dec()
                 if not conn.authenticated:

@@ -15,7 +15,7 @@ from kvstore import wire as w
 from kvstore.client import ConnectError
 from kvstore.keys import hash_blocks
 
-from .conftest import NS, call, closed, hello_msg, metric, raw_conn, rss_kib, wait_for
+from .conftest import ALICE, BOB, NS, call, closed, hello_msg, metric, raw_conn, rss_kib, wait_for
 
 
 @pytest.fixture
@@ -254,3 +254,40 @@ def test_out_of_descriptors_pauses_accepting_and_recovers(make_daemon, token_fil
     assert wait_for(lambda: _serves(d), timeout_s=20), d.output()[-4000:]
     assert d.get_json("/healthz")["status"] == "ok"
     assert metric(d, "kvtier_accept_errors_total") > 0
+
+
+def test_one_tenant_cannot_take_every_connection(make_daemon, token_file):
+    """With two tenants, one holds at most three quarters of --max-connections (here 6 of
+    8): its next HELLO is refused (UNAVAILABLE, saying why) while the other tenant and the
+    admin still get in, and a closed connection frees its place."""
+    d = make_daemon("--token-file", token_file, "--max-connections", "8")
+    alice = []
+    try:
+        for _ in range(6):
+            s = raw_conn(d)
+            assert call(s, hello_msg(ALICE, "alice-secret")).op is w.Op.HELLO
+            alice.append(s)
+        with raw_conn(d) as s:
+            reply = call(s, hello_msg(ALICE, "alice-secret"))
+            assert reply.op is w.Op.ERROR and reply.msg.code == w.ErrorCode.UNAVAILABLE
+            assert "alice" in reply.msg.message and "--max-tenant-connections" in reply.msg.message
+        assert wait_for(lambda: metric(d, "kvtier_connections ") == 6)
+        with raw_conn(d) as s:  # a re-HELLO of another tenant's connection counts alike
+            assert call(s, hello_msg(BOB, "bob-secret")).op is w.Op.HELLO
+            reply = call(s, hello_msg(ALICE, "alice-secret"))
+            assert reply.op is w.Op.ERROR and reply.msg.code == w.ErrorCode.UNAVAILABLE
+            assert call(s, w.Stats()).op is w.Op.STATS  # still bob's, still served
+        assert wait_for(lambda: metric(d, "kvtier_connections ") == 6)
+        with Client(d.url, "bob-secret", BOB, use_shm=False) as c:
+            assert c.stats().hits == 0
+        still_serving(d)  # admin
+        alice.pop().close()
+        assert wait_for(lambda: _hello_ok(d, "alice-secret", ALICE))
+    finally:
+        for s in alice:
+            s.close()
+
+
+def _hello_ok(d, token, ns) -> bool:
+    with raw_conn(d) as s:
+        return call(s, hello_msg(ns, token)).op is w.Op.HELLO
