@@ -278,7 +278,10 @@ class TieredStore(Reads, Grants):
             group = [p.entries[h] for h in dict.fromkeys(map(bytes, hashes))
                      if visible(p.entries.get(h)) and p.entries[h].readers == 0]
             p.drop(group, removed=True)
-            return len(group)
+            tiers = {p.tiers[e.tier] for e in group}
+        for tier in tiers:  # outside the lock: an acknowledged remove survives a crash
+            tier.persist_frees()
+        return len(group)
 
     def clear(self) -> int:
         """Remove every block no reader holds; returns how many went."""

@@ -41,6 +41,9 @@ class ArenaTier:
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         self._free.give_back(slots)
 
+    def persist_frees(self) -> None:
+        pass  # nothing of a memory tier outlives the process
+
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         pass  # only the DRAM tier tells other processes which block each slot holds
 

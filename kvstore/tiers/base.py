@@ -46,6 +46,11 @@ class Tier(Protocol):
         """Return slots to the free list; a persistent tier also deletes their stored values
         (the SSD tier's index entries go with its next write: see kvstore.tiers.ssdindex)."""
 
+    def persist_frees(self) -> None:
+        """Make the frees so far durable now (an explicit remove must not come back after a
+        crash; an eviction may wait for the next write). Called outside the store's lock;
+        never raises (what it could not write stays queued). A no-op for memory tiers."""
+
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         """The blocks in these slots became readable (committed, demoted or promoted there);
         they stay unchanged until `free_n`. Called under the store's lock."""

@@ -112,6 +112,9 @@ class SsdTier:
         self.index.forget_n(hashes)  # deleted with the next index write (see ssdindex)
         self._free.give_back(slots)
 
+    def persist_frees(self) -> None:
+        self.index.flush_stale()  # the queued deletes written now (WAL: they survive a kill)
+
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         pass  # readers on this host reach SSD blocks through the daemon only
 

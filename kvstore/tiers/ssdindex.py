@@ -12,9 +12,11 @@ it safe to lose:
 Deletes ride along with the next write: `forget_n` (called under the store's lock when a
 slot is freed) only queues the hashes, and `put_n` writes them, before its own entries, in
 its one RocksDB write. So a put that evicts costs one index write, not two, and no index
-write happens under the store's lock. A delete not yet written when the process dies
-leaves a stale entry, which the next open drops (its slot holds another block's header) or
-keeps (the slot still holds that very block, intact: a valid block, not wrong KV).
+write happens under the store's lock. An explicit remove writes its deletes at once, after
+the lock (`flush_stale`), so a removed block stays removed after a crash. An eviction's
+delete not yet written when the process dies leaves a stale entry, which the next open
+drops (its slot holds another block's header) or keeps (the slot still holds that very
+block, intact: a valid block, not wrong KV).
 """
 from __future__ import annotations
 

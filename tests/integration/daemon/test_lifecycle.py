@@ -59,6 +59,27 @@ def test_sigkill_mid_load_serves_no_corrupted_block(make_daemon, tmp_path):
             assert (dst[i] == block_of(hs[i], BB)).all()
 
 
+def test_a_removed_block_stays_removed_after_sigkill(make_daemon):
+    """An acknowledged remove of SSD blocks is durable: the index deletes are written at
+    once (they used to wait for the next put's index write, so a SIGKILL before it brought
+    the removed blocks back); the blocks not removed survive as before."""
+    d = make_daemon("--dram-size", "16KiB")  # 4 DRAM slots: most blocks go to SSD
+    hs = hash_blocks(NS, np.arange(24 * 16) + 7)
+    with Client(d.url, namespace=NS) as c:
+        c.put_n(hs, blocks(hs))
+        on_ssd = [h for h in hs if c.match_prefix([h]).tiers == (TierKind.SSD,)]
+        assert len(on_ssd) >= 12
+        gone, kept = on_ssd[:6], on_ssd[6:]
+        assert c.remove_n(gone) == len(gone)
+    d.kill()  # no put after the remove: nothing else would have written the deletes
+    d.start()
+    with Client(d.url, namespace=NS) as c:
+        assert c.contains_n(gone) == [False] * len(gone)
+        dst = np.zeros((len(kept), BB), np.uint8)
+        assert None not in c.get_n(kept, dst)
+        assert all((row == block_of(h, BB)).all() for row, h in zip(dst, kept))
+
+
 def _load(url, hs):
     try:
         with Client(url, namespace=NS, timeout_s=5) as c:
