@@ -60,8 +60,11 @@ def _layout(num_slots: int) -> tuple[int, int, int, int]:
     return table_size, gen_off, owner_off, table_off
 
 
+_U64 = struct.Struct("<Q").unpack_from
+
+
 def _bucket(block_hash: bytes, mask: int) -> int:
-    return int.from_bytes(block_hash[:8], "little") & mask
+    return _U64(block_hash)[0] & mask  # its first 8 bytes, little-endian
 
 
 class _Views:
@@ -75,6 +78,7 @@ class _Views:
         self.raw = raw
         self.gen = raw[gen_off:owner_off].cast("q")
         self.owner = raw[owner_off:table_off]
+        self.owner_off = owner_off
         self.table = raw[table_off:table_off + 8 * self.table_size].cast("q")
 
     def release(self) -> None:
@@ -194,17 +198,18 @@ class SlotDirectoryReader:
         """(slot, gen) of a published block holding `block_hash`, or None (ask the daemon).
         Copy the slot, then `still_valid(slot, gen)` says whether the copy is that block."""
         v = self._v
-        if v.raw[24]:
-            return None
-        gen, owner, table, mask = v.gen, v.owner, v.table, v.mask
-        b = _bucket(block_hash, mask)
+        mm = v.mm
+        if mm[24] or len(block_hash) != 16:
+            return None  # closed, or no block's hash (the daemon's request says what is wrong)
+        gen, table, mask, num_slots, at = v.gen, v.table, v.mask, v.num_slots, v.owner_off
+        b = _U64(block_hash)[0]  # _bucket inlined (a find is ~1 us; a call is a tenth)
         for k in range(PROBES):
             slot = table[(b + k) & mask] - 1
-            if slot < 0 or slot >= v.num_slots:
-                continue
-            g = gen[slot]
-            if not g & 1 and owner[16 * slot:16 * slot + 16] == block_hash:
-                return slot, g
+            if 0 <= slot < num_slots:
+                g = gen[slot]
+                # the mmap's slice is bytes: compared ~1.5x faster than a memoryview's
+                if not g & 1 and mm[at + 16 * slot:at + 16 * slot + 16] == block_hash:
+                    return slot, g
         return None
 
     def still_valid(self, slot: int, gen: int) -> bool:

@@ -5,11 +5,16 @@ so the Python loop runs once per contiguous run, not once per descriptor.
 """
 from __future__ import annotations
 
+import ctypes
+import sys
 from typing import Any, Sequence
 
 import numpy as np
 
-import sys
+memmove = ctypes.memmove
+"""memmove(dst_address, src_address, nbytes): one single-threaded libc memmove between
+two host addresses, for callers that hold both as ints (no view of either side made); the
+caller keeps both buffers alive and in bounds."""
 
 
 def _torch():

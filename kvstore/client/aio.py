@@ -19,7 +19,7 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from kvstore import wire as w
-from kvstore.buffers import byte_rows, host_rows, select_rows
+from kvstore.buffers import byte_rows, host_rows, read_rows, request_rows, select_rows
 from kvstore.client.aconn import AsyncConnection
 from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
@@ -28,7 +28,7 @@ from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TouchLog,
                                     copy_row, flags_of, get_layout, numpy_rows, row_view,
                                     match_of, put_statuses, raise_unless_retryable, reusable_after,
                                     stage, stats_of)
-from kvstore.client.shm import ArenaMap
+from kvstore.client.shm import VECTOR_READS, ArenaMap
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.putring import DIRECT_PUTS
@@ -278,24 +278,31 @@ class AsyncClient:
     async def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
         """Copy each stored block into its destination (see `Client.get_n`): the tier it
         was found in, or None for a miss."""
-        rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
-        if not len(hashes):
+        n = len(hashes)
+        if not n:
+            byte_rows(dsts, n, self.block_bytes, writable=True)  # still says what is wrong
             return []
         await self.connect()
         await self._flush_puts()
+        rows = read_rows(dsts, n, self.block_bytes, self._direct_ok(), VECTOR_READS)
         tiers, missed = await self._read_direct(hashes, rows, False)
         if missed:
+            rows = request_rows(rows, dsts, n, self.block_bytes)
             found = await self._run(self._get_n, w.pack_hashes([hashes[i] for i in missed]),
                                     select_rows(rows, missed))
             for i, t in zip(missed, found):
                 tiers[i] = t
         return tiers
 
+    def _direct_ok(self) -> bool:
+        """Is the arena's slot directory mapped here (same host, reads with no request)?"""
+        return self._arena is not None and self._arena.directory is not None
+
     async def _read_direct(self, hashes, rows, prefix: bool):
         """The blocks the slot directory shows in DRAM, copied with no request (same host):
         (tiers, indices left for the daemon)."""
         arena = self._arena
-        if arena is None or arena.directory is None or not arena.directory.writer_alive():
+        if not self._direct_ok() or not arena.directory.writer_alive():
             return [None] * len(hashes), list(range(len(hashes)))
         tiers, missed, touched = arena.read_direct(hashes, rows, prefix)
         if touched and self._touches.add(touched):
@@ -346,19 +353,22 @@ class AsyncClient:
     async def get_prefix_n(self, hashes: Sequence[bytes], dsts) -> MatchResult:
         """The longest stored prefix of `hashes`, its blocks copied into the first
         destinations, in one round trip (none for a prefix shown in DRAM on this host)."""
-        rows = byte_rows(dsts, len(hashes), self.block_bytes, writable=True)
-        if not len(hashes):
+        n = len(hashes)
+        if not n:
+            byte_rows(dsts, n, self.block_bytes, writable=True)  # still says what is wrong
             return MatchResult(0, ())
         await self.connect()
         await self._flush_puts()
+        rows = read_rows(dsts, n, self.block_bytes, self._direct_ok(), VECTOR_READS)
         tiers, missed = await self._read_direct(hashes, rows, True)
         tiers = tiers[:missed[0]] if missed else tiers
         start = len(tiers)
-        if start < len(hashes):
+        if start < n:
             tiers += await self._run(self._get_n, w.pack_hashes(hashes[start:]),
-                                     select_rows(rows, range(start, len(hashes))), True)
-        n = leading_hits(tiers)
-        return MatchResult(n, tuple(tiers[:n]))
+                                     select_rows(request_rows(rows, dsts, n, self.block_bytes),
+                                                 range(start, n)), True)
+        hit = leading_hits(tiers)
+        return MatchResult(hit, tuple(tiers[:hit]))
 
     async def get_into(self, key: bytes, buffer) -> TierKind | None:
         return (await self.get_n([key], [buffer]))[0]

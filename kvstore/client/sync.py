@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvstore import wire as w
-from kvstore.buffers import byte_rows, host_rows, select_rows, tensor_rows
+from kvstore.buffers import byte_rows, host_rows, read_rows, request_rows, select_rows
 from kvstore.client.conn import Connection, LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
@@ -25,7 +25,7 @@ from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PU
                                     TouchLog, as_numpy, copy_row, flags_of, get_layout,
                                     match_of, numpy_rows, put_statuses, stage,
                                     raise_unless_retryable, reusable_after, row_view, stats_of)
-from kvstore.client.shm import ArenaMap, map_arena
+from kvstore.client.shm import VECTOR_READS, ArenaMap, map_arena
 from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
@@ -314,28 +314,21 @@ class Client:
         no request at all; the rest go to the daemon in one request."""
         arena = self._arena
         directory = arena.directory if arena is not None else None
-        rows = self._rows(dsts, len(hashes), directory is not None)
-        if not len(hashes):
+        n = len(hashes)
+        rows = read_rows(dsts, n, self.block_bytes, directory is not None, VECTOR_READS)
+        if not n:
             return []
         self._flush_puts()  # this client's puts readable first (a memory read if none wait)
         if directory is None or not directory.writer_alive():
-            return self._run(self._get_n, w.pack_hashes(hashes), tensor_rows(rows))
+            return self._run(self._get_n, w.pack_hashes(hashes), request_rows(rows, dsts, n, self.block_bytes))
         tiers, missed = self._direct_reads(arena, hashes, rows)
         if missed:
-            rows = tensor_rows(rows)
+            rows = request_rows(rows, dsts, n, self.block_bytes)
             found = self._run(self._get_n, w.pack_hashes([hashes[i] for i in missed]),
                               [rows[i] for i in missed])
             for i, t in zip(missed, found):
                 tiers[i] = t
         return tiers
-
-    def _rows(self, dsts, n: int, same_host: bool):
-        """Destination rows: on the daemon's host, host rows as one numpy `[n, bytes]` view
-        where they allow it (direct reads copy into it with no torch view ops), else
-        `byte_rows`'s tensors."""
-        host = host_rows(dsts, n, self.block_bytes) if same_host else None
-        return host if host is not None else byte_rows(dsts, n, self.block_bytes,
-                                                       writable=True)
 
     def _direct_reads(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
                       prefix: bool = False) -> tuple[list[TierKind | None], list[int]]:
@@ -420,8 +413,9 @@ class Client:
         `hashes`, its blocks copied into the first destinations."""
         arena = self._arena
         directory = arena.directory if arena is not None else None
-        rows = self._rows(dsts, len(hashes), directory is not None)
-        if not len(hashes):
+        n = len(hashes)
+        rows = read_rows(dsts, n, self.block_bytes, directory is not None, VECTOR_READS)
+        if not n:
             return MatchResult(0, ())
         self._flush_puts()
         tiers: list[TierKind | None] = []
@@ -431,9 +425,10 @@ class Client:
         start = len(tiers)
         if start < len(hashes):
             tiers += self._run(self._get_n, w.pack_hashes(hashes[start:]),
-                               select_rows(tensor_rows(rows), range(start, len(hashes))), True)
-        n = leading_hits(tiers)
-        return MatchResult(n, tuple(tiers[:n]))
+                               select_rows(request_rows(rows, dsts, n, self.block_bytes), range(start, n)),
+                               True)
+        hit = leading_hits(tiers)
+        return MatchResult(hit, tuple(tiers[:hit]))
 
     def get_into(self, key: bytes, buffer) -> TierKind | None:
         return self.get_n([key], [buffer])[0]

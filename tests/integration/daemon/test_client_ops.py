@@ -117,6 +117,30 @@ def test_async_client_same_surface(daemon):
     asyncio.run(main())
 
 
+def test_a_get_into_part_of_a_tensor_of_any_dtype_writes_only_that_part(client):
+    """Same host, a few blocks into one CPU tensor: copied by its address (with its
+    storage offset), so a slice of a bigger tensor, or a float16 cache's rows, get the
+    blocks' bytes and nothing around them is written."""
+    hs = chain(130 + PATHS.index(client.test_path), 3)
+    src = np.stack([block_of(h, BB) for h in hs])
+    client.put_n(hs, src)
+    big = torch.full((6, BB), 7, dtype=torch.uint8)
+    assert None not in client.get_n(hs, big[2:5])
+    assert np.array_equal(big[2:5].numpy(), src)
+    assert (big[:2] == 7).all() and (big[5:] == 7).all()
+    half = torch.zeros(3, 2, BB // 4, dtype=torch.float16)
+    assert None not in client.get_n(hs, half)
+    assert np.array_equal(half.view(torch.uint8).reshape(3, BB).numpy(), src)
+    hole = torch.full((3, BB), 5, dtype=torch.uint8)  # a miss between two hits
+    assert [t is not None for t in client.get_n([hs[0], b"\x01" * 16, hs[2]], hole)] == \
+        [True, False, True]
+    assert np.array_equal(hole[0].numpy(), src[0]) and (hole[1] == 5).all()
+    m = client.get_prefix_n([hs[0], hs[1], b"\x01" * 16], hole)
+    assert m.num_blocks == 2 and np.array_equal(hole[:2].numpy(), src[:2])
+    with pytest.raises(ValueError, match="16 bytes"):
+        client.get_n([b"short"], torch.zeros(1, BB, dtype=torch.uint8))
+
+
 def test_get_prefix_n_reads_the_stored_prefix_in_one_visit(client):
     hs = chain(140 + PATHS.index(client.test_path), 10)
     client.put_n(hs[:4] + hs[5:], [block_of(h, BB) for h in hs[:4] + hs[5:]])  # a hole at 4

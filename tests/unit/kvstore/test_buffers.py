@@ -1,11 +1,12 @@
-"""`host_rows`: the same-host read path's destination view, taken only where it is safe."""
+"""`host_rows` and `host_address`: the same-host read path's destination, taken only where
+it is safe."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from kvstore.buffers import byte_rows, host_rows, tensor_rows
+from kvstore.buffers import byte_rows, host_address, host_rows, tensor_rows
 from kvstore.errors import BlockSizeError
 
 
@@ -42,3 +43,23 @@ def test_byte_rows_still_explains_what_host_rows_declined():
         byte_rows(torch.zeros(3, 9, dtype=torch.uint8), 3, 8, writable=True)
     with pytest.raises(TypeError, match="read-only"):
         byte_rows(np.frombuffer(bytes(24), np.uint8), 3, 8, writable=True)
+
+
+def test_a_contiguous_cpu_tensor_of_the_right_size_gives_its_own_address():
+    big = torch.zeros(6, 8, dtype=torch.uint8)
+    assert host_address(big, 48) == big.data_ptr()
+    assert host_address(big[2:5], 24) == big.data_ptr() + 16  # its storage offset counted
+    assert host_address(torch.zeros(3, 2, dtype=torch.float32), 24) is not None
+
+
+@pytest.mark.parametrize("buf", [
+    torch.zeros(3, 9, dtype=torch.uint8),                # wrong size
+    torch.zeros(8, 3, dtype=torch.uint8).t(),            # not contiguous
+    torch.zeros(6, dtype=torch.float32, requires_grad=True),
+    torch.zeros(3, dtype=torch.complex64),               # may carry a lazy conjugate
+    np.zeros((3, 8), np.uint8),                          # arrays keep host_rows
+    bytearray(24),
+    [torch.zeros(8, dtype=torch.uint8)] * 3,
+])
+def test_anything_else_has_no_address(buf):
+    assert host_address(buf, 24) is None
