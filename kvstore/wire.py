@@ -333,6 +333,11 @@ class Touch(HashesMessage):
     reads: bytes = b""  # uint32 (little-endian) per block: how often it was read; empty: once
 
 
+TOUCH_MAX_READS = 1 << 16  # reads one TOUCH may report of one block; more count as this many.
+# A client reports at least every 50 ms while it reads (TouchLog), and a same-host read takes
+# microseconds: only a client inflating its namespace's hit counters gets near it.
+
+
 @_msg(Op.STATS)
 class Stats(Message):
     """A store's figures (StatsOk)."""

@@ -70,7 +70,7 @@ class TouchLog:
             batch = {h: reads.pop(h) for h in list(itertools.islice(reads, TOUCH_BATCH))}
         self.sent_at = time.monotonic()
         return w.Touch(hashes=b"".join(batch), reads=np.fromiter(
-            (min(n, 0xFFFFFFFF) for n in batch.values()), "<u4", len(batch)).tobytes())
+            (min(n, w.TOUCH_MAX_READS) for n in batch.values()), "<u4", len(batch)).tobytes())
 
 
 def reusable_after(e: BaseException) -> bool:

@@ -412,7 +412,7 @@ class Session:
             if len(msg.reads) != 4 * len(hashes):
                 raise w.ProtocolError(f"TOUCH has {len(hashes)} hashes but {len(msg.reads)} "
                                       "bytes of read counts (4 per hash)")
-            reads = np.frombuffer(msg.reads, "<u4").tolist()
+            reads = np.minimum(np.frombuffer(msg.reads, "<u4"), w.TOUCH_MAX_READS).tolist()
         n = self.store.touch_n(hashes, reads)
         self.hosted.count_direct_hits(n)
         self.reply(w.Op.TOUCH, w.Ack(value=n))

@@ -91,7 +91,7 @@ def test_wrong_field_types_are_protocol_errors(secured):
 
 def test_touch_read_counts_must_match_its_hashes(secured):
     """A TOUCH's read counts (4 bytes a hash) that do not match its hashes are a protocol
-    error that counts nothing; matching ones count exactly."""
+    error that counts nothing; matching ones count exactly, up to TOUCH_MAX_READS each."""
     h = hash_blocks(NS, np.arange(16) + 7)[0]
     with Client(secured.url, "admin-secret", NS, use_shm=False) as c:
         c.put(h, np.full(NS.block_bytes, 5, np.uint8))
@@ -108,6 +108,11 @@ def test_touch_read_counts_must_match_its_hashes(secured):
         assert call(s, w.Touch(hashes=h * 2)).msg.value == 2
         tiers = call(s, w.Stats()).msg.tiers
         assert tiers[0][4] == 9  # hits of the DRAM tier: 7 + 1 + 1, none from the bad ones
+        # a claim of 4 billion reads counts as TOUCH_MAX_READS: no client inflates its
+        # namespace's hit counters (or bytes served) without bound
+        huge = call(s, w.Touch(hashes=h, reads=(0xFFFFFFFF).to_bytes(4, "little")))
+        assert huge.msg.value == w.TOUCH_MAX_READS
+        assert call(s, w.Stats()).msg.tiers[0][4] == 9 + w.TOUCH_MAX_READS
     still_serving(secured)
 
 
