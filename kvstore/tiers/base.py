@@ -44,7 +44,9 @@ class Tier(Protocol):
 
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         """Return slots to the free list; a persistent tier also deletes their stored values
-        (the SSD tier's index entries go with its next write: see kvstore.tiers.ssdindex)."""
+        (the SSD tier zeroes their headers at once, so no index rebuilt from them brings a
+        freed block back; its index entries go with its next write: see
+        kvstore.tiers.ssdindex)."""
 
     def persist_frees(self) -> None:
         """Make the frees so far durable now (an explicit remove must not come back after a

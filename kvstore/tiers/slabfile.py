@@ -118,6 +118,13 @@ class SlabFile:
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES, heads)
         return sums
 
+    def erase_headers(self, slots: Sequence[int]) -> None:
+        """Zero the headers of freed slots (one pwrite per run), so that an index rebuilt
+        from the headers never adopts a block that was removed (its payload is still there,
+        whole, until the slot is reused). Raises TierIOError."""
+        for first, idx in _runs(sorted(slots)):
+            self._io(os.pwritev, self.hfd, first * HEADER_BYTES, [bytes(len(idx) * HEADER_BYTES)])
+
     def read_n(self, slots: Sequence[int], sums: Sequence[int | None],
                dsts: Sequence[memoryview]) -> list[bool]:
         """Read payloads into `dsts` (flat writable byte views), each checked against the

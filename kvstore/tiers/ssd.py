@@ -13,7 +13,9 @@ Crash consistency by ordering and verification: a block's payload, then its head
 written before its index entry (WAL on when `durable`), so an entry never points at bytes
 that were not written; a freed slot's entry is deleted in the same index write as the
 entries that follow it (never later than the entry of the block that reuses the slot), and
-anything left stale by a crash fails the header check at open and is dropped. Survives
+its header is zeroed at once, so neither a stale entry nor an index rebuilt from the headers
+brings a removed block back; anything left stale by a crash fails the header check at open
+and is dropped. Survives
 close/reopen and SIGKILL. A directory of an older layout is moved aside at open, not read
 (its blocks are a cache: the tier starts empty beside it).
 
@@ -110,6 +112,10 @@ class SsdTier:
         for h in hashes:
             self._held.pop(bytes(h), None)
         self.index.forget_n(hashes)  # deleted with the next index write (see ssdindex)
+        try:  # before the slots can be reused (under the store lock): no new header is hit
+            self.slabs.erase_headers(slots)
+        except TierIOError as e:  # only an index rebuilt from these headers could bring the
+            log.warning("%s", e)  # blocks back; the free itself stands
         self._free.give_back(slots)
 
     def persist_frees(self) -> None:

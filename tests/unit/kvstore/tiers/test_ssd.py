@@ -174,10 +174,12 @@ def test_a_crash_with_deletes_queued_keeps_every_live_block(tmp_path):
     tier = SsdTier(NS, str(tmp_path), 4)
     found = dict(tier.recover())
     data = _blocks(6)
-    live = [2, 3, 4, 5]  # block 2 was freed but its slot never reused: intact, kept
-    assert sorted(found) == sorted(HASHES[i] for i in live)
+    # block 2 was freed (its delete never written, its slot never reused): its header was
+    # zeroed at the free, so it stays freed; every block still stored is kept
+    live = [3, 4, 5]
+    assert sorted(found) == sorted(HASHES[i] for i in live) and tier.num_dropped_at_open == 1
     out = torch.zeros(len(live), NS.block_bytes, dtype=torch.uint8)
-    assert tier.read_n([found[HASHES[i]] for i in live], [HASHES[i] for i in live], out) == [True] * 4
+    assert tier.read_n([found[HASHES[i]] for i in live], [HASHES[i] for i in live], out) == [True] * 3
     assert torch.equal(out, data[live])
     tier.close()
 
@@ -417,6 +419,28 @@ def test_a_rebuild_the_disk_has_no_room_for_leaves_the_index_in_place(tmp_path, 
     tier.close()
     tier = SsdTier(NS, str(tmp_path), 8)
     assert set(h for h, _ in tier.recover()) == set(HASHES[:4]) | {HASHES[5]}
+    tier.close()
+
+
+def test_a_freed_block_is_not_brought_back_by_an_index_rebuilt_from_the_headers(tmp_path):
+    """Freeing a slot zeroes its header at once: its payload stays on disk until the slot
+    is reused, yet an index rebuilt from the headers (lost, or damaged) does not adopt it."""
+    import shutil
+    tier = SsdTier(NS, str(tmp_path), 8)
+    tier.recover()
+    slots = tier.alloc_n(4)
+    tier.write_n(slots, HASHES[:4], _blocks(4))
+    tier.free_n([slots[1], slots[2]], HASHES[1:3])
+    tier.persist_frees()
+    tier.close()
+    shutil.rmtree(tmp_path / "index")
+    tier = SsdTier(NS, str(tmp_path), 8)
+    found = dict(tier.recover())
+    assert set(found) == {HASHES[0], HASHES[3]} and tier.num_recovered_from_slabs == 2
+    out = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)
+    assert tier.read_n([found[HASHES[0]], found[HASHES[3]]], [HASHES[0], HASHES[3]], out) == \
+        [True, True]
+    assert torch.equal(out, _blocks(4)[[0, 3]])
     tier.close()
 
 
