@@ -13,7 +13,7 @@ from kvstore.errors import (BlockSizeError, ConfigError, NamespaceMismatchError,
                             ReservationError, StoreClosedError, UnknownTierError)
 from kvstore.events import EventKind, TierKind
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.layout import HEADER_BYTES, encode_block
+from kvstore.layout import encode_block
 from kvstore.store import PutStatus, TieredStore
 from kvstore.tiers.slabfile import stride_of
 from kvstore.tiers.ssdindex import parse_entry
