@@ -320,7 +320,8 @@ class Client:
             return []
         self._flush_puts()  # this client's puts readable first (a memory read if none wait)
         if directory is None or not directory.writer_alive():
-            return self._run(self._get_n, w.pack_hashes(hashes), request_rows(rows, dsts, n, self.block_bytes))
+            return self._run(self._get_n, w.pack_hashes(hashes),
+                             request_rows(rows, dsts, n, self.block_bytes))
         tiers, missed = self._direct_reads(arena, hashes, rows)
         if missed:
             rows = request_rows(rows, dsts, n, self.block_bytes)
@@ -425,8 +426,8 @@ class Client:
         start = len(tiers)
         if start < len(hashes):
             tiers += self._run(self._get_n, w.pack_hashes(hashes[start:]),
-                               select_rows(request_rows(rows, dsts, n, self.block_bytes), range(start, n)),
-                               True)
+                               select_rows(request_rows(rows, dsts, n, self.block_bytes),
+                                           range(start, n)), True)
         hit = leading_hits(tiers)
         return MatchResult(hit, tuple(tiers[:hit]))
 
