@@ -72,35 +72,10 @@ class ArenaMap:
         address of n blocks back to back in host memory (`host_address`: at most
         VECTOR_READS blocks). Each copy is kept only if its slot's generation did not move
         meanwhile."""
-        if type(rows) is int:
-            return self._read_direct_at(hashes, rows, prefix)
-        dst = cpu_array(rows)
-        if len(hashes) > VECTOR_READS:
+        at = rows if type(rows) is int else None
+        dst = None if at is not None else cpu_array(rows)
+        if at is None and len(hashes) > VECTOR_READS:
             return self._read_direct_n(hashes, rows, dst, prefix)
-        d = self.directory
-        tiers: list[TierKind | None] = [None] * len(hashes)
-        missed, touched = [], []
-        for i, h in enumerate(hashes):
-            found = None if prefix and missed else d.find(bytes(h))
-            if found is None:
-                missed.append(i)
-                continue
-            slot, gen = found
-            if dst is not None:
-                np.copyto(dst[i], self.array[slot])
-            else:
-                copy_bytes(rows[i], self.rows[slot])
-            if d.still_valid(slot, gen):
-                tiers[i] = _DRAM
-                touched.append(bytes(h))
-            else:
-                missed.append(i)  # the slot was reused while we copied: ask the daemon
-        return tiers, missed, touched
-
-    def _read_direct_at(self, hashes: Sequence[bytes], at: int, prefix: bool):
-        """`read_direct` into host memory at address `at`: one memmove per block, no view
-        of either side made (the views and a tensor's numpy conversion were ~a fifth of a
-        1 MiB read)."""
         arr, d = self.array, self.directory  # `arr` held: close() leaves a viewed mapping
         n = len(hashes)
         if arr is None or d is None:
@@ -115,7 +90,14 @@ class ArenaMap:
                 missed.append(i)
                 continue
             slot, gen = found
-            memmove(at + i * bb, base + slot * bb, bb)
+            # by address, no view of either side made: views and a tensor's numpy
+            # conversion were ~a fifth of a 1 MiB read
+            if at is not None:
+                memmove(at + i * bb, base + slot * bb, bb)
+            elif dst is not None:
+                np.copyto(dst[i], arr[slot])
+            else:
+                copy_bytes(rows[i], self.rows[slot])
             if d.still_valid(slot, gen):
                 tiers[i] = _DRAM
                 touched.append(h)
