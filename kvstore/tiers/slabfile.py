@@ -123,7 +123,8 @@ class SlabFile:
         from the headers never adopts a block that was removed (its payload is still there,
         whole, until the slot is reused). Raises TierIOError."""
         for first, idx in _runs(sorted(slots)):
-            self._io(os.pwritev, self.hfd, first * HEADER_BYTES, [bytes(len(idx) * HEADER_BYTES)])
+            zeros = bytes(len(idx) * HEADER_BYTES)
+            self._io(os.pwritev, self.hfd, first * HEADER_BYTES, [zeros])
 
     def read_n(self, slots: Sequence[int], sums: Sequence[int | None],
                dsts: Sequence[memoryview]) -> list[bool]:

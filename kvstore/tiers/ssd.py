@@ -15,9 +15,8 @@ that were not written; a freed slot's entry is deleted in the same index write a
 entries that follow it (never later than the entry of the block that reuses the slot), and
 its header is zeroed at once, so neither a stale entry nor an index rebuilt from the headers
 brings a removed block back; anything left stale by a crash fails the header check at open
-and is dropped. Survives
-close/reopen and SIGKILL. A directory of an older layout is moved aside at open, not read
-(its blocks are a cache: the tier starts empty beside it).
+and is dropped. Survives close/reopen and SIGKILL. A directory of an older layout is moved
+aside at open, not read (its blocks are a cache: the tier starts empty beside it).
 
 Failures stay local: a disk with no room to grow turns allocation into None (the store
 answers NO_SPACE); a refused index write fails that call (TierIOError) and the index
