@@ -297,13 +297,21 @@ class RotatingCopy:
         np.copyto(self.dsts[self.i], self.src)
 
 
-BUSY_LOOP = ("import torch; torch.set_num_threads(1); a = torch.randn(384, 384)\n"
+BUSY_LOOP = ("import torch; torch.set_num_threads(1); a = torch.randn(384, 384); a @ a\n"
+             "print('burning', flush=True)\n"
              "while True: a @ a")
 
 
 def start_busy(n: int) -> list[subprocess.Popen]:
-    """n processes burning a CPU each (matmul on one torch thread), for --busy."""
-    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
+    """n processes burning a CPU each (matmul on one torch thread), for --busy; returns
+    once every one of them is in its loop (importing torch takes a second or two, and a
+    baseline measured before that would have had a quiet host)."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdout=subprocess.PIPE,
+                              text=True) for _ in range(n)]
+    for p in procs:
+        if p.stdout.readline().strip() != "burning":
+            stop_busy(procs)
+            raise RuntimeError(f"a --busy process exited ({p.wait()}) before it started")
     if n:
         print(f"busy: {n} processes running a torch matmul loop (1 thread each)")
     return procs

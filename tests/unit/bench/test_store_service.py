@@ -26,3 +26,15 @@ def test_twin_row_times_as_many_copies_in_a_row_as_fit_in_the_ops_p50():
     assert row.case == "shm put 256KiB x1 p99" and row.value == 500.0
     assert row.baseline == "3 memcpys in a row (same CPU time)"
     assert len(calls) % 3 == 0 and len(calls) >= 3 * 5  # whole twins only: warm-up + a turn
+
+
+def test_start_busy_returns_once_its_processes_burn_and_stop_busy_ends_them():
+    from bench.store_service import start_busy, stop_busy
+    procs = start_busy(1)
+    try:
+        assert [p.poll() for p in procs] == [None]
+        with open(f"/proc/{procs[0].pid}/maps") as f:  # past `import torch`: in its loop
+            assert "libtorch_cpu" in f.read()
+    finally:
+        stop_busy(procs)
+    assert procs[0].returncode is not None
