@@ -22,7 +22,7 @@ in-process TieredStore. The asyncio client against the blocking one
 (single ops, and 16 gets in flight vs 16 threads). `--busy N` runs everything, baselines
 included, while N processes burn the CPUs (the host an inference engine shares).
 
-    python bench/store_service.py [--quick] [--busy N] [--json PATH]
+    python bench/store_service.py [--quick] [--busy N] [--rounds N] [--json PATH]
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tuning import freeze_gc_heap
 
-from kvtier.report import Row, add_common_args, report
+from kvtier.report import Row, add_common_args, median_rows, report
 from transfer.shm import ShmSegment
 from bench.mooncake_peer import mooncake_rates
 
@@ -526,7 +526,14 @@ def main() -> None:
                    help="measure everything (kvtier and every baseline) while N other "
                    "processes keep the CPUs busy with a torch matmul loop, as the inference "
                    "engines beside a store would")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="measure the data rows (and Mooncake, in its own process between "
+                   "them) N times and report each figure's median: Mooncake is not timed in "
+                   "turns with kvtier, so on a busy host one round compares two different "
+                   "spells of load")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be 1 or more")
     torch.manual_seed(args.seed)
     seconds = 0.08 if args.quick else 0.4
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
@@ -537,8 +544,6 @@ def main() -> None:
     redis = RedisPeer.start()
     if redis is None:
         print(f"redis: skipped ({RedisPeer.skip_reason()})")
-    mooncake, why = mooncake_rates(SIZES, (1, 16), seconds)
-    print(f"mooncake: {why}" if mooncake else f"mooncake: skipped ({why})")
     # As an engine process runs once its model is loaded (vLLM freezes its heap after
     # warm-up): what the setup built is out of the cyclic GC. A full pass over a process
     # that imported torch stops it for 40-85 ms, and one of those inside a measurement
@@ -546,8 +551,15 @@ def main() -> None:
     # allocate the object that triggered it.
     freeze_gc_heap()
     try:
-        rows = data_rows(url, redis, mooncake, raw, seconds) + async_rows(url, seconds) \
-            + metadata_rows(url, seconds)
+        rounds = []
+        for r in range(args.rounds):
+            mooncake, why = mooncake_rates(SIZES, (1, 16), seconds)
+            if r == 0:
+                print(f"mooncake: {why}" if mooncake else f"mooncake: skipped ({why})")
+            if args.rounds > 1:
+                print(f"round {r + 1} of {args.rounds}", flush=True)
+            rounds.append(data_rows(url, redis, mooncake, raw, seconds))
+        rows = median_rows(rounds) + async_rows(url, seconds) + metadata_rows(url, seconds)
     finally:
         raw.close()
         if redis:
@@ -555,6 +567,8 @@ def main() -> None:
         daemon.close()
         stop_busy(busy)
         shutil.rmtree(workdir, ignore_errors=True)
+    if args.rounds > 1:
+        print(f"data rows: the median of {args.rounds} rounds (value and baseline each)")
     report("store_service", rows, args.json)
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 from typing import NamedTuple
 
@@ -62,6 +63,22 @@ def _fmt(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def median_rows(rounds: list[list[Row]]) -> list[Row]:
+    """One row per (case, metric, baseline) of several rounds of the same rows, in the
+    first round's order: the median of its values and, apart, of its baseline's values (a
+    row some round lacks, e.g. a peer that failed once, takes the median of the others)."""
+    groups: dict[tuple, list[Row]] = {}
+    for rows in rounds:
+        for r in rows:
+            groups.setdefault((r.case, r.metric, r.baseline), []).append(r)
+    out = []
+    for (case, metric, baseline), rs in groups.items():
+        bases = [r.baseline_value for r in rs if r.baseline_value is not None]
+        out.append(Row(case, metric, statistics.median(r.value for r in rs), baseline,
+                       statistics.median(bases) if bases else None))
+    return out
 
 
 def report(bench: str, rows: list[Row], json_path: str | None) -> None:
