@@ -27,6 +27,11 @@ from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PU
                                     raise_unless_retryable, reusable_after, row_view, stats_of)
 from kvstore.client.shm import VECTOR_READS, ArenaMap, map_arena
 from kvstore.putring import DIRECT_PUTS
+from kvstore.events import TierKind
+from kvstore.keys import Namespace
+from kvstore.stats import StoreStats
+from kvstore.api import MatchResult, PutStatus, leading_hits
+from transfer import BackendKind, TransferError
 
 # Over TCP a batch of blocks of at least STRIPE_BLOCK_BYTES is split over up to `stripes`
 # connections at once, each carrying at least STRIPE_BYTES. Measured on a quiet 2-core host
@@ -36,11 +41,6 @@ from kvstore.putring import DIRECT_PUTS
 STRIPES = 2
 STRIPE_BYTES = 4 << 20
 STRIPE_BLOCK_BYTES = 1 << 20
-from kvstore.events import TierKind
-from kvstore.keys import Namespace
-from kvstore.stats import StoreStats
-from kvstore.api import MatchResult, PutStatus, leading_hits
-from transfer import BackendKind, TransferError
 
 
 class Client:
@@ -361,7 +361,8 @@ class Client:
         what it held before, but a same-host copy that lost a race may have written it).
 
         On the daemon's host, DRAM blocks published in its slot directory are copied with
-        no request at all; the rest go to the daemon in one request."""
+        no request at all; the rest go to the daemon in one request. Over TCP a big batch
+        of big blocks is split over `stripes` connections at once (`_striped`)."""
         arena = self._arena
         directory = arena.directory if arena is not None else None
         n = len(hashes)
