@@ -467,14 +467,25 @@ def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
 TIMED_OUT = (socket.timeout, BlockingIOError)  # what a timed-out call raises, either way
 
 
+# As we read it, one MSG_WAITALL receive of a whole MiB-sized block keeps the socket to
+# itself while it waits: segments arriving meanwhile queue in its backlog, unacknowledged,
+# until the call ends, and the sender stalls on a full window; in 64 KiB calls the kernel
+# takes them in between calls. Measured against one call a block, loopback, quiet 2-core
+# host: a 4 MiB get 3.0 -> 3.6-3.9 GB/s, 16 x 1 MiB 2.8 -> 3.7-3.9, 16 x 4 MiB 2.2 -> 3.0;
+# puts (the daemon receiving) 2.6 -> 3.1-3.4 (4 MiB), 2.2 -> 2.8-3.1 (16 x 1 MiB). 32 KiB
+# measured the same, 16 KiB cost a 256 KiB get 10%, 512 KiB kept half the gain.
+RECV_CHUNK = 64 << 10
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket (recv_into straight into the destination, no copies).
-    MSG_WAITALL lets the kernel fill it in one call on a blocking socket (the daemon's:
-    +10-40% on megabyte payloads). A socket with a Python timeout is non-blocking
-    underneath, so there the flag changes nothing and the timeout still holds."""
+    """Fill `view` from the socket (recv_into straight into the destination, no copies),
+    RECV_CHUNK bytes a call. MSG_WAITALL lets the kernel fill each chunk in one call on a
+    blocking socket (the daemon's: +10-40% on megabyte payloads). A socket with a Python
+    timeout is non-blocking underneath, so there the flag changes nothing and the timeout
+    still holds."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        k = sock.recv_into(view[got:], min(RECV_CHUNK, n - got), socket.MSG_WAITALL)
         if k == 0:
             raise ConnectionError("peer closed the connection mid-frame")
         got += k
