@@ -5,9 +5,7 @@ thread pool in between, so thousands of concurrent calls cost coroutines, not th
 Bytes move as with `Client`: on the daemon's host through the namespace's shared arena
 (direct reads with no request, puts through the put channel or the staging segment, leased
 slots), elsewhere inline in the frames (received straight into the caller's buffers). The
-transfer-agent path (`Client(use_agent=True)`) is blocking and stays with `Client`, as do
-striped TCP batches (`Client.stripes`): split over connections on one loop thread, whose
-receives run one after another, 16 x 4 MiB gained 0-19% and 16 x 1 MiB lost ~10% (measured).
+transfer-agent path (`Client(use_agent=True)`) is blocking and stays with `Client`.
 
 Copies into and out of shared memory run on the loop: a few microseconds per block, less
 than a hop to a thread would cost, but a multi-megabyte batch holds the loop for as long as

@@ -33,15 +33,6 @@ from kvstore.stats import StoreStats
 from kvstore.api import MatchResult, PutStatus, leading_hits
 from transfer import BackendKind, TransferError
 
-# Over TCP a batch of blocks of at least STRIPE_BLOCK_BYTES is split over up to `stripes`
-# connections at once, each carrying at least STRIPE_BYTES. Measured on a quiet 2-core host
-# against one stream (get / put): 16 x 4 MiB 1.5x / 1.5x, 16 x 1 MiB 1.15x / 1.4x, 8 x 1 MiB
-# 1.1x / 1.2x; 4 MiB in all was even; 256 KiB blocks lost 10-25% (per-block work in two
-# threads of one process), so they keep one stream.
-STRIPES = 2
-STRIPE_BYTES = 4 << 20
-STRIPE_BLOCK_BYTES = 1 << 20
-
 
 class Client:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
@@ -49,12 +40,10 @@ class Client:
                  use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
                  staged_put_bytes: int = STAGED_PUT_BYTES, use_agent: bool = False,
                  agent_backends: Sequence[BackendKind | str] = (BackendKind.TCP,),
-                 direct_puts: bool = True, stripes: int = STRIPES) -> None:
+                 direct_puts: bool = True) -> None:
         """`use_agent`: off the daemon's host, move block bytes with a transfer Agent
         (one-sided READ/WRITE of the daemon's arena through `agent_backends`, e.g. nixl for
-        RDMA) instead of inline in the frames. On the daemon's host shared memory wins.
-        `stripes`: over TCP, how many pooled connections one big put or get of big blocks
-        is spread over at once (see STRIPE_BYTES; 1: one connection per call)."""
+        RDMA) instead of inline in the frames. On the daemon's host shared memory wins."""
         if namespace is None:
             raise ValueError("Client needs namespace=Namespace(model, num_layers, num_kv_heads, "
                              "head_dim, ...): the model whose KV blocks it stores")
@@ -75,8 +64,6 @@ class Client:
         self._touches = TouchLog()  # direct reads the daemon has not heard of yet
         self._toucher: ThreadPoolExecutor | None = None  # sends TOUCH batches off the read path
         self._touch_sent: Future | None = None
-        self.stripes = max(1, stripes)
-        self._striper: ThreadPoolExecutor | None = None  # runs a striped op's other stripes
         self._closed = False
         self.block_bytes = namespace.block_bytes
         with self._conn():  # fail fast: wrong address, token or namespace
@@ -214,43 +201,6 @@ class Client:
                 raise_unless_retryable(e, attempt, self.addr)
                 self._drop_idle()
 
-    def _striped(self, fn, hashes: Sequence[bytes], rows, *args) -> list:
-        """`fn(conn, packed, rows, *args)` over the batch. Over TCP a big batch of big blocks
-        is split into up to `stripes` runs of blocks, each sent on its own pooled
-        connection at once (this thread runs the first): a loopback stream moves ~2.2-3
-        GB/s here, two of them 3.2-3.5 for 16 x 4 MiB (measured, quiet 2-core host).
-        Results come back in order. If a stripe fails, the others are waited for and the
-        first error raised (what the others stored or copied stays done)."""
-        n = len(hashes)
-        k = min(self.stripes, n * self.block_bytes // STRIPE_BYTES)
-        if k < 2 or self.block_bytes < STRIPE_BLOCK_BYTES or self._arena is not None \
-                or self.use_agent:
-            return self._run(fn, w.pack_hashes(hashes), rows, *args)
-        cuts = [n * i // k for i in range(k + 1)]
-        parts = [(w.pack_hashes(hashes[a:b]), rows[a:b]) for a, b in zip(cuts, cuts[1:])]
-        pool = self._stripe_pool()
-        rest = [pool.submit(self._run, fn, packed, part, *args) for packed, part in parts[1:]]
-        outs, error = [], None
-        try:
-            outs.append(self._run(fn, *parts[0], *args))
-        except BaseException as e:
-            error = e
-        for f in rest:
-            try:
-                outs.append(f.result())
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
-        return [x for out in outs for x in out]
-
-    def _stripe_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._striper is None:
-                self._striper = ThreadPoolExecutor(self.stripes - 1,
-                                                   thread_name_prefix="kvtier-stripe")
-            return self._striper
-
     def _drop_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
@@ -271,7 +221,7 @@ class Client:
             done = puts.put_n(hashes, rows)
             if done is not None:
                 return done
-        return self._striped(self._put_n, hashes, rows)
+        return self._run(self._put_n, w.pack_hashes(hashes), rows)
 
     def _direct_puts(self) -> DirectPuts | None:
         """This client's put channel (opened on first use), when it may put with none."""
@@ -361,8 +311,7 @@ class Client:
         what it held before, but a same-host copy that lost a race may have written it).
 
         On the daemon's host, DRAM blocks published in its slot directory are copied with
-        no request at all; the rest go to the daemon in one request. Over TCP a big batch
-        of big blocks is split over `stripes` connections at once (`_striped`)."""
+        no request at all; the rest go to the daemon in one request."""
         arena = self._arena
         directory = arena.directory if arena is not None else None
         n = len(hashes)
@@ -371,8 +320,8 @@ class Client:
             return []
         self._flush_puts()  # this client's puts readable first (a memory read if none wait)
         if directory is None or not directory.writer_alive():
-            return self._striped(self._get_n, hashes,
-                                 request_rows(rows, dsts, n, self.block_bytes))
+            return self._run(self._get_n, w.pack_hashes(hashes),
+                             request_rows(rows, dsts, n, self.block_bytes))
         tiers, missed = self._direct_reads(arena, hashes, rows)
         if missed:
             rows = request_rows(rows, dsts, n, self.block_bytes)
@@ -476,7 +425,6 @@ class Client:
             tiers = tiers[:missed[0]] if missed else tiers
         start = len(tiers)
         if start < len(hashes):
-            # one stream (not `_striped`): a later stripe would write past a miss before it
             tiers += self._run(self._get_n, w.pack_hashes(hashes[start:]),
                                select_rows(request_rows(rows, dsts, n, self.block_bytes),
                                            range(start, n)), True)
@@ -555,8 +503,6 @@ class Client:
             return
         if self._toucher is not None:
             self._toucher.shutdown(wait=True)
-        if self._striper is not None:
-            self._striper.shutdown(wait=True)
         self._send_all_touches()
         self._closed = True
         self._drop_puts()
