@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -65,6 +66,34 @@ def test_send_frame_gathers_payload():
         buf = bytearray(1024)
         w.recv_exact(b, memoryview(buf))
         assert buf[:1000] == b"x" * 1000
+
+
+def test_recv_exact_fills_a_view_of_several_chunks_sent_in_odd_pieces():
+    import threading
+    n = 3 * w.RECV_CHUNK + 12_345  # not a whole number of chunks
+    data = bytes(np.random.default_rng(7).integers(0, 256, n, np.uint8))
+    a, b = socket.socketpair()
+    with a, b:
+        def send():
+            for lo in range(0, n, 40_001):  # pieces that straddle the chunk edges
+                a.sendall(data[lo:lo + 40_001])
+        t = threading.Thread(target=send)
+        t.start()
+        buf = bytearray(n)
+        w.recv_exact(b, memoryview(buf))
+        t.join()
+        assert bytes(buf) == data
+
+
+def test_recv_exact_past_its_first_chunk_raises_when_the_peer_closes():
+    a, b = socket.socketpair()
+    with b:
+        a.sendall(b"y" * (w.RECV_CHUNK + 10))
+        a.close()
+        buf = bytearray(2 * w.RECV_CHUNK)
+        with pytest.raises(ConnectionError, match="mid-frame"):
+            w.recv_exact(b, memoryview(buf))
+        assert buf[:w.RECV_CHUNK + 10] == b"y" * (w.RECV_CHUNK + 10)
 
 
 @given(st.binary(max_size=300))
