@@ -122,7 +122,10 @@ class AsyncConnection:
         return replies.check_fds(frame, msg.OP, fds, num_fds), fds
 
     async def recv_into(self, view: memoryview) -> None:
-        """Fill `view` with payload bytes: buffered ones first, then from the socket."""
+        """Fill `view` with payload bytes: buffered ones first, then from the socket,
+        RECV_CHUNK bytes a call at most (as `wire.recv_exact`: measured here, a 4 MiB get
+        went 2.3-2.7 -> 3.6-4.0 GB/s and 16 x 1 MiB 2.2-2.7 -> 3.2-3.7 against receiving
+        all that had arrived in each call)."""
         k = min(len(self._buf), view.nbytes)
         if k:
             view[:k] = self._buf[:k]
@@ -130,7 +133,8 @@ class AsyncConnection:
         try:
             async with asyncio.timeout(self.timeout_s):
                 while k < view.nbytes:
-                    got = await self.loop.sock_recv_into(self.sock, view[k:])
+                    got = await self.loop.sock_recv_into(self.sock,
+                                                         view[k:k + w.RECV_CHUNK])
                     if not got:
                         raise ConnectionError("peer closed the connection mid-frame")
                     k += got
