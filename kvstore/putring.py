@@ -79,6 +79,13 @@ class PutRing:
             self._commit_bytes[at:at + size] = bytes(h) + _SLOT.pack(slot)
         self.head[CW] = w + len(slots)  # after the records: the daemon sees them whole
 
+    def push_one(self, block_hash: bytes, slot: int) -> None:
+        """`push` of one record (a 16-byte hash)."""
+        w, size = int(self.head[CW]), RECORD.itemsize
+        at = (w % self.capacity) * size
+        self._commit_bytes[at:at + size] = block_hash + _SLOT.pack(slot)
+        self.head[CW] = w + 1  # after the record: the daemon sees it whole
+
     def pending(self) -> int:
         """Commit records the daemon has not taken yet."""
         return int(self.head[CW] - self.head[CR])

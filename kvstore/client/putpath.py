@@ -25,6 +25,7 @@ from kvstore.api import PutStatus
 from kvstore.buffers import cpu_array
 from kvstore.client.conn import Connection
 from kvstore.client.shm import ArenaMap
+from kvstore.keys import HASH_BYTES
 from kvstore.putring import PutRing
 from transfer.copy import copy_bytes
 from transfer.shm import ShmSegment
@@ -85,6 +86,8 @@ class DirectPuts:
         with self.lock:
             if not self.ring.pending():
                 self.unseen.clear()  # all committed: the slot directory shows them now
+            if len(hashes) == 1 and self.grants and self.ring.room():
+                return self._put_one(hashes[0], rows, directory)
             new, seen, unseen = [], set(), self.unseen
             for i, h in enumerate(hashes):
                 h = bytes(h)
@@ -120,6 +123,27 @@ class DirectPuts:
         stored = set(new)
         return [PutStatus.STORED if i in stored else PutStatus.EXISTS
                 for i in range(len(hashes))]
+
+    def _put_one(self, block_hash: bytes, rows, directory) -> list[PutStatus]:
+        """`put_n` of one block with a granted slot in hand and ring room (under the lock):
+        the common same-host put, in as few steps as it takes (the general path's sets,
+        lists and refill checks were ~5 us of a ~30 us 256 KiB put)."""
+        h = block_hash if type(block_hash) is bytes else bytes(block_hash)
+        if len(h) != HASH_BYTES:
+            raise ValueError(f"block hashes are {HASH_BYTES} bytes each, not {len(h)}")
+        if h in self.unseen or directory.find(h) is not None:
+            return [PutStatus.EXISTS]
+        src = cpu_array(rows)
+        slot = self.grants.pop()
+        try:
+            copy_bytes(self.arena.array[slot], (rows if src is None else src)[0])
+            self.ring.push_one(h, slot)
+        except BaseException:
+            self.grants.append(slot)  # never published: still ours
+            raise
+        self.unseen.add(h)
+        os.eventfd_write(self.doorbell, 1)
+        return [PutStatus.STORED]
 
     def _take(self, n: int) -> list[int]:
         """Up to n granted slots, as many as are granted now."""

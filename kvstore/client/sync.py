@@ -213,11 +213,21 @@ class Client:
         """Store blocks (one buffer of len(hashes) blocks, or one buffer per block). On the
         daemon's host, with no request at all while the daemon's grants last (see
         kvstore.client.putpath); the blocks are visible to this client's next request."""
-        rows = byte_rows(srcs, len(hashes), self.block_bytes)
-        if not len(hashes):
-            return []
-        puts = self._direct_puts()
+        n = len(hashes)
+        puts = self._direct_puts() if n else None
+        host = None
         if puts is not None:
+            # host sources as one numpy [n, bytes] view: the direct path copies from it with
+            # no torch view op (those took ~4 us of a ~30 us 256 KiB put); anything else is
+            # checked by byte_rows and goes the same way as tensors
+            host = host_rows(srcs, n, self.block_bytes)
+            done = puts.put_n(hashes, host) if host is not None else None
+            if done is not None:
+                return done
+        rows = byte_rows(srcs, n, self.block_bytes)
+        if not n:
+            return []
+        if puts is not None and host is None:
             done = puts.put_n(hashes, rows)
             if done is not None:
                 return done

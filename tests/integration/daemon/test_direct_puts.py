@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from kvstore import Client
 from kvstore import wire as w
@@ -63,6 +64,44 @@ def test_puts_send_no_request_and_every_reader_sees_the_bytes(make_daemon):
         out = np.zeros((6, BB), np.uint8)
         assert tcp.get_n(hs, out) == [TierKind.DRAM] * 6
         assert np.array_equal(out, blocks(hs))
+
+
+def test_a_single_block_put_takes_any_host_source(make_daemon, monkeypatch):
+    """One block at a time (the common same-host put, copied from one numpy view of its
+    source): numpy, read-only bytes, torch of any dtype, flat or [1, bytes], each stored
+    byte-exact, EXISTS when put again (uncommitted, then committed), and a source of the
+    wrong size or a hash of the wrong length refused with nothing published."""
+    import torch
+
+    from kvstore.errors import BlockSizeError
+    daemon = make_daemon("--dram-size", "4MiB")
+    one = putpath.DirectPuts._put_one
+    taken = []
+    monkeypatch.setattr(putpath.DirectPuts, "_put_one",
+                        lambda self, *a: taken.append(1) or one(self, *a))
+    hs = chain(11, 6)
+    data = blocks(hs)
+    sources = [data[0], bytes(data[1]), torch.from_numpy(data[2].copy()).view(torch.float16),
+               torch.from_numpy(data[3:4].copy()), data[4:5], memoryview(data[5].copy())]
+    with Client(daemon.url, namespace=NS) as c, \
+            Client(daemon.url, namespace=NS, use_shm=False) as tcp:
+        c.put_n(chain(12, 1), blocks(chain(12, 1)))  # opens the put channel
+        puts_before = op_count(daemon, "put")
+        for h, src in zip(hs, sources):
+            assert c.put_n([h], src) == [PutStatus.STORED]
+            assert c.put_n([h], src) == [PutStatus.EXISTS]  # not committed yet, maybe
+        with pytest.raises(BlockSizeError):
+            c.put_n(chain(13, 1), data[0][:-1])
+        with pytest.raises(ValueError, match="16 bytes"):
+            c.put_n([chain(13, 1)[0][:15]], data[0])
+        assert c.contains_n(hs) == [True] * 6  # committed (FLUSH): the directory shows them
+        assert [c.put_n([h], src)[0] for h, src in zip(hs, sources)] == [PutStatus.EXISTS] * 6
+        assert c.put_n(chain(13, 1), data[0]) == [PutStatus.STORED]
+        assert op_count(daemon, "put") == puts_before, "a single-block put sent a PUT"
+        assert len(taken) == 6 * 3 + 2, "a single-block put left the one-block path"
+        out = np.zeros((6, BB), np.uint8)
+        assert tcp.get_n(hs, out) == [TierKind.DRAM] * 6
+        assert np.array_equal(out, data)
 
 
 def test_grants_run_out_and_puts_fall_back_to_a_request(make_daemon):
