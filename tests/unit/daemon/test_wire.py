@@ -136,6 +136,38 @@ def test_frame_reader_keeps_bytes_read_past_a_header():
             sender.join()
 
 
+def test_frame_reader_hands_out_frames_of_any_size_from_one_stream():
+    """Many frames back to back (small ones, a header bigger than the reader's buffer,
+    payloads split across its refills), sent at once or a few bytes at a time: each frame
+    and each payload byte comes out in order."""
+    rng = np.random.default_rng(5)
+    frames = []
+    for k in range(40):
+        nh = int(rng.choice([1, 3, 2500]))  # 2500 hashes: a 40 KB header
+        payload = rng.integers(0, 256, int(rng.choice([0, 100, 20_000, 70_000])),
+                               np.uint8).tobytes()
+        frames.append((bytes([k]) * 16 * nh, payload))
+    stream = b"".join(w.encode(w.Put(hashes=h), w.Op.PUT, False, len(p)) + p
+                      for h, p in frames)
+    for step in (len(stream), 4093):
+        a, b = socket.socketpair()
+        with a, b:
+            def send():
+                for i in range(0, len(stream), step):
+                    a.sendall(stream[i:i + step])
+            sender = __import__("threading").Thread(target=send)
+            sender.start()
+            reader = w.FrameReader(b)
+            for hashes, payload in frames:
+                frame = reader.frame(1 << 20)
+                assert frame.msg.hashes == hashes and frame.payload_bytes == len(payload)
+                got = bytearray(len(payload))
+                if payload:
+                    reader.recv_into(memoryview(got))
+                assert bytes(got) == payload
+            sender.join()
+
+
 def test_frame_reader_reports_a_peer_that_closes_mid_frame():
     a, b = socket.socketpair()
     with b:
