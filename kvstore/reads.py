@@ -159,14 +159,16 @@ class Reads:
             self._check_open()
             held = self._hold(hashes, prefix)
             lt = self._tier_index(lease_tier)
-        to_read = [None if e is None or e.tier == lt else e for e in held]
+        to_read = held if lt is None else [None if e is None or e.tier == lt else e
+                                           for e in held]
         try:
             ok = self._read_held(to_read, rows)
         except BaseException:
             with self._lock:  # nothing may stay held: every reader count goes back
                 self._unhold([e for e in held if e is not None])
             raise
-        ok = [good or (e is not None and e.tier == lt) for e, good in zip(held, ok)]
+        if lt is not None:  # the blocks to lease were not copied, and are good
+            ok = [good or (e is not None and e.tier == lt) for e, good in zip(held, ok)]
         promoting = self.config.promote_on_hit and any(e is not None and e.tier > 0
                                                        for e in to_read)
         with self._lock:
@@ -183,6 +185,9 @@ class Reads:
 
     def _release_unleased(self, live: list[tuple[Entry, object]], lt: int | None) -> list[Entry]:
         """Under the lock: release what a read held but will not lease; returns the rest."""
+        if lt is None:  # nothing to lease (get_n)
+            self._unhold([e for e, _ in live])
+            return []
         self._unhold([e for e, t in live if t is None or e.tier != lt])
         return [e for e, t in live if t is not None and e.tier == lt]
 
@@ -231,7 +236,7 @@ class Reads:
         Returns (tier per hash, the (entry, tier) pairs still held)."""
         p = self._p
         out: list[TierKind | None] = []
-        corrupt, ended = [], False
+        corrupt, ended, bb = [], False, p.block_bytes
         for e, good in zip(held, ok):
             if ended or e is None or not good:
                 out.append(None)
@@ -244,7 +249,9 @@ class Reads:
                 continue
             out.append(p.tiers[e.tier].kind)
             p.counters[e.tier].hits += 1
-            p.counters[e.tier].bytes_out += self.ns.block_bytes
+            p.counters[e.tier].bytes_out += bb
+        if not corrupt:
+            return out, [(e, t) for e, t in zip(held, out) if e is not None]
         p.drop([e for e in corrupt if p.entries.get(e.hash) is e], corrupt=True)
         dropped = {id(e) for e in corrupt}
         return out, [(e, t) for e, t in zip(held, out) if e is not None and id(e) not in dropped]

@@ -137,7 +137,7 @@ class SsdTier:
         through a host buffer."""
         self._check_open()
         sums = self._sums(slots, hashes)
-        if isinstance(dsts, torch.Tensor) and dsts.device.type == "cpu":
+        if isinstance(dsts, torch.Tensor) and dsts.is_cpu:
             return self.slabs.read_n(slots, sums, _host_views(dsts, self.slot_bytes))
         on_host = [d.device.type == "cpu" for d in dsts]
         views = [memoryview(d.numpy()) if host else memoryview(np.empty(self.slot_bytes, np.uint8))
