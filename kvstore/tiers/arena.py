@@ -5,6 +5,7 @@ from typing import Sequence
 
 import torch
 
+from kvstore.buffers import cpu_array
 from kvstore.errors import StoreClosedError
 from kvstore.events import TierKind
 from kvstore.tiers.base import ByteBatch, FreeSlots
@@ -20,6 +21,10 @@ class ArenaTier:
         assert arena.dtype == torch.uint8 and arena.dim() == 2 and arena.is_contiguous()
         self.kind = kind
         self.arena = arena  # [num_slots, slot_bytes]
+        # its rows as numpy where it lives in host memory: the copies go through numpy
+        # anyway, and a numpy row costs ~0.2 us against ~1.5 us for a torch slice and its
+        # .numpy() (two of each were ~5 us of a ~30 us in-process DRAM put)
+        self._host = arena.numpy() if arena.device.type == "cpu" else None
         self.num_slots, self.slot_bytes = arena.shape
         self._free = FreeSlots(self.num_slots)
         self._closed = False
@@ -49,6 +54,11 @@ class ArenaTier:
 
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         self._check_open()
+        host, src = self._host, cpu_array(srcs)
+        if host is not None and src is not None:
+            for slot, i, n in _runs(slots):
+                copy_bytes(host[slot:slot + n], src[i:i + n])
+            return
         for slot, i, n in _runs(slots):
             if isinstance(srcs, torch.Tensor):
                 copy_bytes(self.arena[slot:slot + n], srcs[i:i + n])
@@ -59,6 +69,11 @@ class ArenaTier:
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
         self._check_open()
+        host, dst = self._host, cpu_array(dsts)
+        if host is not None and dst is not None:
+            for slot, i, n in _runs(slots):
+                copy_bytes(dst[i:i + n], host[slot:slot + n])
+            return [True] * len(slots)
         for slot, i, n in _runs(slots):
             if isinstance(dsts, torch.Tensor):
                 copy_bytes(dsts[i:i + n], self.arena[slot:slot + n])
@@ -81,6 +96,7 @@ class ArenaTier:
 
     def close(self) -> None:
         self._closed = True
+        self._host = None  # (before an owner unmaps the memory under it)
         self._free.clear()
 
 

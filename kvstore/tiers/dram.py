@@ -32,7 +32,7 @@ class DramTier(ArenaTier):
         try:
             self.directory = SlotDirectory(num_slots)
         except BaseException:  # out of descriptors, say: the arena goes too
-            self.arena = None
+            self.arena = self._host = None
             self._seg.close()
             raise
         self._pinned = _cuda_pin(self.arena)
