@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -407,6 +408,9 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
                          lambda: np.copyto(b.numpy(), out_of.array[:total]))]},
         "socket": {"put": [("raw socket", lambda: raw.put(memoryview(a.numpy())))],
                    "get": [("raw socket", lambda: raw.get(view))]}}
+    copies = {  # the row's first baseline, of n bytes (`_twin_row`)
+        "put": lambda n: RotatingCopy(np.resize(a.numpy(), n)),
+        "get": lambda n: partial(np.copyto, np.empty(n, np.uint8), np.resize(a.numpy(), n))}
     peer = redis.rates(nbytes, batch, seconds) if redis else None
     rows = []
     try:
@@ -426,7 +430,7 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
                     rows += [Row(name.format(op) + " p50", "us", st.p50_us, base, bst.p50_us),
                              Row(name.format(op) + " p99", "us", st.p99_us, base, bst.p99_us)]
                     if path == "shm":
-                        rows.append(_twin_row(name.format(op), st, bst, named[op][0][1],
+                        rows.append(_twin_row(name.format(op), st, bst, copies[op],
                                               total, seconds))
             if peer and path == "tcp":
                 rows += [Row(name.format("put"), "GB/s", got["put"][0].gbps, "redis", peer[0]),
@@ -441,16 +445,21 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
     return rows
 
 
-def _twin_row(name: str, op: Stats, copy: Stats, copy_fn, nbytes: int, seconds: float) -> Row:
-    """The p99 floor a host's scheduler sets for an op as long as this one: k memcpys in a
-    row (k = the op's p50 / the memcpy's p50: the same CPU time, no store in it), measured
-    now. A thread that runs that long is preempted about as often whatever it does, so a
-    p99 at the twin's is the host's, not the store's: under --busy 2 on a 2-core VM, one
-    256 KiB memcpy (~30 us) had a p99 of ~70 us and two in a row ~4 ms."""
-    k = max(1, round(op.p50_us / copy.p50_us))
-    twin = paired([lambda: [copy_fn() for _ in range(k)]], nbytes, seconds)[0]
-    return Row(name + " p99", "us", op.p99_us, f"{k} memcpys in a row (same CPU time)",
-               twin.p99_us)
+TWIN = "a memcpy as long as its p50"  # (one label: `median_rows` pairs rounds by it)
+
+
+def _twin_row(name: str, op: Stats, copy: Stats, make_copy, nbytes: int, seconds: float) -> Row:
+    """The p99 floor a host's scheduler sets for an op as long as this one: one memcpy of
+    as many bytes as take the op's p50 (`make_copy(n)`: the row's first baseline, of n
+    bytes; the same CPU time, no store in it), measured now. A thread that runs that long
+    is preempted about as often whatever it does, so a p99 at the twin's is the host's, not
+    the store's. Under --busy 2 on a 2-core VM, a thread putting back to back was preempted
+    about every 3 ms: an op of ~24 us (one 256 KiB memcpy) straddled fewer than 1% of them
+    and kept a p99 of ~65 us, one of ~33 us more than 1%, its p99 then the wait (~0.8-4 ms).
+    (This twin used to be a whole number of memcpys, rounded: one memcpy for a 33 us put.)"""
+    ratio = op.p50_us / copy.p50_us
+    twin = paired([make_copy(max(1, round(nbytes * ratio)))], nbytes, seconds)[0]
+    return Row(name + " p99", "us", op.p99_us, TWIN, twin.p99_us)
 
 
 async def ameasure(afn, nbytes: int, seconds: float) -> Stats:

@@ -18,14 +18,18 @@ def test_paired_runs_each_function_in_turns_with_a_rotating_order():
     assert all(len(r) >= 5 for r in runs)  # a turn is never a single call
 
 
-def test_twin_row_times_as_many_copies_in_a_row_as_fit_in_the_ops_p50():
+def test_twin_row_times_one_copy_as_long_as_the_ops_p50():
     from bench.store_service import Stats, _twin_row
-    calls = []
-    row = _twin_row("shm put 256KiB x1", Stats(1.0, 62.0, 500.0), Stats(1.0, 20.0, 40.0),
-                    lambda: calls.append(1), nbytes=1, seconds=0.0)
+    sizes, calls = [], []
+
+    def make_copy(n):
+        sizes.append(n)
+        return lambda: calls.append(n)
+    row = _twin_row("shm put 256KiB x1", Stats(1.0, 33.0, 500.0), Stats(1.0, 24.0, 40.0),
+                    make_copy, nbytes=1000, seconds=0.0)
     assert row.case == "shm put 256KiB x1 p99" and row.value == 500.0
-    assert row.baseline == "3 memcpys in a row (same CPU time)"
-    assert len(calls) % 3 == 0 and len(calls) >= 3 * 5  # whole twins only: warm-up + a turn
+    assert row.baseline == "a memcpy as long as its p50"
+    assert sizes == [1375] and len(calls) >= 1 + 5  # warm-up + a turn, each of 1375 bytes
 
 
 def test_start_busy_returns_once_its_processes_burn_and_stop_busy_ends_them():
