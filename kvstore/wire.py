@@ -563,10 +563,20 @@ class FrameReader:
         if self._end - self._at < n:
             self._fill(n)
         at = self._at
+        out = bytes(self._view[at:at + n])
         self._at = at + n
         if self._at == self._end:
-            self._at = self._end = 0  # all handed out: the next read lands at the front
-        return bytes(self._view[at:at + n])
+            self._drained()
+        return out
+
+    def _drained(self) -> None:
+        """Everything buffered is handed out: the next read lands at the front, in a buffer
+        of CHUNK again (one a big header grew is not kept for the connection's life)."""
+        self._at = self._end = 0
+        if len(self._buf) > self.CHUNK:
+            self._view.release()
+            self._buf = bytearray(self.CHUNK)
+            self._view = memoryview(self._buf)
 
     def frame(self, max_payload: int) -> Frame:
         """One frame's prefix and header; read its `payload_bytes` with `recv_into` next."""
@@ -602,7 +612,7 @@ class FrameReader:
             view[:k] = self._view[self._at:self._at + k]
             self._at += k
             if self._at == self._end:
-                self._at = self._end = 0
+                self._drained()
         if k < view.nbytes:
             recv_exact(self.sock, view[k:])
 

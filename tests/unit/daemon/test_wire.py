@@ -139,7 +139,7 @@ def test_frame_reader_keeps_bytes_read_past_a_header():
 def test_frame_reader_hands_out_frames_of_any_size_from_one_stream():
     """Many frames back to back (small ones, a header bigger than the reader's buffer,
     payloads split across its refills), sent at once or a few bytes at a time: each frame
-    and each payload byte comes out in order."""
+    and each payload byte comes out in order, and the buffer shrinks back after."""
     rng = np.random.default_rng(5)
     frames = []
     for k in range(40):
@@ -166,6 +166,9 @@ def test_frame_reader_hands_out_frames_of_any_size_from_one_stream():
                     reader.recv_into(memoryview(got))
                 assert bytes(got) == payload
             sender.join()
+            # a 40 KB header grew the buffer; once drained it is CHUNK again (a connection
+            # that sent one big request does not keep a big buffer for its life)
+            assert len(reader._buf) == w.FrameReader.CHUNK
 
 
 def test_frame_reader_reports_a_peer_that_closes_mid_frame():
