@@ -168,6 +168,12 @@ class SlabFile:
 
     def _io(self, fn, fd: int, offset: int, bufs: list) -> None:
         """One pwritev/preadv of `bufs` at `offset` of `fd`, continued until every byte moved."""
+        if len(bufs) == 1:  # one block with no pad, or one run's headers: in one call, as a
+            try:  # rule (a short transfer redoes the whole call below: it is positional)
+                if fn(fd, bufs, offset) == memoryview(bufs[0]).nbytes:
+                    return
+            except OSError as e:
+                raise TierIOError(f"SSD tier I/O on {self._name(fd)} failed: {e}") from e
         views = [v if isinstance(v, memoryview) else memoryview(v) for v in bufs if len(v)]
         while views:
             try:

@@ -77,6 +77,43 @@ def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatc
     assert torch.equal(out, blocks)
     tier.close()
 
+@pytest.mark.parametrize("head_dim", [16, 64], ids=["padded-slots", "page-sized-blocks"])
+def test_short_transfers_are_carried_on_to_the_last_byte(tmp_path, monkeypatch, head_dim):
+    """pwritev / preadv may move fewer bytes than asked (a signal, a filesystem's limit):
+    every write and read, of one block (one buffer when a block fills its page-rounded
+    slot, a block and its pad otherwise) or of a run, is carried on until it is whole."""
+    ns = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=head_dim, dtype="float16",
+                   block_tokens=4)
+    hashes = hash_blocks(ns, list(range(24)))
+
+    def short(fn):
+        def call(fd, bufs, offset):
+            first = memoryview(bufs[0]).cast("B")  # at most 1000 bytes, of the first buffer
+            return fn(fd, [first[:1000]], offset)
+        return call
+    tier = SsdTier(ns, str(tmp_path), 16)
+    slots = tier.alloc_n(6)
+    blocks = torch.randint(0, 256, (6, ns.block_bytes), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(9))
+    monkeypatch.setattr(slabfile.os, "pwritev", short(os.pwritev))
+    monkeypatch.setattr(slabfile.os, "preadv", short(os.preadv))
+    tier.write_n(slots[:1], hashes[:1], blocks[:1])  # one block
+    tier.write_n(slots[1:], hashes[1:6], blocks[1:])  # a run, headers several at once
+    out = torch.zeros_like(blocks)
+    assert tier.read_n(slots[:1], hashes[:1], out[:1]) == [True]
+    assert tier.read_n(slots[1:], hashes[1:6], out[1:]) == [True] * 5
+    assert torch.equal(out, blocks)
+    monkeypatch.undo()
+    stride = stride_of(ns.block_bytes)
+    with open(tmp_path / "slabs.dat", "rb") as f, open(tmp_path / "headers.dat", "rb") as hf:
+        for i, slot in enumerate(slots):
+            f.seek(slot * stride)
+            assert f.read(ns.block_bytes) == blocks[i].numpy().tobytes()
+            hf.seek(slot * HEADER_BYTES)
+            assert decode_header(hf.read(HEADER_BYTES)).block_hash == hashes[i]
+    tier.close()
+
+
 def test_blocks_survive_close_and_reopen(tmp_path):
     tier = SsdTier(NS, str(tmp_path), 4)
     tier.write_n(tier.alloc_n(3), HASHES[:3], _blocks(3))
