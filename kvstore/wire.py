@@ -502,30 +502,97 @@ def recv_frame(sock: socket.socket, max_payload: int) -> Frame:
     return Frame(_OP_OF[op_code], reply, msg, payload_len)
 
 
+class FrameBuffer:
+    """Bytes a connection received past what it has handed out (the start of a payload, or
+    of the next frame), in one buffer kept for the connection's life and handed out by
+    offset: receiving each chunk as a new bytes object, then joining and re-slicing it for
+    every take, copied a 16 KiB chunk four or five times per reply. A buffer a big header
+    grew goes back to CHUNK once drained. Shared by the blocking and asyncio readers
+    (`FrameReader`, `kvstore.client.aconn`), which do the receiving."""
+
+    CHUNK = 16 << 10
+
+    def __init__(self) -> None:
+        self._buf = bytearray(self.CHUNK)  # buffered bytes not handed out yet: [_at, _end)
+        self._view = memoryview(self._buf)
+        self._at = self._end = 0
+
+    def pending(self) -> int:
+        return self._end - self._at
+
+    @property
+    def capacity(self) -> int:
+        return len(self._buf)
+
+    def room(self, n: int) -> memoryview:
+        """Where to receive into so that n bytes can be buffered (everything pending moved
+        to the front first, in a bigger buffer if n needs one); then call `received`."""
+        have = self._end - self._at
+        if self._at + n > len(self._buf):
+            if n > len(self._buf):
+                self._buf = bytearray(n + self.CHUNK)
+                self._buf[:have] = self._view[self._at:self._end]
+                self._view.release()
+                self._view = memoryview(self._buf)
+            else:
+                self._view[:have] = self._view[self._at:self._end]
+            self._at, self._end = 0, have
+        return self._view[self._end:]
+
+    def received(self, k: int) -> None:
+        self._end += k
+
+    def load(self, data: bytes) -> None:
+        """Buffer bytes received elsewhere (with descriptors); nothing may be pending."""
+        self._view[:len(data)] = data
+        self._at, self._end = 0, len(data)
+
+    def take(self, n: int) -> bytes:
+        """The next n bytes (pending: the caller received them first)."""
+        at = self._at
+        out = bytes(self._view[at:at + n])
+        self._at = at + n
+        if self._at == self._end:
+            self._drained()
+        return out
+
+    def take_into(self, view: memoryview) -> int:
+        """Copy pending bytes into the front of `view`; how many."""
+        k = min(self._end - self._at, view.nbytes)
+        if k:
+            view[:k] = self._view[self._at:self._at + k]
+            self._at += k
+            if self._at == self._end:
+                self._drained()
+        return k
+
+    def _drained(self) -> None:
+        self._at = self._end = 0  # the next receive lands at the front
+        if len(self._buf) > self.CHUNK:  # (a buffer a big header grew is not kept)
+            self._view.release()
+            self._buf = bytearray(self.CHUNK)
+            self._view = memoryview(self._buf)
+
+
 class FrameReader:
     """Frames off one socket, reading prefix and header with one recv in the common case
     (a recv each cost 20-40 us more per round trip, measured on loopback). Bytes read past
-    the header (the start of a payload, or of the next frame) are kept and handed out first,
-    so every read of that socket must go through this reader. They are received into one
-    buffer kept for the connection's life and handed out by offset: receiving each chunk as
-    a new bytes object, then joining and re-slicing it for every take, copied a 16 KiB
-    chunk four or five times per reply.
+    the header (the start of a payload, or of the next frame) are kept (`FrameBuffer`) and
+    handed out first, so every read of that socket must go through this reader.
 
     `max_header` starts at the pre-authentication limit and `deadline` (a time.monotonic()
     by which the first frames must have arrived whole: a socket timeout bounds each read
     alone, so a client sending a byte a second would never time out) applies until then;
     the daemon lifts both once a HELLO has passed (`authenticated`)."""
 
-    CHUNK = 16 << 10
+    CHUNK = FrameBuffer.CHUNK
 
     def __init__(self, sock: socket.socket, max_header: int = MAX_HEADER_BYTES,
                  deadline: float | None = None) -> None:
         self.sock = sock
         self.max_header = max_header
         self.deadline = deadline
-        self._buf = bytearray(self.CHUNK)  # buffered bytes not handed out yet: [_at, _end)
-        self._view = memoryview(self._buf)
-        self._at = self._end = 0
+        self.buffered = FrameBuffer()
 
     def authenticated(self) -> None:
         self.max_header = MAX_HEADER_BYTES
@@ -538,45 +605,16 @@ class FrameReader:
             raise TimeoutError("the connection did not authenticate in time")
         kernel_timeouts(self.sock, max(left, 1e-3))  # (0 s would mean no timeout at all)
 
-    def _fill(self, n: int) -> None:
-        """At least n bytes buffered (reading at least CHUNK a call when room allows)."""
-        have = self._end - self._at
-        if self._at + n > len(self._buf):  # no room behind what is buffered: move it to
-            if n > len(self._buf):  # the front, in a bigger buffer if n needs one
-                self._buf = bytearray(n + self.CHUNK)
-                self._buf[:have] = self._view[self._at:self._end]
-                self._view.release()
-                self._view = memoryview(self._buf)
-            else:
-                self._view[:have] = self._view[self._at:self._end]
-            self._at, self._end = 0, have
-        while have < n:
+    def _take(self, n: int) -> bytes:
+        buf = self.buffered
+        while buf.pending() < n:
             if self.deadline is not None:
                 self._before_read()
-            k = self.sock.recv_into(self._view[self._end:])
+            k = self.sock.recv_into(buf.room(n))
             if not k:
                 raise ConnectionError("peer closed the connection mid-frame")
-            self._end += k
-            have += k
-
-    def _take(self, n: int) -> bytes:
-        if self._end - self._at < n:
-            self._fill(n)
-        at = self._at
-        out = bytes(self._view[at:at + n])
-        self._at = at + n
-        if self._at == self._end:
-            self._drained()
-        return out
-
-    def _drained(self) -> None:
-        """Everything buffered is handed out: the next read lands at the front, in a buffer
-        of CHUNK again (one a big header grew is not kept for the connection's life)."""
-        self._at = self._end = 0
-        if len(self._buf) > self.CHUNK:
-            self._view.release()
-            self._buf = bytearray(self.CHUNK)
-            self._view = memoryview(self._buf)
+            buf.received(k)
+        return buf.take(n)
 
     def frame(self, max_payload: int) -> Frame:
         """One frame's prefix and header; read its `payload_bytes` with `recv_into` next."""
@@ -588,7 +626,7 @@ class FrameReader:
     def frame_with_fds(self, max_payload: int) -> tuple[Frame, list[int]]:
         """A frame and the descriptors attached to its first byte (a Unix socket's reply to
         SHARE or STAGE). The caller owns (and must close) every descriptor returned."""
-        if self._end > self._at:
+        if self.buffered.pending():
             raise ProtocolError("descriptors expected at a frame boundary, bytes were pending")
         data, fds, flags, _ = socket.recv_fds(self.sock, self.CHUNK, MAX_FDS)
         try:
@@ -596,8 +634,7 @@ class FrameReader:
                 raise ConnectionError("peer closed the connection")
             if flags & socket.MSG_CTRUNC:
                 raise ProtocolError("more descriptors than a reply may carry")
-            self._view[:len(data)] = data
-            self._at, self._end = 0, len(data)
+            self.buffered.load(data)
             return self.frame(max_payload), fds
         except BaseException:
             close_fds(fds)
@@ -607,12 +644,7 @@ class FrameReader:
         """Fill `view` (payload bytes): buffered ones first, then straight from the socket
         with one MSG_WAITALL read (per block: a gathered recvmsg_into of several blocks
         measured slower on loopback, 0.80x vs 0.84x a raw socket for 16 x 1 MiB)."""
-        k = min(self._end - self._at, view.nbytes)
-        if k:
-            view[:k] = self._view[self._at:self._at + k]
-            self._at += k
-            if self._at == self._end:
-                self._drained()
+        k = self.buffered.take_into(view)
         if k < view.nbytes:
             recv_exact(self.sock, view[k:])
 

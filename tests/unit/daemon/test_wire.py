@@ -168,7 +168,7 @@ def test_frame_reader_hands_out_frames_of_any_size_from_one_stream():
             sender.join()
             # a 40 KB header grew the buffer; once drained it is CHUNK again (a connection
             # that sent one big request does not keep a big buffer for its life)
-            assert len(reader._buf) == w.FrameReader.CHUNK
+            assert reader.buffered.capacity == w.FrameBuffer.CHUNK
 
 
 def test_frame_reader_reports_a_peer_that_closes_mid_frame():
