@@ -275,11 +275,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mib", type=int, default=default_mib(),
                         help="MiB moved per measurement (default: twice the largest CPU cache, "
                         "64 at least: %(default)s here), at least 16 blocks")
+    parser.add_argument("--sizes", help="comma-separated block sizes to measure, of "
+                        f"{','.join(SIZES)} (default: all; with --quick, 256KiB,1MiB)")
     args = parser.parse_args(argv)
+    chosen = args.sizes.split(",") if args.sizes else (
+        ["256KiB", "1MiB"] if args.quick else list(SIZES))
+    unknown = [name for name in chosen if name not in SIZES]
+    if unknown:
+        parser.error(f"unknown --sizes {','.join(unknown)}: choose from {','.join(SIZES)}")
     if not args.no_tune:
         tune_malloc_for_large_blocks()  # as `kvtier serve` does
     torch.manual_seed(args.seed)
-    sizes = {k: v for k, v in SIZES.items() if not args.quick or k in ("256KiB", "1MiB")}
+    sizes = {k: SIZES[k] for k in chosen}
     reps = 7 if args.quick else 11  # a 64 MiB run is ~10 ms: medians of many
     os.makedirs(args.dir or "kvtier-data", exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-", dir=args.dir or "kvtier-data")

@@ -2,16 +2,17 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from rocksdict import Rdict
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, TierIOError
 from kvstore.fsck import fsck
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.layout import HEADER_BYTES, decode_header
-from kvstore.tiers import slabfile
+from kvstore.layout import HEADER_BYTES, checksum, decode_header
+from kvstore.tiers import slabfile, ssdindex
 from kvstore.tiers.slabfile import stride_of
 from kvstore.tiers.ssd import SsdTier
 from kvstore.tiers.ssdindex import parse_entry
@@ -77,13 +78,129 @@ def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatc
     assert torch.equal(out, blocks)
     tier.close()
 
+@pytest.fixture
+def chunked(monkeypatch):
+    """Blocks of NS go the way big ones do: hashed by the helper thread as they are written
+    (HELPED_BLOCK_BYTES), read in pieces of 300 bytes (CHUNKED_BLOCK_BYTES), the last one
+    short, each hashed by the helper while the next is read."""
+    monkeypatch.setattr(slabfile, "HELPED_BLOCK_BYTES", NS.block_bytes)
+    monkeypatch.setattr(slabfile, "CHUNKED_BLOCK_BYTES", NS.block_bytes)
+    monkeypatch.setattr(slabfile, "CHUNK_BYTES", 300)
+
+
+@pytest.mark.parametrize("helper", [True, False], ids=["pipelined", "serial"])
+def test_big_blocks_hashed_beside_their_io_and_a_damaged_chunk_is_a_miss(tmp_path, monkeypatch,
+                                                                          chunked, helper):
+    """Big blocks are hashed as they are written, and read a chunk at a time, each hashed
+    as the next is read (by the helper thread, or in line where no helper can start): the
+    bytes on disk, the checksum in the index and header, and what reads back are those of
+    a block moved whole; a byte flipped in any chunk fails that block alone."""
+    if not helper:
+        monkeypatch.setattr(slabfile, "_hasher", lambda: None)
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(5)
+    blocks = _blocks(5, seed=4)
+    tier.write_n(slots, HASHES[:5], blocks)
+    for i, slot in enumerate(slots):
+        assert _payload(tmp_path, slot) == blocks[i].numpy().tobytes()
+        assert _header(tmp_path, slot).checksum == checksum(blocks[i])
+    out = torch.zeros_like(blocks)
+    assert tier.read_n(slots, HASHES[:5], out) == [True] * 5
+    assert torch.equal(out, blocks)
+    stride = stride_of(NS.block_bytes)
+    _flip(tmp_path / "slabs.dat", slots[1] * stride + 450)  # the second chunk
+    _flip(tmp_path / "slabs.dat", slots[3] * stride + NS.block_bytes - 1)  # the short last
+    assert tier.read_n(slots, HASHES[:5], torch.zeros_like(blocks)) == [True, False, True,
+                                                                        False, True]
+    tier.close()
+
+
+def test_a_chunk_that_cannot_be_read_fails_its_block_and_the_rest_read(tmp_path, monkeypatch,
+                                                                       chunked):
+    """An I/O error in the middle of a big block (the third chunk of the second block) is a
+    miss for that block; the helper still answers for it, so the read returns, and every
+    other block is whole."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(3)
+    blocks = _blocks(3, seed=5)
+    tier.write_n(slots, HASHES[:3], blocks)
+    bad, real = slots[1] * stride_of(NS.block_bytes) + 600, os.preadv
+
+    def preadv(fd, bufs, offset):
+        if offset == bad:
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(slabfile.os, "preadv", preadv)
+    out = torch.zeros_like(blocks)
+    assert tier.read_n(slots, HASHES[:3], out) == [True, False, True]
+    assert torch.equal(out[0], blocks[0]) and torch.equal(out[2], blocks[2])
+    tier.close()
+
+
+def test_a_big_write_the_disk_refuses_fails_cleanly_and_the_helper_lives_on(tmp_path,
+                                                                             monkeypatch,
+                                                                             chunked):
+    """A payload write that fails (ENOSPC) while the helper hashes the batch raises a
+    TierIOError once the helper is done with the caller's buffers, writes no header, and
+    leaves the helper serving the next write."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(4)
+    blocks = _blocks(4, seed=7)
+    real = os.pwritev
+
+    def pwritev(fd, bufs, offset):
+        if fd == tier.slabs.fd:
+            raise OSError(28, "No space left on device")
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(slabfile.os, "pwritev", pwritev)
+    with pytest.raises(TierIOError, match="No space left"):
+        tier.write_n(slots[:2], HASHES[:2], blocks[:2])
+    monkeypatch.setattr(slabfile.os, "pwritev", real)
+    assert [h for _, h, _ in tier.slabs.headers(slots[:2])] == [None, None]
+    tier.write_n(slots[2:], HASHES[2:4], blocks[2:])
+    out = torch.zeros_like(blocks[2:])
+    assert tier.read_n(slots[2:], HASHES[2:4], out) == [True, True]
+    assert torch.equal(out, blocks[2:])
+    tier.close()
+
+
+def test_readers_in_many_threads_share_the_hashing_helper(tmp_path, chunked):
+    """Every reader hands its chunks to the one helper thread: readers in eight threads at
+    once each get their own blocks' verdicts, none another's."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(8)
+    blocks = _blocks(8, seed=6)
+    tier.write_n(slots, HASHES[:8], blocks)
+    _flip(tmp_path / "slabs.dat", slots[5] * stride_of(NS.block_bytes) + 10)
+    expected = [i != 5 for i in range(8)]
+
+    def reader(k):
+        for _ in range(50):
+            order = [(k + j) % 8 for j in range(8)]
+            out = torch.zeros_like(blocks)
+            ok = tier.read_n([slots[i] for i in order], [HASHES[i] for i in order], out)
+            assert ok == [expected[i] for i in order]
+            assert all(torch.equal(out[j], blocks[i]) for j, i in enumerate(order) if i != 5)
+        return True
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(reader, range(8)))
+    tier.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["runs", "helped-chunks"])
 @pytest.mark.parametrize("head_dim", [16, 64], ids=["padded-slots", "page-sized-blocks"])
-def test_short_transfers_are_carried_on_to_the_last_byte(tmp_path, monkeypatch, head_dim):
+def test_short_transfers_are_carried_on_to_the_last_byte(tmp_path, monkeypatch, head_dim,
+                                                        chunked):
     """pwritev / preadv may move fewer bytes than asked (a signal, a filesystem's limit):
     every write and read, of one block (one buffer when a block fills its page-rounded
-    slot, a block and its pad otherwise) or of a run, is carried on until it is whole."""
+    slot, a block and its pad otherwise), of a run, or of a big block's chunk, is carried
+    on until it is whole."""
     ns = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=head_dim, dtype="float16",
                    block_tokens=4)
+    if chunked:
+        monkeypatch.setattr(slabfile, "HELPED_BLOCK_BYTES", ns.block_bytes)
+        monkeypatch.setattr(slabfile, "CHUNKED_BLOCK_BYTES", ns.block_bytes)
+        monkeypatch.setattr(slabfile, "CHUNK_BYTES", 1500)
     hashes = hash_blocks(ns, list(range(24)))
 
     def short(fn):
