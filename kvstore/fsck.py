@@ -2,7 +2,9 @@
 
 Every index entry must point at a slot of the slab file holding that very block, intact
 (header: hash, namespace; payload: checksum). An index RocksDB cannot read to the end is
-itself a finding: the blocks it lost are counted from the slab headers. `repair` drops the
+itself a finding: the blocks it lost are counted from the slab headers. Intact blocks the
+index does not list yet (their entries were queued when the tier was killed) are counted,
+not faulted: the tier adopts them at its next open. `repair` drops the
 bad entries and, for a damaged index, rebuilds it from the slab file (what the tier does on
 its own at open), so nothing intact is lost.
 """
@@ -29,6 +31,7 @@ class FsckReport(NamedTuple):
     bad: list[tuple[bytes, str]]   # (key, reason) of every entry that fails
     index_error: str | None        # why the index could not be read to the end
     num_recoverable: int           # intact blocks in the slab file the index does not list
+    # (lost with a damaged index, or queued when the tier stopped: adopted at its next open)
 
     @property
     def clean(self) -> bool:
@@ -70,13 +73,20 @@ def _check(path: str, ns: Namespace) -> FsckReport:
                 bad.append((key, reason))
             else:
                 ok += 1
-        recoverable = 0
-        if index_error is not None:
-            free = [s for s in range(slabs.num_grown) if s not in claimed]
-            recoverable = sum(h is not None for _, h, _ in slabs.headers(free))
-        return FsckReport(ok, ok * ns.block_bytes, bad, index_error, recoverable)
+        return FsckReport(ok, ok * ns.block_bytes, bad, index_error,
+                          _unlisted(slabs, claimed))
     finally:
         slabs.close()
+
+
+def _unlisted(slabs: SlabFile, claimed: set) -> int:
+    """Intact blocks (header and checksum) in slots no index entry claims: those the index
+    lost, or whose entries were still queued when the tier stopped without closing. The
+    tier adopts them at its next open."""
+    free = [s for s in range(slabs.num_grown) if s not in claimed]
+    dst = memoryview(np.empty(slabs.block_bytes, np.uint8))
+    return sum(1 for slot, h, c in slabs.headers(free)
+               if h is not None and slabs.read_n([slot], [c], [dst])[0])
 
 
 def _read_index(path: str) -> tuple[list[tuple[bytes, bytes]], str | None]:

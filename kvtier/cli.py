@@ -62,6 +62,10 @@ def _fsck_run(args: argparse.Namespace) -> int:
     if report.index_error:
         print(f"  {report.index_error}; {report.num_recoverable} intact blocks in the slab "
               "file are not listed")
+    elif report.num_recoverable:
+        print(f"  and {report.num_recoverable} intact blocks the index does not list yet "
+              "(their entries were queued when the tier stopped without closing): the "
+              "tier adopts them at its next open")
     for key, reason in report.bad:
         print(f"  {key.hex()}: {reason}")
     if report.clean:

@@ -10,18 +10,21 @@ one the tier holds (written in its slot's header and index entry, taken from the
 at open), so a corrupted or misplaced block is a miss, never wrong KV.
 
 Crash consistency by ordering and verification: a block's payload, then its header, are
-written before its index entry (WAL on when `durable`), so an entry never points at bytes
-that were not written; a freed slot's entry is deleted in the same index write as the
-entries that follow it (never later than the entry of the block that reuses the slot), and
-its header is zeroed at once, so neither a stale entry nor an index rebuilt from the headers
-brings a removed block back; anything left stale by a crash fails the header check at open
-and is dropped. Survives close/reopen and SIGKILL. A directory of an older layout is moved
-aside at open, not read (its blocks are a cache: the tier starts empty beside it).
+written before its index entry is queued (kvstore.tiers.ssdindex writes the queue in groups,
+WAL on when `durable`), so an entry never points at bytes that were not written; the headers
+are the complete record, and every open adopts the intact headers of slots the index does
+not cover, so a put acknowledged before a crash is found whether its entry was written or
+not. A freed slot's header is zeroed at once (before the slot can be reused) and its entry's
+delete queued in order with the entries that follow it, so neither a stale entry nor the
+headers bring a removed block back; anything left stale by a crash fails the header check
+at open and is dropped. Survives close/reopen and SIGKILL. A directory of an older layout is
+moved aside at open, not read (its blocks are a cache: the tier starts empty beside it).
 
 Failures stay local: a disk with no room to grow turns allocation into None (the store
-answers NO_SPACE); a refused index write fails that call (TierIOError) and the index
-reopens or rebuilds itself; a damaged index found at open is set aside and rebuilt from
-the slab headers; deleting never raises (a stale entry is harmless, see above).
+answers NO_SPACE); a refused index write fails no put (its entries wait in the queue, and the
+headers hold them) and the index reopens or rebuilds itself; a damaged index found at open is
+set aside and rebuilt from the slab headers; deleting never raises (a stale entry is
+harmless, see above).
 """
 from __future__ import annotations
 
@@ -118,7 +121,7 @@ class SsdTier:
         self._free.give_back(slots)
 
     def persist_frees(self) -> None:
-        self.index.flush_stale()  # the queued deletes written now (WAL: they survive a kill)
+        self.index.write_queued()  # the queued deletes written now (WAL: they survive a kill)
 
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         pass  # readers on this host reach SSD blocks through the daemon only
@@ -128,7 +131,8 @@ class SsdTier:
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         self._check_open()
         sums = self.slabs.write_n(slots, hashes, _host_views(srcs, self.slot_bytes))
-        self.index.put_n(hashes, slots, sums)  # after the bytes: never an entry without them
+        self.index.put_n(hashes, slots, sums)  # queued, after the bytes and headers: never an
+        # entry without them (the headers alone already bring the block back at open)
         for h, slot, c in zip(hashes, slots, sums):
             self._held[bytes(h)] = (slot, c)
 
@@ -160,21 +164,25 @@ class SsdTier:
     # ------------------------------------------------------------- open
 
     def recover(self) -> list[tuple[bytes, int]]:
-        """Every intact block found at open, with its slot (and the index made to agree)."""
+        """Every intact block found at open, with its slot (and the index made to agree):
+        the index's entries whose slots hold their headers, and the headers of every other
+        slot (the blocks whose entries were still queued when the process died, or all of
+        them when the index was lost)."""
         self._check_open()
         raw, self._at_open = self._at_open, []
         found, dropped = self._verified(raw)
-        if self.index.damaged:
-            found.update(self._adopt_from_slabs({slot for slot, _ in found.values()}))
+        adopted = self._adopt_from_slabs(found)
+        found.update(adopted)
         self._held.update(found)
-        if self.index.damaged and self._held:  # the fresh index gets what the slabs showed
-            hashes, slots, sums = zip(*self._table())
-            self.index.put_n(hashes, slots, sums)
-        elif dropped:
-            try:
-                self.index.delete_n(dropped)
-            except TierIOError as e:
-                log.warning("%s", e)
+        try:
+            if self.index.damaged and self._held:  # the fresh index gets what the slabs showed
+                hashes, slots, sums = zip(*self._table())
+                self.index.put_n(hashes, slots, sums)
+            elif adopted:
+                self.index.put_n(list(adopted), *zip(*adopted.values()))
+            self.index.delete_n(dropped)  # with the entries queued above, in one write
+        except TierIOError as e:
+            log.warning("%s", e)
         self.num_dropped_at_open = len(dropped)
         self.slabs.truncate_to(self.num_slots)
         used = {slot for slot, _ in found.values()}
@@ -204,15 +212,32 @@ class SsdTier:
                     dropped.append(h)
         return found, dropped
 
-    def _adopt_from_slabs(self, used: set[int]) -> dict[bytes, tuple[int, int]]:
-        """Blocks whose headers sit in slots the (damaged) index did not cover."""
+    def _adopt_from_slabs(self, found: dict[bytes, tuple[int, int]]
+                          ) -> dict[bytes, tuple[int, int]]:
+        """Blocks whose headers sit in slots the index did not cover (their entries never
+        written: queued when the process died, or the index lost). A second header of a
+        block already found is zeroed: left, it would bring the block back at a later open
+        after the copy found was removed."""
+        used = {slot for slot, _ in found.values()}
         adopted: dict[bytes, tuple[int, int]] = {}
+        twins = []
         free = [s for s in range(min(self.num_slots, self.slabs.num_grown)) if s not in used]
         for slot, h, c in self.slabs.headers(free):
-            if h is not None and h not in adopted:
+            if h is None:
+                continue
+            if h in found or h in adopted:
+                twins.append(slot)
+            else:
                 adopted[h] = (slot, c)
+        if twins:
+            try:
+                self.slabs.erase_headers(twins)
+            except TierIOError as e:
+                log.warning("%s", e)
         self.num_recovered_from_slabs = len(adopted)
-        log.warning("SSD tier %s: %d blocks recovered from the slab file", self.path, len(adopted))
+        if adopted:
+            (log.warning if self.index.damaged else log.info)(
+                "SSD tier %s: %d blocks recovered from the slab headers", self.path, len(adopted))
         return adopted
 
     def _table(self):

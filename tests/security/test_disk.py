@@ -107,13 +107,15 @@ def test_a_full_disk_under_the_index_and_a_clean_stop(make_daemon, small_disk):
 
 
 def test_the_index_refuses_writes_on_a_full_disk_and_recovers_by_itself(small_disk):
-    """RocksDB in its error state after ENOSPC: the tier reopens it once there is room,
-    with no restart (in-process, on the real tmpfs)."""
+    """RocksDB in its error state after ENOSPC: puts into slots the slab file already holds
+    go on (the headers record them; their entries wait), and the tier reopens the index
+    once there is room, with no restart (in-process, on the real tmpfs)."""
     import time
 
     import torch
 
     from kvstore.errors import TierIOError
+    from kvstore.tiers import ssdindex
     from kvstore.tiers.ssd import SsdTier
     tier = SsdTier(NS, str(small_disk / "ssd"), 64)
     tier.recover()
@@ -121,17 +123,21 @@ def test_the_index_refuses_writes_on_a_full_disk_and_recovers_by_itself(small_di
     data = torch.from_numpy(blocks(hs))
     slots = tier.alloc_n(40)  # the slab file holds room for them already
     filler = fill(small_disk, 0)
-    with pytest.raises(TierIOError):
-        for i in range(0, 40, 4):  # the index's log runs out of room
-            tier.write_n(slots[i:i + 4], hs[i:i + 4], data[i:i + 4])
-    os.unlink(filler)
-    time.sleep(1.1)  # the index waits a moment before reopening
-    tier.write_n(slots, hs, data)
+    for i in range(0, 40, 4):
+        tier.write_n(slots[i:i + 4], hs[i:i + 4], data[i:i + 4])
+    with pytest.raises(TierIOError):  # the index's log has no room
+        tier.index.flush()
+    assert tier.index.num_queued == 40
     out = torch.zeros_like(data)
     assert tier.read_n(slots, hs, out) == [True] * 40 and torch.equal(out, data)
+    os.unlink(filler)
+    time.sleep(ssdindex.RETRY_S + 0.1)  # the index waits a moment before reopening
+    tier.index.flush()
+    assert tier.index.num_queued == 0 and all(bytes(h) in tier.raw_db() for h in hs)
     tier.close()
     tier = SsdTier(NS, str(small_disk / "ssd"), 64)
     assert sorted(h for h, _ in tier.recover()) == sorted(hs)
+    assert tier.num_recovered_from_slabs == 0
     tier.close()
 
 

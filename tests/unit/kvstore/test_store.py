@@ -15,8 +15,6 @@ from kvstore.events import EventKind, TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.layout import encode_block
 from kvstore.store import PutStatus, TieredStore
-from kvstore.tiers.slabfile import stride_of
-from kvstore.tiers.ssdindex import parse_entry
 
 NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 CHAIN = hash_blocks(NS, list(range(4 * 12)))
@@ -293,10 +291,10 @@ def test_a_corrupted_ssd_value_is_a_miss_and_is_removed(tmp_path):
         data = blocks(3)
         s.put_n(CHAIN[:3], data)
         ssd = s.tier(TierKind.SSD)
-        key = next(bytes(h) for h in CHAIN[:3] if bytes(h) in ssd.raw_db())
-        slot = parse_entry(key, ssd.raw_db()[key])[1]
-        with open(tmp_path / "ssd" / "slabs.dat", "r+b") as f:  # flip a payload byte on disk
-            f.seek(slot * stride_of(NS.block_bytes) + 3)
+        key = next(bytes(h) for h in CHAIN[:3] if ssd.locate(h) is not None)
+        path, offset = ssd.locate(key)
+        with open(path, "r+b") as f:  # flip a payload byte on disk
+            f.seek(offset + 3)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0xFF]))

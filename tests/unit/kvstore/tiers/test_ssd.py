@@ -54,6 +54,7 @@ def test_slots_hold_aligned_payloads_headers_apart_and_the_index_only_slots(tmp_
     tier.write_n(slots, HASHES[:2], _blocks(2))
     assert _payload(tmp_path, slots[1]) == _blocks(2)[1].numpy().tobytes()
     assert _header(tmp_path, slots[1]).block_hash == HASHES[1]
+    tier.index.flush()  # entries are written in groups (see the next test)
     entry = parse_entry(bytes(HASHES[1]), tier.raw_db()[bytes(HASHES[1])])
     assert entry[1] == slots[1] and len(tier.raw_db()[bytes(HASHES[1])]) == 16
     tier.close()
@@ -276,20 +277,27 @@ def test_blocks_written_before_a_process_crash_are_found(tmp_path):
     tier.close()
 
 
-def test_freed_slots_are_unindexed_by_the_next_write_and_at_close(tmp_path):
+def test_index_writes_go_in_groups_in_order_and_close_writes_the_rest(tmp_path, monkeypatch):
+    """No put or free writes RocksDB by itself: entries and deletes wait in one queue, in
+    the order they came, and the one that makes GROUP_OPS writes them all; close writes
+    what is left. A block freed and then stored again in the same group ends indexed."""
+    monkeypatch.setattr(ssdindex, "GROUP_OPS", 9)
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(4)
     tier.write_n(slots, HASHES[:4], _blocks(4))
     tier.free_n(slots[:2], HASHES[:2])
     db = tier.raw_db()
-    assert bytes(HASHES[0]) in db  # queued: no index write under the store's lock
-    tier.write_n(tier.alloc_n(1), HASHES[4:5], _blocks(1, seed=1))  # the deletes ride along
-    assert bytes(HASHES[0]) not in db and bytes(HASHES[1]) not in db and bytes(HASHES[4]) in db
-    tier.free_n(slots[2:3], HASHES[2:3])
+    assert not any(bytes(h) in db for h in HASHES[:4]) and tier.index.num_queued == 6
+    tier.write_n(tier.alloc_n(1), HASHES[4:5], _blocks(1, seed=1))
+    tier.write_n(tier.alloc_n(1), HASHES[0:1], _blocks(1))  # freed above, stored again
+    tier.free_n(slots[2:3], HASHES[2:3])  # the ninth: the group is written
+    assert tier.index.num_queued == 0
+    assert [bytes(h) in db for h in HASHES[:5]] == [True, False, False, True, True]
+    tier.write_n(tier.alloc_n(1), HASHES[5:6], _blocks(1, seed=5))
     tier.close()  # writes what is still queued
     tier = SsdTier(NS, str(tmp_path), 4)
-    assert sorted(h for h, _ in tier.recover()) == sorted([HASHES[3], HASHES[4]])
-    assert bytes(HASHES[2]) not in tier.raw_db().keys()
+    assert sorted(h for h, _ in tier.recover()) == sorted(HASHES[i] for i in (0, 3, 4, 5))
+    assert tier.num_recovered_from_slabs == 0 and bytes(HASHES[2]) not in tier.raw_db().keys()
     tier.close()
 
 
@@ -300,6 +308,7 @@ def test_a_delete_cut_off_by_a_crash_leaves_a_stale_entry_that_loses_nothing(tmp
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(2)
     tier.write_n(slots, HASHES[:2], _blocks(2))
+    tier.index.flush()
     stale = bytes(len(HASHES[0]))  # sorts before every real hash
     tier.raw_db()[stale] = tier.raw_db()[bytes(HASHES[0])]
     tier.raw_db()[b"\xff" * len(stale)] = tier.raw_db()[bytes(HASHES[1])]  # and after
@@ -317,11 +326,17 @@ def test_a_delete_cut_off_by_a_crash_leaves_a_stale_entry_that_loses_nothing(tmp
     assert fsck(str(tmp_path)).clean
 
 
-def test_a_crash_with_deletes_queued_keeps_every_live_block(tmp_path):
-    _crash_after(tmp_path, 6, 4, """
+@pytest.mark.parametrize("group", [256, 5], ids=["nothing-written", "one-group-written"])
+def test_a_crash_with_index_writes_queued_keeps_every_live_block(tmp_path, group):
+    """SIGKILL with entries and deletes still queued (none written, or a first group of
+    six written and three queued): every block still stored is found, from its index entry
+    or its header, and no freed one comes back."""
+    _crash_after(tmp_path, 6, 4, f"""
+        import kvstore.tiers.ssdindex as ssdindex
+        ssdindex.GROUP_OPS = {group}
         slots = tier.alloc_n(4)
         tier.write_n(slots, hashes[:4], data[:4])
-        tier.free_n(slots[:2], hashes[:2])          # queued deletes
+        tier.free_n(slots[:2], hashes[:2])          # the sixth op: a group of 5 is written
         tier.write_n(tier.alloc_n(2), hashes[4:6], data[4:6])  # reuse both slots
         tier.free_n(slots[2:3], hashes[2:3])        # queued, never written
     """)
@@ -331,11 +346,34 @@ def test_a_crash_with_deletes_queued_keeps_every_live_block(tmp_path):
     # block 2 was freed (its delete never written, its slot never reused): its header was
     # zeroed at the free, so it stays freed; every block still stored is kept
     live = [3, 4, 5]
-    assert sorted(found) == sorted(HASHES[i] for i in live) and tier.num_dropped_at_open == 1
+    assert sorted(found) == sorted(HASHES[i] for i in live)
+    if group == 5:  # entries 2 and 3 written: 2 dropped (no header), 4 and 5 adopted
+        assert tier.num_dropped_at_open == 1 and tier.num_recovered_from_slabs == 2
+    else:
+        assert tier.num_dropped_at_open == 0 and tier.num_recovered_from_slabs == 3
     out = torch.zeros(len(live), NS.block_bytes, dtype=torch.uint8)
     assert tier.read_n([found[HASHES[i]] for i in live], [HASHES[i] for i in live], out) == [True] * 3
     assert torch.equal(out, data[live])
     tier.close()
+    tier = SsdTier(NS, str(tmp_path), 4)  # the open wrote what it adopted into the index
+    assert sorted(h for h, _ in tier.recover()) == sorted(HASHES[i] for i in live)
+    assert tier.num_recovered_from_slabs == 0
+    tier.close()
+
+
+def test_fsck_counts_the_intact_blocks_a_killed_tier_had_not_indexed_yet(tmp_path):
+    """After a SIGKILL with every entry still queued, fsck finds the index clean and counts
+    the intact blocks it does not list (a damaged one not among them); the next open
+    adopts them and lists them."""
+    _crash_after(tmp_path, 3, 4, "tier.write_n(tier.alloc_n(3), hashes[:3], data)")
+    _flip(tmp_path / "slabs.dat", 2 * stride_of(NS.block_bytes) + 7)  # whichever block
+    report = fsck(str(tmp_path))
+    assert report.clean and report.num_ok == 0 and report.num_recoverable == 2
+    tier = SsdTier(NS, str(tmp_path), 4)
+    assert len(tier.recover()) == 3  # adopted by header; the damaged one fails its read
+    tier.close()
+    report = fsck(str(tmp_path))
+    assert report.num_ok == 2 and len(report.bad) == 1 and report.num_recoverable == 0
 
 
 def test_a_flipped_byte_on_disk_fails_verification(tmp_path):
@@ -371,6 +409,7 @@ def test_an_index_entry_pointing_at_another_block_is_dropped_at_open(tmp_path):
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(2)
     tier.write_n(slots, HASHES[:2], _blocks(2))
+    tier.index.flush()
     tier.raw_db()[bytes(HASHES[5])] = tier.raw_db()[bytes(HASHES[0])]  # a stale entry
     tier.close()
     tier = SsdTier(NS, str(tmp_path), 4)
@@ -403,11 +442,13 @@ def test_a_non_durable_tier_keeps_its_blocks_across_a_clean_close(tmp_path):
     tier.close()
 
 
-def test_queued_deletes_stay_bounded_while_the_index_refuses_writes(tmp_path, monkeypatch):
-    import kvstore.tiers.ssdindex as ssdindex
+def test_queued_index_writes_stay_bounded_while_the_index_refuses_writes(tmp_path, monkeypatch):
+    """While RocksDB refuses every write, puts and frees go on (nothing fails: the headers
+    hold the blocks) and the queue keeps at most QUEUE_KEEP ops; once writes go through, the
+    next group carries what waited."""
     from kvstore.errors import TierIOError
-    monkeypatch.setattr(ssdindex, "STALE_MAX", 4)
-    monkeypatch.setattr(ssdindex, "STALE_KEEP", 16)
+    monkeypatch.setattr(ssdindex, "GROUP_OPS", 4)
+    monkeypatch.setattr(ssdindex, "QUEUE_KEEP", 16)
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(2)
     tier.write_n(slots, HASHES[:2], _blocks(2))
@@ -417,11 +458,13 @@ def test_queued_deletes_stay_bounded_while_the_index_refuses_writes(tmp_path, mo
     monkeypatch.setattr(tier.index, "_write", refuse)
     for i in range(40):  # frees keep coming while nothing can be written
         tier.free_n([], [bytes([i]) * len(HASHES[0])])
-    assert len(tier.index._stale) <= 16
-    monkeypatch.undo()  # writes go through again: the next put carries what waited
     tier.free_n(slots[:1], HASHES[:1])
-    tier.write_n(tier.alloc_n(1), HASHES[2:3], _blocks(1, seed=2))
-    assert not tier.index._stale and bytes(HASHES[0]) not in tier.raw_db()
+    tier.write_n(tier.alloc_n(1), HASHES[2:3], _blocks(1, seed=2))  # does not fail
+    assert tier.index.num_queued <= 16
+    monkeypatch.undo()  # writes go through again: the next group carries what waited
+    tier.persist_frees()
+    assert tier.index.num_queued == 0 and bytes(HASHES[0]) not in tier.raw_db()
+    assert bytes(HASHES[2]) in tier.raw_db()
     tier.close()
 
 
@@ -563,16 +606,19 @@ def test_a_rebuild_the_disk_has_no_room_for_leaves_the_index_in_place(tmp_path, 
     monkeypatch.setattr(ssdindex, "Rdict", no_room)
     monkeypatch.setattr(ssdindex.SlotIndex, "_open_db", will_not_open)
     tier.index._failed_at = 0.0  # as after a refused write, its retry due: reopen, rebuild
+    tier.write_n(tier.alloc_n(1), HASHES[4:5], _blocks(1, seed=4))  # queued: no index write
     with pytest.raises(TierIOError, match="cannot be rebuilt"):
-        tier.write_n(tier.alloc_n(1), HASHES[4:5], _blocks(1, seed=4))
+        tier.index.flush()
     assert os.path.isfile(os.path.join(tier.index.path, "CURRENT"))
     assert not os.path.exists(tier.index.path + ".new")
     monkeypatch.setattr(ssdindex.SlotIndex, "_open_db", real_open)  # room again
     tier.index._failed_at = 0.0
-    tier.write_n(tier.alloc_n(1), HASHES[5:6], _blocks(1, seed=5))  # reopens, writes
+    tier.write_n(tier.alloc_n(1), HASHES[5:6], _blocks(1, seed=5))
+    tier.index.flush()  # reopens, writes what waited
+    assert all(bytes(h) in tier.raw_db() for h in HASHES[:6])
     tier.close()
     tier = SsdTier(NS, str(tmp_path), 8)
-    assert set(h for h, _ in tier.recover()) == set(HASHES[:4]) | {HASHES[5]}
+    assert set(h for h, _ in tier.recover()) == set(HASHES[:6])
     tier.close()
 
 
@@ -595,6 +641,41 @@ def test_a_freed_block_is_not_brought_back_by_an_index_rebuilt_from_the_headers(
     assert tier.read_n([found[HASHES[0]], found[HASHES[3]]], [HASHES[0], HASHES[3]], out) == \
         [True, True]
     assert torch.equal(out, _blocks(4)[[0, 3]])
+    tier.close()
+
+
+def test_a_second_header_of_a_block_found_is_zeroed_so_a_removed_block_stays_removed(
+        tmp_path):
+    """A slot whose header names a block the index already places elsewhere (a twin) is
+    not adopted and its header is zeroed at open: freeing the block then leaves no header
+    behind to bring it back at the next open."""
+    tier = SsdTier(NS, str(tmp_path), 4)
+    tier.recover()
+    slots = tier.alloc_n(2)
+    tier.write_n(slots, HASHES[:2], _blocks(2))
+    tier.close()
+    with open(tmp_path / "headers.dat", "r+b") as f:  # slot 2: a copy of slot 0's header
+        f.seek(slots[0] * HEADER_BYTES)
+        head = f.read(HEADER_BYTES)
+        f.seek(2 * HEADER_BYTES)
+        f.write(head)
+    with open(tmp_path / "slabs.dat", "r+b") as f:  # and of its payload
+        stride = stride_of(NS.block_bytes)
+        f.seek(slots[0] * stride)
+        body = f.read(NS.block_bytes)
+        f.seek(2 * stride)
+        f.write(body)
+    tier = SsdTier(NS, str(tmp_path), 4)
+    found = dict(tier.recover())
+    assert found[HASHES[0]] == slots[0] and tier.num_recovered_from_slabs == 0
+    with open(tmp_path / "headers.dat", "rb") as f:
+        f.seek(2 * HEADER_BYTES)
+        assert f.read(HEADER_BYTES) == bytes(HEADER_BYTES)
+    tier.free_n([slots[0]], HASHES[:1])
+    tier.persist_frees()
+    tier.close()
+    tier = SsdTier(NS, str(tmp_path), 4)
+    assert sorted(h for h, _ in tier.recover()) == [HASHES[1]]
     tier.close()
 
 
