@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import errno
 import os
-import queue
-import threading
 from typing import Iterator, Sequence
 
 import xxhash
@@ -43,10 +41,8 @@ IOV_BLOCKS = 500  # blocks per preadv/pwritev (2 iovecs each at most, under IOV_
 HASHED_RUN_BYTES = 2 << 20  # reads and writes go in runs of about a cache's worth, each run
 # hashed right next to its I/O (see write_n)
 HEADER_WINDOW = 4096  # headers read at once when scanning (256 KiB)
-HELPED_BLOCK_BYTES = 256 << 10  # blocks this big or bigger are hashed by the helper thread
-# as they are written (see _write_helped)
-CHUNKED_BLOCK_BYTES = HASHED_RUN_BYTES + 1  # blocks this big or bigger are read in chunks,
-CHUNK_BYTES = 512 << 10  # each hashed by the helper while the next is read (_read_chunked)
+CHUNKED_BLOCK_BYTES = HASHED_RUN_BYTES + 1  # blocks this big or bigger move in chunks,
+CHUNK_BYTES = 512 << 10  # each hashed right next to its own pwritev / preadv (see write_n)
 
 
 def stride_of(block_bytes: int) -> int:
@@ -110,17 +106,21 @@ class SlabFile:
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes],
                 payloads: Sequence[memoryview]) -> list[int]:
         """Write blocks (flat byte views) and their headers; returns each payload's
-        checksum. Blocks of HELPED_BLOCK_BYTES and up are hashed by the helper thread while
-        they are written (`_write_helped`); smaller ones in line, each pwritev of at most
-        HASHED_RUN_BYTES (one block at least) hashed just before it: the bytes are still in
-        cache when the kernel copies them (16 x 4 MiB hashed first and written after: ~45 us
-        more per block, measured). A run's headers go after its payloads, so a crash between
-        the two leaves a header that does not match the payload beside it (a miss), never
-        one that vouches for bytes not there."""
-        if self.block_bytes >= HELPED_BLOCK_BYTES:
-            jobs = _hasher()
-            if jobs is not None:
-                return self._write_helped(jobs, slots, hashes, payloads)
+        checksum. Each pwritev is of at most HASHED_RUN_BYTES (one block at least), hashed
+        just before it: the bytes are still in cache when the kernel copies them (16 x 4 MiB
+        hashed first and written after: ~45 us more per block, measured). Blocks bigger than
+        that go in CHUNK_BYTES pieces, each hashed just before its own pwritev (a streaming
+        hash: the same checksum as the whole block's). A run's headers go after its
+        payloads, so a crash between the two leaves a header that does not match the
+        payload beside it (a miss), never one that vouches for bytes not there.
+
+        All in the calling thread. A helper thread hashing beside the I/O was tried: on one
+        host (Xeon, hashing ~2x slower than the kernel's copy) it took 4 MiB x16 puts from
+        0.68 to 0.98 of a plain file; on another (EPYC VM, hashing from cache at ~110 GB/s)
+        each hand-off cost 20-45 us (a 256 KiB put 70 -> 116 us, a 4 MiB read 0.83 -> 0.68),
+        and with both cores busy it lost everywhere (4 MiB get 1.0 -> 1.6 ms)."""
+        if self.block_bytes >= CHUNKED_BLOCK_BYTES:
+            return self._write_chunked(slots, hashes, payloads)
         sums = [0] * len(payloads)
         for first, idx in _runs(slots, self._run_blocks):
             heads = []
@@ -130,6 +130,26 @@ class SlabFile:
             self._io(os.pwritev, self.fd, first * self.stride,
                      _padded([payloads[i] for i in idx], self._pad_view))
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES, heads)
+        return sums
+
+    def _write_chunked(self, slots: Sequence[int], hashes: Sequence[bytes],
+                       payloads: Sequence[memoryview]) -> list[int]:
+        """write_n of big blocks: each in CHUNK_BYTES pieces hashed as they go (EPYC VM,
+        4 MiB blocks in raw loops: 1.09-1.15 of one whole pwritev, hashed or not), then each
+        run's headers."""
+        sums = []
+        for slot, payload in zip(slots, payloads):
+            h, base = xxhash.xxh3_64(), slot * self.stride
+            for at in range(0, self.block_bytes, CHUNK_BYTES):
+                piece = payload[at:at + CHUNK_BYTES]
+                h.update(piece)
+                last = at + CHUNK_BYTES >= self.block_bytes
+                self._io(os.pwritev, self.fd, base + at,
+                         _padded([piece], self._pad_view) if last else [piece])
+            sums.append(h.intdigest())
+        for first, idx in _runs(slots):
+            self._io(os.pwritev, self.hfd, first * HEADER_BYTES,
+                     [encode_header(self.ns, hashes[i], sums[i]) for i in idx])
         return sums
 
     def erase_headers(self, slots: Sequence[int]) -> None:
@@ -160,62 +180,11 @@ class SlabFile:
                 ok[i] = sums[i] is not None and checksum(dsts[i]) == sums[i]
         return ok
 
-    def _write_helped(self, jobs: queue.SimpleQueue, slots: Sequence[int],
-                      hashes: Sequence[bytes], payloads: Sequence[memoryview]) -> list[int]:
-        """write_n of big blocks: the helper thread hashes the batch while this one writes
-        it (one pwritev per run of slots), then the headers go. Hashing runs at 2-3x the
-        kernel's copy into the page cache, so it stays ahead of the write, which then reads
-        the bytes from the shared cache the hash brought them into: in raw loops on a 2-core
-        host, 0.93 / 0.98-1.07 / 0.98 of a plain write at 256 KiB / 1 MiB / 4 MiB, against
-        0.82 / 0.82 / 0.72 hashed in line (16 KiB: 0.25, the hand-off costs more than a
-        block; so smaller blocks are hashed in line)."""
-        replies: queue.SimpleQueue = queue.SimpleQueue()
-        jobs.put((_checksums, list(payloads), replies, None))
-        try:
-            for first, idx in _runs(slots):
-                self._io(os.pwritev, self.fd, first * self.stride,
-                         _padded([payloads[i] for i in idx], self._pad_view))
-        finally:  # the helper is done with the payloads before the caller gets them back
-            _, sums = replies.get()
-        if sums is None:  # the helper failed (cannot happen with flat byte views): in line
-            sums = [checksum(p) for p in payloads]
-        for first, idx in _runs(slots):
-            self._io(os.pwritev, self.hfd, first * HEADER_BYTES,
-                     [encode_header(self.ns, hashes[i], sums[i]) for i in idx])
-        return sums
-
     def _read_chunked(self, slots: Sequence[int], sums: Sequence[int | None],
                       dsts: Sequence[memoryview]) -> list[bool]:
-        """read_n of big blocks: each read in CHUNK_BYTES pieces, hashed by the helper
-        thread (`_hasher`) while this one reads the next (preadv and xxh3 both let go of
-        the GIL); a piece is still in cache when it is hashed. 4 MiB blocks in raw loops:
-        0.70 of a plain read hashed after, 0.85-0.88 pipelined (1 MiB: worse, 0.81 -> 0.68:
-        the hand-off costs more than it hides, so smaller blocks go in runs)."""
-        jobs = _hasher()
-        if jobs is None:
-            return self._read_chunked_serial(slots, sums, dsts)
-        replies: queue.SimpleQueue = queue.SimpleQueue()
-        read_ok, handed = [True] * len(slots), 0
-        try:
-            for i, (slot, dst) in enumerate(zip(slots, dsts)):
-                h, base = _Digest(), slot * self.stride
-                try:
-                    for at in range(0, self.block_bytes, CHUNK_BYTES):
-                        piece = dst[at:at + CHUNK_BYTES]
-                        self._io(os.preadv, self.fd, base + at, [piece])
-                        jobs.put((h.update, piece, None, None))
-                except TierIOError:
-                    read_ok[i] = False
-                jobs.put((h.value, None, replies, i))
-                handed += 1
-        finally:  # the helper is done with every piece this call handed over
-            ok = [False] * len(slots)
-            for _ in range(handed):
-                i, digest = replies.get()
-                ok[i] = read_ok[i] and sums[i] is not None and digest == sums[i]
-        return ok
-
-    def _read_chunked_serial(self, slots, sums, dsts) -> list[bool]:
+        """read_n of big blocks: each in CHUNK_BYTES pieces, each hashed right after its
+        preadv, while it is still in cache (EPYC VM, 4 MiB blocks in raw loops: 0.82 of an
+        unhashed read, against 0.79 read whole and hashed after)."""
         ok = [False] * len(slots)
         for i, (slot, dst) in enumerate(zip(slots, dsts)):
             h, base = xxhash.xxh3_64(), slot * self.stride
@@ -289,66 +258,6 @@ class SlabFile:
             if fd >= 0:
                 os.close(fd)
                 setattr(self, name, -1)
-
-
-_HASHER: tuple[int, queue.SimpleQueue] | None = None
-_HASHER_LOCK = threading.Lock()
-
-
-def _hasher() -> queue.SimpleQueue | None:
-    """The job queue of the process's hashing helper (a daemon thread, started on first use
-    and again in a forked child); None where no thread can be started (hash in line).
-    A job is (function, argument or None for no argument, reply queue or None, tag); the
-    helper calls it and, given a queue, answers (tag, result), result None where it raised.
-    One helper serves every caller: a caller's jobs keep their order, and it waits for its
-    own replies only."""
-    global _HASHER
-    current = _HASHER
-    if current is not None and current[0] == os.getpid():
-        return current[1]
-    with _HASHER_LOCK:
-        if _HASHER is None or _HASHER[0] != os.getpid():
-            jobs: queue.SimpleQueue = queue.SimpleQueue()
-            try:
-                threading.Thread(target=_run_jobs, args=(jobs,), name="kvtier-ssd-hash",
-                                 daemon=True).start()
-            except RuntimeError:  # interpreter shutting down, or no threads left
-                return None
-            _HASHER = (os.getpid(), jobs)
-        return _HASHER[1]
-
-
-def _run_jobs(jobs: queue.SimpleQueue) -> None:
-    while True:
-        fn, arg, reply, tag = jobs.get()
-        try:
-            result = fn() if arg is None else fn(arg)
-        except Exception:  # noqa: BLE001 - answered as None; the helper lives on
-            result = None
-        if reply is not None:
-            reply.put((tag, result))
-
-
-def _checksums(payloads: list) -> list[int]:
-    return [checksum(p) for p in payloads]
-
-
-class _Digest:
-    """A streaming xxh3_64 (the same value as `checksum` of the whole) fed in pieces; a
-    piece that cannot be added makes the value None, which matches no checksum."""
-    __slots__ = ("_h", "_failed")
-
-    def __init__(self) -> None:
-        self._h, self._failed = xxhash.xxh3_64(), False
-
-    def update(self, piece) -> None:
-        try:
-            self._h.update(piece)
-        except Exception:  # noqa: BLE001 - that block is a miss
-            self._failed = True
-
-    def value(self) -> int | None:
-        return None if self._failed else self._h.intdigest()
 
 
 def _open(path: str) -> int:

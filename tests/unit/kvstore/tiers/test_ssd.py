@@ -81,23 +81,16 @@ def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatc
 
 @pytest.fixture
 def chunked(monkeypatch):
-    """Blocks of NS go the way big ones do: hashed by the helper thread as they are written
-    (HELPED_BLOCK_BYTES), read in pieces of 300 bytes (CHUNKED_BLOCK_BYTES), the last one
-    short, each hashed by the helper while the next is read."""
-    monkeypatch.setattr(slabfile, "HELPED_BLOCK_BYTES", NS.block_bytes)
+    """Blocks of NS go the way big ones do (CHUNKED_BLOCK_BYTES): written and read in
+    pieces of 300 bytes, the last one short, each hashed right next to its own I/O."""
     monkeypatch.setattr(slabfile, "CHUNKED_BLOCK_BYTES", NS.block_bytes)
     monkeypatch.setattr(slabfile, "CHUNK_BYTES", 300)
 
 
-@pytest.mark.parametrize("helper", [True, False], ids=["pipelined", "serial"])
-def test_big_blocks_hashed_beside_their_io_and_a_damaged_chunk_is_a_miss(tmp_path, monkeypatch,
-                                                                          chunked, helper):
-    """Big blocks are hashed as they are written, and read a chunk at a time, each hashed
-    as the next is read (by the helper thread, or in line where no helper can start): the
-    bytes on disk, the checksum in the index and header, and what reads back are those of
-    a block moved whole; a byte flipped in any chunk fails that block alone."""
-    if not helper:
-        monkeypatch.setattr(slabfile, "_hasher", lambda: None)
+def test_big_blocks_move_in_hashed_chunks_and_a_damaged_chunk_is_a_miss(tmp_path, chunked):
+    """Big blocks are written and read a chunk at a time, each hashed next to its I/O: the
+    bytes on disk, the checksum in the header, and what reads back are those of a block
+    moved whole; a byte flipped in any chunk fails that block alone."""
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(5)
     blocks = _blocks(5, seed=4)
@@ -119,8 +112,7 @@ def test_big_blocks_hashed_beside_their_io_and_a_damaged_chunk_is_a_miss(tmp_pat
 def test_a_chunk_that_cannot_be_read_fails_its_block_and_the_rest_read(tmp_path, monkeypatch,
                                                                        chunked):
     """An I/O error in the middle of a big block (the third chunk of the second block) is a
-    miss for that block; the helper still answers for it, so the read returns, and every
-    other block is whole."""
+    miss for that block; every other block reads whole."""
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(3)
     blocks = _blocks(3, seed=5)
@@ -138,20 +130,19 @@ def test_a_chunk_that_cannot_be_read_fails_its_block_and_the_rest_read(tmp_path,
     tier.close()
 
 
-def test_a_big_write_the_disk_refuses_fails_cleanly_and_the_helper_lives_on(tmp_path,
-                                                                             monkeypatch,
-                                                                             chunked):
-    """A payload write that fails (ENOSPC) while the helper hashes the batch raises a
-    TierIOError once the helper is done with the caller's buffers, writes no header, and
-    leaves the helper serving the next write."""
+def test_a_big_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch, chunked):
+    """A payload write that fails (ENOSPC) at the second chunk of a big block raises a
+    TierIOError and writes no header; the next write, once the disk takes it, lands."""
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(4)
     blocks = _blocks(4, seed=7)
-    real = os.pwritev
+    real, calls = os.pwritev, []
 
     def pwritev(fd, bufs, offset):
         if fd == tier.slabs.fd:
-            raise OSError(28, "No space left on device")
+            calls.append(offset)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
         return real(fd, bufs, offset)
     monkeypatch.setattr(slabfile.os, "pwritev", pwritev)
     with pytest.raises(TierIOError, match="No space left"):
@@ -165,9 +156,9 @@ def test_a_big_write_the_disk_refuses_fails_cleanly_and_the_helper_lives_on(tmp_
     tier.close()
 
 
-def test_readers_in_many_threads_share_the_hashing_helper(tmp_path, chunked):
-    """Every reader hands its chunks to the one helper thread: readers in eight threads at
-    once each get their own blocks' verdicts, none another's."""
+def test_readers_in_many_threads_get_their_own_verdicts(tmp_path, chunked):
+    """Readers in eight threads at once, each reading every block in its own order (one
+    damaged), each get their own blocks and verdicts, none another's."""
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(8)
     blocks = _blocks(8, seed=6)
@@ -188,7 +179,7 @@ def test_readers_in_many_threads_share_the_hashing_helper(tmp_path, chunked):
     tier.close()
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["runs", "helped-chunks"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["runs", "chunks"])
 @pytest.mark.parametrize("head_dim", [16, 64], ids=["padded-slots", "page-sized-blocks"])
 def test_short_transfers_are_carried_on_to_the_last_byte(tmp_path, monkeypatch, head_dim,
                                                         chunked):
@@ -199,7 +190,6 @@ def test_short_transfers_are_carried_on_to_the_last_byte(tmp_path, monkeypatch, 
     ns = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=head_dim, dtype="float16",
                    block_tokens=4)
     if chunked:
-        monkeypatch.setattr(slabfile, "HELPED_BLOCK_BYTES", ns.block_bytes)
         monkeypatch.setattr(slabfile, "CHUNKED_BLOCK_BYTES", ns.block_bytes)
         monkeypatch.setattr(slabfile, "CHUNK_BYTES", 1500)
     hashes = hash_blocks(ns, list(range(24)))
