@@ -296,8 +296,9 @@ class TieredStore(Reads, Grants):
     # ---------------------------------------------------------------- housekeeping
 
     def maintain(self) -> None:
-        """Reclaim expired reservations and leases, expire soft pins, and evict every tier
-        above its high watermark down to its low watermark."""
+        """Reclaim expired reservations and leases, expire soft pins, evict every tier
+        above its high watermark down to its low watermark, and write what the SSD index
+        has queued."""
         now = time.monotonic()
         with self._lock:
             if self._closed:
@@ -307,7 +308,10 @@ class TieredStore(Reads, Grants):
             for lid in [l for l, (dl, _) in self._leases.items() if dl < now]:
                 self._unhold(self._leases.pop(lid)[1])
             self._p.expire_soft_pins(now)
+            tiers = list(self._p.tiers)
         self._make_room(self._over_watermarks)
+        for tier in tiers:  # outside the lock: the SSD index's queued writes go now
+            tier.persist_frees()
 
     def _over_watermarks(self, p: TierMap) -> list[Move]:
         moves = []

@@ -121,7 +121,8 @@ class SsdTier:
         self._free.give_back(slots)
 
     def persist_frees(self) -> None:
-        self.index.write_queued()  # the queued deletes written now (WAL: they survive a kill)
+        if not self._closed and self.index.num_queued:  # the queued deletes and entries
+            self.index.write_queued()  # written now (WAL: they survive a kill)
 
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         pass  # readers on this host reach SSD blocks through the daemon only

@@ -11,7 +11,9 @@ it safe to lose:
 
 Index writes are grouped: `put_n` (after a block's payload and header are written) and
 `forget_n` (under the store's lock, when a slot is freed) only queue their entries and
-deletes, in order, and one RocksDB write takes GROUP_OPS of them at a time. A put does not
+deletes, in order; the `put_n` that makes GROUP_OPS writes them all in one RocksDB write,
+outside the store's lock, as does the store's maintenance pass (`persist_frees`), so what
+waits is written within a pass even with no put behind it. A put does not
 wait for the index: the slab headers already record it, and every open adopts the intact
 headers of slots the index does not cover (kvstore.tiers.ssd), so a put acknowledged and
 killed before its entry was written is found at the next open all the same. One index write
@@ -140,11 +142,9 @@ class SlotIndex:
             self.write_queued()
 
     def forget_n(self, hashes) -> None:
-        """Queue deletes, written with the next group (never raises; called under the
-        store's lock, it touches RocksDB only when GROUP_OPS are waiting)."""
+        """Queue deletes, written with the next group (called under the store's lock: it
+        never touches RocksDB, never raises)."""
         self._queue.extend((bytes(h), DELETE, 0) for h in hashes)
-        if len(self._queue) >= GROUP_OPS:
-            self.write_queued()
 
     def flush(self) -> None:
         """Write everything queued now, in order, in one RocksDB write; TierIOError if

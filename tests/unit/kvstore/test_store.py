@@ -286,6 +286,23 @@ def test_watermarks_demote_in_the_background(tmp_path):
         assert all(t is not None for t in read(s, CHAIN[:10])[0])
 
 
+def test_maintenance_writes_what_the_ssd_index_has_queued(tmp_path):
+    """SSD index entries and deletes wait in a queue for a group's worth (see
+    kvstore.tiers.ssdindex); a maintenance pass writes them, so a store that goes quiet
+    leaves its index complete (a later open then adopts nothing from the headers)."""
+    with make(tmp_path, dram=0, ssd=8) as s:
+        s.put_n(CHAIN[:3], blocks(3))
+        s.remove_n(CHAIN[:1])  # an explicit remove writes the queue at once
+        index = s.tier(TierKind.SSD).index
+        assert index.num_queued == 0
+        s.put_n(CHAIN[3:5], blocks(2, seed=1))
+        assert index.num_queued == 2
+        s.maintain()
+        assert index.num_queued == 0
+        listed = set(s.tier(TierKind.SSD).raw_db().keys())
+        assert listed == {bytes(h) for h in CHAIN[1:5]}
+
+
 def test_a_corrupted_ssd_value_is_a_miss_and_is_removed(tmp_path):
     with make(tmp_path, dram=1, ssd=4) as s:
         data = blocks(3)

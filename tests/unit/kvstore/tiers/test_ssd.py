@@ -269,8 +269,9 @@ def test_blocks_written_before_a_process_crash_are_found(tmp_path):
 
 def test_index_writes_go_in_groups_in_order_and_close_writes_the_rest(tmp_path, monkeypatch):
     """No put or free writes RocksDB by itself: entries and deletes wait in one queue, in
-    the order they came, and the one that makes GROUP_OPS writes them all; close writes
-    what is left. A block freed and then stored again in the same group ends indexed."""
+    the order they came, and the put that makes GROUP_OPS writes them all (a free, under
+    the store's lock, never does); close writes what is left. A block freed and then
+    stored again in the same group ends indexed."""
     monkeypatch.setattr(ssdindex, "GROUP_OPS", 9)
     tier = SsdTier(NS, str(tmp_path), 4)
     slots = tier.alloc_n(4)
@@ -278,10 +279,12 @@ def test_index_writes_go_in_groups_in_order_and_close_writes_the_rest(tmp_path, 
     tier.free_n(slots[:2], HASHES[:2])
     db = tier.raw_db()
     assert not any(bytes(h) in db for h in HASHES[:4]) and tier.index.num_queued == 6
+    tier.free_n(slots[2:3], HASHES[2:3])
     tier.write_n(tier.alloc_n(1), HASHES[4:5], _blocks(1, seed=1))
-    tier.write_n(tier.alloc_n(1), HASHES[0:1], _blocks(1))  # freed above, stored again
-    tier.free_n(slots[2:3], HASHES[2:3])  # the ninth: the group is written
-    assert tier.index.num_queued == 0
+    assert tier.index.num_queued == 8 and not any(bytes(h) in db for h in HASHES[:5])
+    tier.free_n([], [])
+    tier.write_n(tier.alloc_n(1), HASHES[0:1], _blocks(1))  # freed above, stored again:
+    assert tier.index.num_queued == 0  # the ninth, and the group is written
     assert [bytes(h) in db for h in HASHES[:5]] == [True, False, False, True, True]
     tier.write_n(tier.alloc_n(1), HASHES[5:6], _blocks(1, seed=5))
     tier.close()  # writes what is still queued
@@ -319,33 +322,35 @@ def test_a_delete_cut_off_by_a_crash_leaves_a_stale_entry_that_loses_nothing(tmp
 @pytest.mark.parametrize("group", [256, 5], ids=["nothing-written", "one-group-written"])
 def test_a_crash_with_index_writes_queued_keeps_every_live_block(tmp_path, group):
     """SIGKILL with entries and deletes still queued (none written, or a first group of
-    six written and three queued): every block still stored is found, from its index entry
-    or its header, and no freed one comes back."""
-    _crash_after(tmp_path, 6, 4, f"""
+    eight written and two queued after it): every block still stored is found, from its
+    index entry or its header, and no freed one comes back."""
+    _crash_after(tmp_path, 7, 6, f"""
         import kvstore.tiers.ssdindex as ssdindex
         ssdindex.GROUP_OPS = {group}
         slots = tier.alloc_n(4)
         tier.write_n(slots, hashes[:4], data[:4])
-        tier.free_n(slots[:2], hashes[:2])          # the sixth op: a group of 5 is written
-        tier.write_n(tier.alloc_n(2), hashes[4:6], data[4:6])  # reuse both slots
+        tier.free_n(slots[:2], hashes[:2])          # queued: a free never writes
+        tier.write_n(tier.alloc_n(2), hashes[4:6], data[4:6])  # the eighth op: with a
+        tier.write_n(tier.alloc_n(1), hashes[6:7], data[6:7])  # group of 5, all written
         tier.free_n(slots[2:3], hashes[2:3])        # queued, never written
     """)
-    tier = SsdTier(NS, str(tmp_path), 4)
+    tier = SsdTier(NS, str(tmp_path), 6)
     found = dict(tier.recover())
-    data = _blocks(6)
+    data = _blocks(7)
     # block 2 was freed (its delete never written, its slot never reused): its header was
     # zeroed at the free, so it stays freed; every block still stored is kept
-    live = [3, 4, 5]
+    live = [3, 4, 5, 6]
     assert sorted(found) == sorted(HASHES[i] for i in live)
-    if group == 5:  # entries 2 and 3 written: 2 dropped (no header), 4 and 5 adopted
-        assert tier.num_dropped_at_open == 1 and tier.num_recovered_from_slabs == 2
+    if group == 5:  # entries 2-5 written: 2 dropped (no header), 6 adopted from its header
+        assert tier.num_dropped_at_open == 1 and tier.num_recovered_from_slabs == 1
     else:
-        assert tier.num_dropped_at_open == 0 and tier.num_recovered_from_slabs == 3
+        assert tier.num_dropped_at_open == 0 and tier.num_recovered_from_slabs == 4
     out = torch.zeros(len(live), NS.block_bytes, dtype=torch.uint8)
-    assert tier.read_n([found[HASHES[i]] for i in live], [HASHES[i] for i in live], out) == [True] * 3
+    assert tier.read_n([found[HASHES[i]] for i in live], [HASHES[i] for i in live], out) == \
+        [True] * len(live)
     assert torch.equal(out, data[live])
     tier.close()
-    tier = SsdTier(NS, str(tmp_path), 4)  # the open wrote what it adopted into the index
+    tier = SsdTier(NS, str(tmp_path), 6)  # the open wrote what it adopted into the index
     assert sorted(h for h, _ in tier.recover()) == sorted(HASHES[i] for i in live)
     assert tier.num_recovered_from_slabs == 0
     tier.close()
