@@ -16,8 +16,10 @@ from kvstore.events import EventKind, TierKind
 from kvstore.tiermap import Entry, State
 
 
-GRANTED_SHARE = 4  # at most 1/4 of the DRAM tier is granted at once, over all writers
-BATCH_SHARE = 2  # ... or 1/2 while a writer's batch needs more than its stock (FLUSH want)
+GRANTED_SHARE = 4  # the stocks writers keep granted ahead: 1/4 of the DRAM tier, shared
+# (kvstore.daemon.putchannel gives each channel its part)
+BATCH_SHARE = 2  # what all writers together may hold granted: stocks, a batch bigger than a
+# stock (FLUSH want), and a stock kept from before other writers came
 
 
 class Grants:

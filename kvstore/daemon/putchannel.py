@@ -84,10 +84,11 @@ class PutChannel:
     def target(self) -> int:
         """How many granted slots this channel keeps in stock: enough for the client to put
         on through a drainer that a busy host leaves unscheduled for ~10 ms (GRANT_BYTES),
-        yet, as grants are slots no other put can use, an equal part of the namespace's
-        DRAM share for grants (1/GRANTED_SHARE, which the store enforces over all writers;
-        an arena under MIN_GRANTING_SLOTS grants nothing: its clients put with a request,
-        so a put request can use every slot). With 1/16 per channel, a 192 MiB arena of
+        yet, as grants are slots no other put can use, an equal part of a quarter of the
+        namespace's DRAM (1/GRANTED_SHARE over all its channels; the store's ceiling for
+        every grant together is half: see `_top_up`; an arena under MIN_GRANTING_SLOTS
+        grants nothing: its clients put with a request, so a put request can use every
+        slot). With 1/16 per channel, a 192 MiB arena of
         256 KiB blocks granted 48: under two busy processes the drainer fell that far
         behind in ~1% of puts, each of which waited a FLUSH (0.7-8 ms)."""
         hosted = self.hosted
@@ -99,21 +100,27 @@ class PutChannel:
 
     def _top_up(self, batch: int = 0) -> None:
         """Grant slots up to the channel's stock (`target`), or once up to `batch` (a FLUSH
-        naming a batch bigger than the stock: its slots are written at once, so they may
-        take the store's larger limit for grants, 1/BATCH_SHARE of the DRAM tier; a batch
-        over that, or an arena that grants nothing, is left to a put request). While the
+        naming a batch bigger than the stock: its slots are written at once), as long as
+        all grants together stay within 1/BATCH_SHARE of the DRAM tier (a batch over that,
+        or an arena that grants nothing, is left to a put request). While the
         client keeps putting such batches (`_note_batch`), the drainer's top-ups keep two of
         them granted, within the same limit: the client copies into what is left of the
         stock while the drainer commits its last batch and grants the rest."""
-        target, share = self.target(), GRANTED_SHARE
+        target = self.target()
         size, at = self.batch
         if not batch and time.monotonic() - at < BATCH_HOLD_S:
             batch = 2 * size  # the drainer's top-up: the batch being written and the next
         if target and batch > target:
-            target, share = batch, BATCH_SHARE
+            target = batch
         want = min(target - len(self.granted), self.ring.grant_room())
         if want > 0:
-            slots = self.store.grant_n(want, share)
+            # within the store's ceiling of half the DRAM, not the quarter the stocks share:
+            # a channel's stock is its part of the quarter (`target`), but one stocked
+            # before others opened keeps its larger stock until it puts (grants cannot be
+            # taken back from a client), and an idle one never does; under the quarter,
+            # every channel opened after it was granted nothing for as long (its puts ~10x
+            # slower, by request)
+            slots = self.store.grant_n(want, BATCH_SHARE)
             self.granted.update(slots)
             self.ring.push_grants(slots)
 

@@ -114,6 +114,26 @@ def test_grants_run_out_and_puts_fall_back_to_a_request(make_daemon):
     assert op_count(d, "put") >= 1, "12 blocks cannot all have fitted 2 grants"
 
 
+def test_a_writer_that_came_second_puts_directly_while_the_first_sits_idle(make_daemon):
+    """Two same-host clients of one namespace: the first stocks its channel with the whole
+    quarter of DRAM the stocks share, then stays open and idle (grants cannot be taken
+    back from it); the second still gets its part, and every one of its puts goes with no
+    request (they all went by request, ~10x slower, until the first closed)."""
+    d = make_daemon(dram_size="4MiB", ssd_size="0")  # 1024 slots: a lone channel gets 256
+    first, second = chain(21, 1), chain(22, 40)
+    with Client(d.url, namespace=NS) as idle, Client(d.url, namespace=NS) as c:
+        idle.put_n(first, blocks(first))  # opens its channel: stocked with 256
+        drained(idle, 256)
+        c.put_n(second[:1], blocks(second[:1]))  # opens the second channel
+        puts_before = op_count(d, "put")
+        for i in range(1, len(second)):
+            assert c.put_n(second[i:i + 1], blocks(second[i:i + 1])) == [PutStatus.STORED]
+        assert op_count(d, "put") == puts_before, "the second writer's puts sent PUTs"
+        out = np.zeros((len(second), BB), np.uint8)
+        assert c.get_n(second, out) == [TierKind.DRAM] * len(second)
+        assert np.array_equal(out, blocks(second))
+
+
 def test_a_full_dram_only_arena_keeps_granting(make_daemon):
     """With DRAM the only tier, room is made by dropping its oldest blocks: the grants keep
     coming once the arena is full, so puts never fall back to a request (they used to, for

@@ -1,6 +1,7 @@
 """How many DRAM slots a put channel keeps granted: enough to ride out a drainer a busy
-host leaves unscheduled, at most a quarter of the namespace's DRAM for all its channels
-(half while a client puts batches bigger than its stock)."""
+host leaves unscheduled, each channel its part of a quarter of the namespace's DRAM, and
+never more than half of it over all grants (batches bigger than a stock, stocks kept from
+before other channels opened)."""
 import contextlib
 
 import numpy as np
@@ -30,8 +31,16 @@ def test_the_channels_of_a_namespace_share_a_quarter_of_its_dram(tmp_path):
         a = PutChannel(hosted)
         assert a.target() == min(GRANT_CAPACITY, GRANT_BYTES // NS.block_bytes, slots // 4) == 192
         assert len(a.granted) == 192  # stocked at once
-        b = PutChannel(hosted)  # the store grants no more than a quarter over all channels:
-        assert a.target() == b.target() == slots // 8 and not b.granted  # b waits for a's
+        b = PutChannel(hosted)  # each channel's stock is its part of the quarter, and b's
+        # comes at once, beyond the quarter a's earlier stock holds (a may stay idle: its
+        # grants cannot be taken back, and b waited for them, its puts by request)
+        assert a.target() == b.target() == slots // 8 and len(b.granted) == slots // 8
+        a.drain()  # a keeps what it holds, and is granted no more until it is under its part
+        assert len(a.granted) == 192
+        c = PutChannel(hosted)  # a third: its part, as long as all grants stay within half
+        assert c.target() == slots // 12 and len(c.granted) == slots // 12
+        assert len(a.granted) + len(b.granted) + len(c.granted) <= slots // 2
+        c.close()
         a.close()  # its slots go back
         b.drain()  # the next top-up
         assert b.target() == slots // 4 and len(b.granted) == slots // 4
