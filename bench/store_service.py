@@ -18,9 +18,10 @@ Single-op rows also give p50 / p99 latency (us) against the baseline's, and same
 their p99 against a loop of memcpys as long as the op (the floor a busy host's scheduler
 sets for any thread running that long). Metadata:
 match_prefix over a 1,000-block chain and contains_n of 1,000 keys vs the same calls on an
-in-process TieredStore. The asyncio client against the blocking one
-(single ops, and 16 gets in flight vs 16 threads). `--busy N` runs everything, baselines
-included, while N processes burn the CPUs (the host an inference engine shares).
+in-process TieredStore. The asyncio client against the blocking one (single ops, and 16
+gets in flight vs 16 threads), on asyncio's loop and on uvloop's. `--busy N` runs
+everything, baselines included, while N processes burn the CPUs (the host an inference
+engine shares).
 
     python bench/store_service.py [--quick] [--busy N] [--rounds N] [--json PATH]
 """
@@ -44,6 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import uvloop
 
 from kvstore.client import AsyncClient, Client
 from kvstore.daemon.process import DaemonProcess
@@ -477,7 +479,8 @@ async def ameasure(afn, nbytes: int, seconds: float) -> Stats:
 
 def async_rows(url: str, seconds: float) -> list[Row]:
     """AsyncClient (frames on the event loop) against the blocking Client on the same
-    path: single ops, and 16 gets in flight at once (asyncio.gather vs 16 threads)."""
+    path: single ops, and 16 gets in flight at once (asyncio.gather vs 16 threads), on
+    asyncio's own event loop and on uvloop's (what vLLM's and SGLang's servers run)."""
     rows = []
     for label in ("256KiB", "1MiB"):
         ns, nbytes = namespace_for(SIZES[label]), SIZES[label]
@@ -502,16 +505,18 @@ def async_rows(url: str, seconds: float) -> list[Row]:
                         *(c.get_n(case.stored, [d]) for d in many)), nbytes * par, seconds)
                     return aget, aput, agather
 
-            aget, aput, agather = asyncio.run(run())
+            for loop_name, run_loop in (("async", asyncio.run), ("async(uvloop)", uvloop.run)):
+                aget, aput, agather = run_loop(run())
+                name = f"{loop_name} {path} {{}} {label} x1"
+                rows += [Row(name.format("put"), "GB/s", aput.gbps, "blocking Client", put.gbps),
+                         Row(name.format("get"), "GB/s", aget.gbps, "blocking Client",
+                             get.gbps),
+                         Row(name.format("get") + " p50", "us", aget.p50_us, "blocking Client",
+                             get.p50_us),
+                         Row(f"{loop_name} {path} get {label}, {par} in flight", "GB/s",
+                             agather.gbps, f"blocking Client, {par} threads", threaded.gbps)]
             case.close()
             sync.close()
-            name = f"async {path} {{}} {label} x1"
-            rows += [Row(name.format("put"), "GB/s", aput.gbps, "blocking Client", put.gbps),
-                     Row(name.format("get"), "GB/s", aget.gbps, "blocking Client", get.gbps),
-                     Row(name.format("get") + " p50", "us", aget.p50_us, "blocking Client",
-                         get.p50_us),
-                     Row(f"async {path} get {label}, {par} in flight", "GB/s", agather.gbps,
-                         f"blocking Client, {par} threads", threaded.gbps)]
     return rows
 
 

@@ -127,6 +127,9 @@ class AsyncConnection:
         went 2.3-2.7 -> 3.6-4.0 GB/s and 16 x 1 MiB 2.2-2.7 -> 3.2-3.7 against receiving
         all that had arrived in each call)."""
         k = self.buffered.take_into(view)
+        k += self._recv_ready(view[k:])
+        if k == view.nbytes:
+            return
         try:
             async with asyncio.timeout(self.timeout_s):
                 while k < view.nbytes:
@@ -135,6 +138,7 @@ class AsyncConnection:
                     if not got:
                         raise ConnectionError("peer closed the connection mid-frame")
                     k += got
+                    k += self._recv_ready(view[k:])
         except TimeoutError as e:
             raise RequestTimeout(f"payload from {self.addr} stalled for "
                                  f"{self.timeout_s}s") from e
@@ -167,18 +171,43 @@ class AsyncConnection:
     async def _take(self, n: int) -> bytes:
         buf = self.buffered
         while buf.pending() < n:
-            got = await self.loop.sock_recv_into(self.sock, buf.room(n))
+            try:  # what has arrived, with no trip round the loop
+                got = self.sock.recv_into(buf.room(n))
+            except (BlockingIOError, InterruptedError):
+                got = await self.loop.sock_recv_into(self.sock, buf.room(n))
             if not got:
                 raise ConnectionError("peer closed the connection mid-frame")
             buf.received(got)
         return buf.take(n)
+
+    def _recv_ready(self, view: memoryview) -> int:
+        """Receive into `view` what has arrived already, RECV_CHUNK bytes a call, with no
+        trip round the event loop (uvloop's sock_recv_into always waits for the next
+        readiness callback: a 256 KiB get took ~310 us on it against ~215 on asyncio's
+        loop, ~160 with the blocking client); how many bytes. A closed peer is left for
+        the awaited receive to find."""
+        k, n = 0, view.nbytes
+        while k < n:
+            try:
+                got = self.sock.recv_into(view[k:k + w.RECV_CHUNK])
+            except (BlockingIOError, InterruptedError):
+                return k
+            if not got:
+                return k
+            k += got
+        return k
 
     async def _send(self, msg: w.Message, payload) -> None:
         """One frame and its payload buffers, gathered by sendmsg (no join)."""
         views = [memoryview(b).cast("B") for b in payload]
         head = w.encode(msg, msg.OP, False, sum(v.nbytes for v in views))
         if not views:
-            await self.loop.sock_sendall(self.sock, head)
+            try:  # a request's header goes at once as a rule: no trip round the loop
+                sent = self.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if sent < len(head):
+                await self.loop.sock_sendall(self.sock, memoryview(head)[sent:])
             return
         bufs = [memoryview(head), *views]
         while bufs:

@@ -1,6 +1,7 @@
 """The asyncio SDK against a real daemon: the same op suite as `Client` on each path it
 takes (same host with and without the put channel, TCP), checked against a dict model,
-with no thread started; concurrency, cancellation, a restarted daemon, a silent peer."""
+with no thread started; concurrency, cancellation, a restarted daemon, a silent peer.
+Each on asyncio's own event loop and on uvloop's (what vLLM's and SGLang's servers run)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+import uvloop
 
 from kvstore import AsyncClient, Client
 from kvstore import wire as w
@@ -29,6 +31,12 @@ PATHS = {  # name -> AsyncClient options, and the transport it must end up on
 }
 
 
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request):
+    """Runs a coroutine to completion on a fresh event loop of either kind."""
+    return asyncio.run if request.param == "asyncio" else uvloop.run
+
+
 def chain(seed: int, n: int) -> list[bytes]:
     return hash_blocks(NS, np.arange(n * NS.block_tokens) + seed * 3_000_017)
 
@@ -38,7 +46,7 @@ def blocks(hs) -> np.ndarray:
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_the_op_suite_matches_a_dict_model_on_every_path(make_daemon, path):
+def test_the_op_suite_matches_a_dict_model_on_every_path(make_daemon, path, run):
     opts, transport = PATHS[path]
     d = make_daemon("--dram-size", "1MiB")
     model: dict[bytes, np.ndarray] = {}
@@ -93,7 +101,7 @@ def test_the_op_suite_matches_a_dict_model_on_every_path(make_daemon, path):
             assert await c.contains_n(hs) == [h in model for h in hs]
             assert threading.active_count() == threads, "the asyncio client started a thread"
 
-    asyncio.run(main())
+    run(main())
     # the blocking client (another process would do) sees exactly the model
     with Client(d.url, namespace=NS, use_shm=False) as sync:
         hs = list(model)
@@ -103,7 +111,7 @@ def test_the_op_suite_matches_a_dict_model_on_every_path(make_daemon, path):
 
 
 @pytest.mark.parametrize("path", ["shm", "tcp"])
-def test_many_concurrent_calls_on_a_small_pool(make_daemon, path):
+def test_many_concurrent_calls_on_a_small_pool(make_daemon, path, run):
     d = make_daemon("--dram-size", "2MiB")
     opts, _ = PATHS[path]
     hs = chain(30, 256)
@@ -121,10 +129,10 @@ def test_many_concurrent_calls_on_a_small_pool(make_daemon, path):
             await asyncio.gather(*(worker(c, k) for k in range(32)))
             assert len(c._idle) <= 2
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_payloads_bigger_than_the_socket_buffers(make_daemon):
+def test_payloads_bigger_than_the_socket_buffers(make_daemon, run):
     """Megabytes inline over TCP: many partial sends and receives on the loop."""
     d = make_daemon("--dram-size", "64MiB")
     hs = chain(40, 2048)  # 8 MiB of 4 KiB blocks in one request each way
@@ -136,10 +144,10 @@ def test_payloads_bigger_than_the_socket_buffers(make_daemon):
             assert None not in await c.get_n(hs, out)
             assert np.array_equal(out, blocks(hs))
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_a_cancelled_call_leaves_no_broken_connection(make_daemon):
+def test_a_cancelled_call_leaves_no_broken_connection(make_daemon, run):
     d = make_daemon("--dram-size", "64MiB")
     hs = chain(50, 2048)
 
@@ -162,10 +170,10 @@ def test_a_cancelled_call_leaves_no_broken_connection(make_daemon):
                 assert None not in await c.get_n(hs[:4], out)
                 assert np.array_equal(out, blocks(hs[:4]))
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_a_restarted_daemon_is_reached_on_a_fresh_connection(make_daemon):
+def test_a_restarted_daemon_is_reached_on_a_fresh_connection(make_daemon, run):
     d = make_daemon()
     async def main():
         for k, opts in enumerate((dict(), dict(use_shm=False))):
@@ -180,10 +188,10 @@ def test_a_restarted_daemon_is_reached_on_a_fresh_connection(make_daemon):
                 assert await c.get_n(hs[3:], out) == [TierKind.DRAM] * 3
                 assert np.array_equal(out, blocks(hs[3:]))
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_wrong_token_unreachable_daemon_and_silent_peer(make_daemon, tmp_path):
+def test_wrong_token_unreachable_daemon_and_silent_peer(make_daemon, tmp_path, run):
     (tmp_path / "tokens").write_text("s3cret\n")
     d = make_daemon("--token-file", str(tmp_path / "tokens"))
     with socket.socket() as s:
@@ -208,6 +216,6 @@ def test_wrong_token_unreachable_daemon_and_silent_peer(make_daemon, tmp_path):
             AsyncClient(d.url)
 
     try:
-        asyncio.run(main())
+        run(main())
     finally:
         silent.close()
