@@ -42,3 +42,28 @@ def test_start_busy_returns_once_its_processes_burn_and_stop_busy_ends_them():
     finally:
         stop_busy(procs)
     assert procs[0].returncode is not None
+
+
+def test_apaired_runs_plain_and_coroutine_functions_in_turns_on_one_loop():
+    import asyncio
+
+    from bench.store_service import apaired
+    order = []
+
+    def plain():
+        order.append("s")
+
+    async def coro():
+        await asyncio.sleep(0)
+        order.append("a")
+    stats = asyncio.run(apaired([plain, coro], nbytes=1, seconds=0.0, turns=3))
+    assert len(stats) == 2 and all(s.gbps > 0 for s in stats)
+    assert order[:2] == ["s", "a"]  # the warm-up
+    runs = [order[2]]
+    for k in order[3:]:
+        if k != runs[-1][-1]:
+            runs.append("")
+        runs[-1] += k
+    # turns s a | a s | s a: the order rotates, so each side runs twice in a row once
+    assert [r[0] for r in runs] == ["s", "a", "s", "a"]
+    assert all(len(r) >= 5 for r in runs)
