@@ -6,7 +6,8 @@
 
 Each byte of a block is written once (a `pwritev` of a run of consecutive slots' payloads,
 then one of their headers) and read back with one `preadv` straight into the caller's
-buffer, checked against the checksum the tier holds for it. The headers make every slot
+buffer, checked against the checksum the tier holds for it (a block over 2 MiB moves in
+512 KiB pieces, each hashed next to its own call, while it is still in cache). The headers make every slot
 self-describing: the tier's index is checked against them at open and can always be
 rebuilt from them (recovery reads the header file in windows, not a slot at a time).
 
