@@ -308,9 +308,9 @@ class TieredStore(Reads, Grants):
             for lid in [l for l, (dl, _) in self._leases.items() if dl < now]:
                 self._unhold(self._leases.pop(lid)[1])
             self._p.expire_soft_pins(now)
-            tiers = list(self._p.tiers)
         self._make_room(self._over_watermarks)
-        for tier in tiers:  # outside the lock: the SSD index's queued writes go now
+        for tier in self._p.tiers:  # (fixed at open) outside the lock: the SSD index's
+            # queued writes go now
             tier.persist_frees()
 
     def _over_watermarks(self, p: TierMap) -> list[Move]:

@@ -50,8 +50,10 @@ class Tier(Protocol):
 
     def persist_frees(self) -> None:
         """Make the frees so far durable now (an explicit remove must not come back after a
-        crash; an eviction may wait for the next write). Called outside the store's lock;
-        never raises (what it could not write stays queued). A no-op for memory tiers."""
+        crash; an eviction may wait for the next write), with any other index writes the
+        tier has queued (the SSD tier's: see kvstore.tiers.ssdindex). Called outside the
+        store's lock; never raises (what it could not write stays queued). A no-op for
+        memory tiers."""
 
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         """The blocks in these slots became readable (committed, demoted or promoted there);

@@ -154,7 +154,7 @@ class SlotIndex:
             if not ops:
                 return
             try:
-                self._write(_ops_batch(ops))
+                self._write(_batch(ops))
             except TierIOError:
                 self._queue.extendleft(reversed(ops))
                 raise
@@ -253,22 +253,15 @@ class SlotIndex:
         self._db = None
 
 
-def _batch(entries: Iterable[tuple[bytes, int, int]]) -> WriteBatch:
-    """One RocksDB write of an entry per (hash, slot, checksum)."""
-    batch = WriteBatch(raw_mode=True)
-    for h, slot, c in entries:
-        batch.put(bytes(h), ENTRY.pack(slot, c))
-    return batch
-
-
-def _ops_batch(ops: Iterable[tuple[bytes, int, int]]) -> WriteBatch:
-    """One RocksDB write of queued (hash, slot or DELETE, checksum), applied in order."""
+def _batch(ops: Iterable[tuple[bytes, int, int]]) -> WriteBatch:
+    """One RocksDB write of (hash, slot or DELETE, checksum), applied in order: the queue,
+    or a rebuild's entries (none of them a delete)."""
     batch = WriteBatch(raw_mode=True)
     for h, slot, c in ops:
         if slot == DELETE:
-            batch.delete(h)
+            batch.delete(bytes(h))
         else:
-            batch.put(h, ENTRY.pack(slot, c))
+            batch.put(bytes(h), ENTRY.pack(slot, c))
     return batch
 
 
