@@ -69,6 +69,11 @@ class TieredStore(Reads, Grants):
                 tier.close()
             raise
         self._reservations: dict[int, tuple[float, list[Entry]]] = {}  # id -> (deadline, entries)
+        # reservations made for a writer outside the daemon (a same-host client writing its
+        # DRAM slots itself), by id -> that writer; and, per writer, the DRAM slots of its
+        # reservations that timed out, by id: kept from reuse until it is done with them
+        self._owners: dict[int, object] = {}
+        self._quarantined: dict[object, dict[int, list[Entry]]] = {}
         self._granted: set[int] = set()  # DRAM slots granted to same-host writers (grants.py)
         self._leases: dict[int, tuple[float, list[Entry]]] = {}
         self._ids = itertools.count(1)
@@ -114,9 +119,14 @@ class TieredStore(Reads, Grants):
         decoded = [decode_block(self.ns, blob) for blob in blobs]
         return self.put_n([h.block_hash for h, _ in decoded], [payload for _, payload in decoded])
 
-    def reserve_n(self, hashes: Sequence[bytes], timeout_s: float | None = None) -> Reservation:
+    def reserve_n(self, hashes: Sequence[bytes], timeout_s: float | None = None,
+                  owner: object | None = None) -> Reservation:
         """Phase one of a put: a slot for each new hash, invisible until `commit`. A
-        reservation not committed within `timeout_s` (default from the config) is reclaimed."""
+        reservation not committed within `timeout_s` (default from the config) is reclaimed.
+        `owner`: the writer filling its DRAM slots from outside the store (a same-host
+        client, which may still be writing when the timeout passes): those slots of a
+        reclaimed reservation are not reused until `release_owned(owner, id)` or
+        `end_owner(owner)` says it is done with them."""
         check_hashes(hashes)
         keys = [bytes(h) for h in hashes]
         timeout = self.config.reservation_timeout_s if timeout_s is None else timeout_s
@@ -127,7 +137,7 @@ class TieredStore(Reads, Grants):
             if len(p.tiers) == 1 or p.tiers[0].num_free() >= len(keys):
                 # no bytes to move first (room is there, or made by dropping): one visit
                 try:
-                    return self._reserve_locked(keys, timeout)
+                    return self._reserve_locked(keys, timeout, owner)
                 finally:
                     self._unhold([e for e in mine if e is not None])
             fresh = mine.count(None)
@@ -138,9 +148,10 @@ class TieredStore(Reads, Grants):
                 self._unhold([e for e in mine if e is not None])
         with self._lock:
             self._check_open()
-            return self._reserve_locked(keys, timeout)
+            return self._reserve_locked(keys, timeout, owner)
 
-    def _reserve_locked(self, keys: list[bytes], timeout: float) -> Reservation:
+    def _reserve_locked(self, keys: list[bytes], timeout: float,
+                        owner: object | None = None) -> Reservation:
         """Slots for the hashes not stored yet (under the lock; the fastest tier's room was
         made already, or is made by dropping)."""
         p = self._p
@@ -163,6 +174,8 @@ class TieredStore(Reads, Grants):
             slots.append((p.tiers[place[0]].kind, place[1]))
         rid = next(self._ids)
         self._reservations[rid] = (time.monotonic() + timeout, new)
+        if owner is not None:
+            self._owners[rid] = owner
         return Reservation(rid, tuple(keys), tuple(statuses), tuple(slots))
 
     def write_reserved(self, res: Reservation, srcs) -> None:
@@ -200,7 +213,56 @@ class TieredStore(Reads, Grants):
         if reservation_id not in self._reservations:
             raise ReservationError(f"reservation {reservation_id} is unknown, already committed "
                                    "or aborted, or was reclaimed after its timeout")
+        self._owners.pop(reservation_id, None)
         return self._reservations.pop(reservation_id)[1]
+
+    def keep_reservation(self, reservation_id: int) -> None:
+        """No timeout for this reservation any more: the daemon is filling it now (a
+        COMMIT's inline blocks), and only commit or abort end it. ReservationError if it
+        is gone already."""
+        with self._lock:
+            if reservation_id not in self._reservations:
+                self._take_reservation(reservation_id)  # raises, saying why
+            self._reservations[reservation_id] = (math.inf, self._reservations[reservation_id][1])
+
+    def _expire_reservation(self, rid: int) -> None:
+        """Under the lock: a reservation past its timeout is reclaimed. Its blocks were
+        never visible; their slots go back, but the DRAM slots an outside writer may still
+        be filling stay out of use (quarantined) until that writer is done (see reserve_n):
+        reused at once, its late bytes would land in another block."""
+        entries = self._reservations.pop(rid)[1]
+        owner = self._owners.pop(rid, None)
+        if owner is None:
+            self._p.release_reserved(entries)
+            return
+        dram = self._tier_index(TierKind.DRAM)
+        held = [e for e in entries if e.tier == dram]
+        self._p.forget_reserved(held)  # the hashes may be put again meanwhile
+        self._p.release_reserved([e for e in entries if e.tier != dram])
+        if held:
+            self._quarantined.setdefault(owner, {})[rid] = held
+
+    def release_owned(self, owner: object, reservation_id: int) -> bool:
+        """The DRAM slots of `owner`'s reclaimed reservation back into use (its writer is
+        done with them: it sent COMMIT or ABORT for it). Whether there were any."""
+        with self._lock:
+            mine = self._quarantined.get(owner, {})
+            held = mine.pop(reservation_id, None)
+            if not mine:
+                self._quarantined.pop(owner, None)
+            if held and not self._closed:
+                self._p.release_reserved(held)
+            return held is not None
+
+    def end_owner(self, owner: object) -> None:
+        """`owner` is gone (its connection closed): every slot it kept out of use goes back."""
+        with self._lock:
+            mine = self._quarantined.pop(owner, {})
+            for rid in [r for r, o in self._owners.items() if o is owner]:
+                del self._owners[rid]  # (its open reservations are aborted by the caller)
+            if not self._closed:
+                for held in mine.values():
+                    self._p.release_reserved(held)
 
     # ---------------------------------------------------------------- reads
 
@@ -304,7 +366,7 @@ class TieredStore(Reads, Grants):
             if self._closed:
                 return
             for rid in [r for r, (dl, _) in self._reservations.items() if dl < now]:
-                self._p.release_reserved(self._reservations.pop(rid)[1])
+                self._expire_reservation(rid)
             for lid in [l for l, (dl, _) in self._leases.items() if dl < now]:
                 self._unhold(self._leases.pop(lid)[1])
             self._p.expire_soft_pins(now)

@@ -318,6 +318,13 @@ class TierMap:
                 counters.evictions += len(members)
             self.emit(EventKind.REMOVED, tier_idx, hashes)
 
+    def forget_reserved(self, group: Sequence[Entry]) -> None:
+        """Reserved (never visible) entries leave the map, their slots still taken: the
+        hashes may be put again; `release_reserved` frees the slots later."""
+        for e in group:
+            if self.entries.get(e.hash) is e:
+                del self.entries[e.hash]
+
     def release_reserved(self, group: Sequence[Entry]) -> None:
         """Free the slots of reserved (never visible) entries. The entries go first, so even
         a tier that fails to clean up leaves no trace a later put could take for EXISTS."""

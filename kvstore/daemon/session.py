@@ -11,6 +11,7 @@ over TCP both are refused.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -24,7 +25,7 @@ from kvstore import wire as w
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.namespaces import Hosted, Registry, namespace_of
 from kvstore.daemon.putchannel import Drainer, PutChannel
-from kvstore.errors import ReservationError, TierIOError
+from kvstore.errors import ReservationError, StoreClosedError, TierIOError
 from kvstore.events import TierKind
 from kvstore.store import PutStatus, Reservation
 from transfer import ShmSegment
@@ -170,7 +171,11 @@ class Session:
         if msg.staged:
             return self._put_staged(hashes, payload_bytes)
         self.check_payload(len(hashes), payload_bytes)
-        res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
+        # no timeout: the reservation lives exactly as long as this request, however slowly
+        # its payload comes (a stalled client meets the connection's idle timeout, and the
+        # abort below); reclaimed midway, its slots would go to other blocks while their
+        # bytes still arrive
+        res = store.reserve_n(hashes, timeout_s=math.inf)
         try:
             self._recv_blocks(res, range(len(hashes)))
         except TierIOError as e:  # the payload was read in full: the connection stays in step
@@ -241,7 +246,7 @@ class Session:
                                 f"staging segment of {n * bb} bytes (send STAGE first)")
         rows = self.staging.array[:n * bb].reshape(n, bb)
         store = self.store
-        res = store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
+        res = store.reserve_n(hashes, timeout_s=math.inf)  # filled here and now (see put)
         try:
             store.write_reserved(res, rows)
         except TierIOError as e:
@@ -321,7 +326,9 @@ class Session:
     def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:
         hashes = msg.hash_list
         self._make_room_for_reservation(len(hashes))
-        res = self.store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s)
+        # owned by this connection: if it times out, the DRAM slots the client may still be
+        # writing stay out of use until it sends COMMIT / ABORT for it, or goes
+        res = self.store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s, owner=self)
         self.reservations[res.reservation_id] = (res, time.monotonic()
                                                  + self.cfg.reservation_timeout_s)
         slots = [s[1] if s is not None and s[0] is TierKind.DRAM else w.NO_SLOT for s in res.slots]
@@ -351,15 +358,23 @@ class Session:
         res = self._forget_reservation(msg.reservation_id)
         if res is None:
             self.drain(payload_bytes)
+            self._release_timed_out(msg.reservation_id)
             raise w.RemoteError(w.ErrorCode.RESERVATION, f"reservation {msg.reservation_id} "
                                 "is not open on this connection")
         inline = [i for i, s in enumerate(res.slots) if s is not None and s[0] is not TierKind.DRAM]
         try:
+            try:  # no timeout from here on: its inline blocks are being received
+                self.store.keep_reservation(res.reservation_id)
+            except ReservationError:
+                self.drain(payload_bytes)
+                raise
             self.check_payload(len(inline), payload_bytes)
             self._recv_blocks(res, inline)
             self.store.commit(res.reservation_id)
-        except ReservationError as e:
-            raise w.RemoteError(w.ErrorCode.RESERVATION, str(e)) from e
+        except ReservationError as e:  # reclaimed after its timeout: nothing stored
+            self._release_timed_out(res.reservation_id)
+            raise w.RemoteError(w.ErrorCode.RESERVATION, f"{e}; nothing was stored (commit "
+                                "within --reservation-timeout)") from e
         except TierIOError as e:
             self.store.abort_failed(res, e)
             raise w.RemoteError(w.ErrorCode.NO_SPACE, f"nothing stored: {e}") from e
@@ -371,13 +386,24 @@ class Session:
     def abort(self, msg: w.Abort, payload_bytes: int) -> None:
         if self._forget_reservation(msg.reservation_id) is not None:
             self._abort(msg.reservation_id)
+        else:
+            self._release_timed_out(msg.reservation_id)
         self.reply(w.Op.ABORT, w.Ack())
 
     def _abort(self, rid: int) -> None:
         try:
             self.store.abort(rid)
-        except ReservationError:
-            pass  # already reclaimed after its timeout: nothing is left to give back
+        except ReservationError:  # reclaimed after its timeout: its DRAM slots waited for
+            self._release_timed_out(rid)  # this word from the client
+
+    def _release_timed_out(self, rid: int) -> None:
+        """The client is done with a reservation the store reclaimed after its timeout
+        (it sent COMMIT or ABORT for it): its DRAM slots may be reused now."""
+        if self.hosted is not None:
+            try:
+                self.store.release_owned(self, rid)
+            except StoreClosedError:
+                pass
 
     def exists(self, msg: w.Exists, payload_bytes: int) -> None:
         self.reply(w.Op.EXISTS, w.Ack(flags=bytes(self.store.contains_n(msg.hash_list))))
@@ -453,6 +479,10 @@ class Session:
         for rid in list(self.reservations):
             self._abort(rid)
         self.reservations.clear()
+        try:
+            self.store.end_owner(self)  # what its timed-out reservations kept out of use
+        except StoreClosedError:
+            pass
         self.release_n(list(self.leases))
 
 

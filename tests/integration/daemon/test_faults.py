@@ -127,6 +127,68 @@ def test_disconnect_mid_put_leaves_nothing(daemon):
         assert c.put_n(hs, [block_of(h, BB) for h in hs]) == [PutStatus.STORED] * 4
 
 
+def _call(s: socket.socket, msg: w.Message, payload=()) -> w.Frame:
+    w.send_frame(s, msg, msg.OP, False, payload)
+    return w.recv_frame(s, 1 << 30)
+
+
+def _blocks_are(c: Client, hs: list[bytes]) -> bool:
+    out = np.empty((len(hs), BB), np.uint8)
+    return None not in c.get_n(hs, out) and all((row == block_of(h, BB)).all()
+                                                for row, h in zip(out, hs))
+
+
+def test_a_put_slower_than_the_reservation_timeout_corrupts_no_other_block(daemon):
+    """A TCP PUT whose payload takes longer than --reservation-timeout (1 s here) keeps its
+    slots until it ends. Reclaimed midway (as it was), its slots went to the next put while
+    its bytes still arrived: another client's block was silently overwritten."""
+    slow = hash_blocks(NS, np.arange(2 * 16) + 4242)
+    payload = np.concatenate([block_of(h, BB) for h in slow])
+    others = hash_blocks(NS, np.arange(8 * 16) + 9191)
+    with raw_conn(daemon) as s:
+        hello(s)
+        s.sendall(w.encode(w.Put(hashes=w.pack_hashes(slow)), w.Op.PUT, False, payload.nbytes))
+        s.sendall(payload[:BB + 100].tobytes())
+        time.sleep(2.5)  # past the timeout (the daemon's maintenance runs every 0.5 s)
+        with Client(daemon.url, namespace=NS, use_shm=False) as c:
+            assert c.put_n(others, [block_of(h, BB) for h in others]) == [PutStatus.STORED] * 8
+        s.sendall(payload[BB + 100:].tobytes())
+        reply = w.recv_frame(s, 1 << 30)
+        assert reply.op is w.Op.PUT and reply.msg.statuses == b"\x00" * 2, reply.msg
+    with Client(daemon.url, namespace=NS, use_shm=False) as c:
+        assert _blocks_are(c, others) and _blocks_are(c, slow)
+        c.remove_n(others + slow)
+
+
+def test_a_timed_out_reservation_keeps_its_dram_slots_until_the_client_is_done(daemon):
+    """A same-host writer fills its reserved DRAM slots itself, and may still be at it when
+    the timeout reclaims the reservation: those slots are not handed out again until it
+    sends COMMIT (refused: nothing stored) or ABORT, or its connection ends."""
+    hs = hash_blocks(NS, np.arange(16) + 5151)
+    more = hash_blocks(NS, np.arange(4 * 16) + 6161)
+    with raw_conn(daemon) as s, raw_conn(daemon) as other:
+        hello(s)
+        hello(other)
+        r = _call(s, w.Reserve(hashes=w.pack_hashes(hs)))
+        rid, (slot,) = r.msg.reservation_id, np.frombuffer(r.msg.slots, "<i8")
+        assert slot >= 0  # a DRAM slot, for the client to write
+        deadline = time.monotonic() + 10
+        while _call(s, w.Stats()).msg.open_reservations and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _call(s, w.Stats()).msg.open_reservations == 0  # reclaimed
+        taken = _call(other, w.Reserve(hashes=w.pack_hashes(more))).msg
+        assert slot not in np.frombuffer(taken.slots, "<i8")  # (slots are reused last-in first)
+        assert _call(other, w.Abort(reservation_id=taken.reservation_id)).op is w.Op.ABORT
+        late = _call(s, w.Commit(reservation_id=rid))
+        assert late.op is w.Op.ERROR and late.msg.code == w.ErrorCode.RESERVATION
+        assert "nothing was stored" in late.msg.message or "not open" in late.msg.message
+        again = _call(other, w.Reserve(hashes=w.pack_hashes(more))).msg
+        assert slot in np.frombuffer(again.slots, "<i8")  # back in use once s was done
+        assert _call(other, w.Abort(reservation_id=again.reservation_id)).op is w.Op.ABORT
+        assert _call(s, w.Reserve(hashes=w.pack_hashes(hs))).op is w.Op.RESERVE
+    still_serving(daemon)  # (and s's connection closed with a reservation open: given back)
+
+
 def test_full_store_reports_no_space(make_daemon):
     d = make_daemon("--dram-size", "16KiB", "--ssd-size", "0")  # 4 slots, DRAM only
     with Client(d.url, namespace=NS) as c:

@@ -274,6 +274,37 @@ def test_a_writer_that_never_commits_is_reclaimed(tmp_path):
         assert s.put_n(CHAIN[:2], blocks(2)) == [PutStatus.STORED] * 2
 
 
+def test_the_dram_slots_of_an_outside_writer_stay_taken_until_it_is_done(tmp_path):
+    """A reservation made for a writer outside the store (a same-host client filling its
+    DRAM slots itself) is reclaimed at its timeout like any other, but its DRAM slots are
+    handed out again only once the writer says it is done (or is gone): the hashes are free
+    at once, the SSD slots too (only the daemon writes those)."""
+    owner = object()
+    with make(tmp_path, dram=2, ssd=4) as s:
+        res = s.reserve_n(CHAIN[:2], timeout_s=0.01, owner=owner)
+        assert {kind for kind, _ in res.slots} == {TierKind.DRAM}
+        time.sleep(0.05)
+        s.maintain()
+        assert s.stats().open_reservations == 0
+        dram = s.tier(TierKind.DRAM)
+        assert dram.num_free() == 0  # still the late writer's
+        assert s.put_n(CHAIN[:2], blocks(2)) == [PutStatus.STORED] * 2  # (to SSD)
+        assert s.stats().tier(TierKind.SSD).used_blocks == 2
+        assert s.release_owned(owner, res.reservation_id)
+        assert dram.num_free() == 2 and not s.release_owned(owner, res.reservation_id)
+        res = s.reserve_n(OTHER[:2], timeout_s=0.01, owner=owner)
+        time.sleep(0.05)
+        s.maintain()
+        assert dram.num_free() == 0
+        s.end_owner(owner)  # its connection closed
+        assert dram.num_free() == 2
+        kept = s.reserve_n(OTHER[2:4], timeout_s=60, owner=owner)
+        s.keep_reservation(kept.reservation_id)  # being filled: no timeout any more
+        s.end_owner(owner)
+        s.commit(kept.reservation_id)
+        assert read(s, OTHER[2:4])[0] == [TierKind.DRAM] * 2
+
+
 def test_watermarks_demote_in_the_background(tmp_path):
     with make(tmp_path, dram=10, ssd=20, background_interval_s=0.01) as s:
         cfg = s.config.tiers[0]
