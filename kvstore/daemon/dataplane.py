@@ -9,8 +9,10 @@ Two listeners: TCP (any host) and, for clients on this host, an abstract Unix-do
 with a random name (no file to guess; any uid may connect; the name reaches clients only in
 HELLO's reply). Both speak the same protocol; only the Unix one can pass descriptors.
 
-Limits before work: at most `max_connections` open, a quarter of them unauthenticated and,
-where tenants share the daemon, three quarters per tenant (`max_tenant_connections`); a new
+Limits before work: at most `max_connections` open, a quarter of them unauthenticated (past
+that, a new connection takes the place of the oldest unauthenticated one: silent sockets
+cannot lock clients out) and, where tenants share the daemon, three quarters per tenant
+(`max_tenant_connections`); a new
 connection must authenticate within `hello_timeout_s`, and an authenticated one is closed
 after `idle_timeout_s` of silence (kernel socket timeouts, so blocking MSG_WAITALL reads keep
 their speed). Running out of descriptors (EMFILE) pauses accepting, never stops it.
@@ -173,6 +175,15 @@ class ServedConnection:
             self.sock.close()
             self.server.forget(self)
 
+    def wake(self, code: w.ErrorCode, message: str) -> None:
+        """Closed from outside (it made room for another): told why unless it is mid-op."""
+        if not self.busy:
+            self._send_error(code, message)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def wake_if_idle(self) -> None:
         if not self.busy:
             try:
@@ -191,7 +202,10 @@ class DataPlane:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.conns: dict[ServedConnection, threading.Thread] = {}
-        self.num_pending = 0  # connections not yet authenticated
+        # connections not yet authenticated, oldest first: when they fill their quota, a
+        # new one takes the place of the oldest (refusing it instead let anyone holding
+        # silent sockets lock every client out, token or not)
+        self.pending: collections.OrderedDict[ServedConnection, None] = collections.OrderedDict()
         self.tenant_conns: collections.Counter[str] = collections.Counter()
         self._acceptors = [threading.Thread(target=self._accept, args=(s, s is self.local_sock),
                                             name="kvtier-accept", daemon=True)
@@ -242,10 +256,17 @@ class DataPlane:
             return
         with self.lock:
             refused = self._over_limit()
+            evicted = None
             if refused is None:
+                if len(self.pending) >= self.pending_quota:
+                    evicted, _ = self.pending.popitem(last=False)
                 self.conns[conn] = threading.Thread(target=conn.run, name="kvtier-conn",
                                                     daemon=True)
-                self.num_pending += 1
+                self.pending[conn] = None
+        if evicted is not None:
+            self.metrics.connections_refused.inc()
+            evicted.wake(w.ErrorCode.UNAVAILABLE, "too many connections waiting to "
+                         "authenticate: this one, the oldest, made room; retry")
         if refused is not None:
             self.metrics.connections_refused.inc()
             conn._send_error(w.ErrorCode.UNAVAILABLE, refused)
@@ -260,9 +281,15 @@ class DataPlane:
             return "the daemon is shutting down"
         if len(self.conns) >= self.cfg.max_connections:
             return f"the daemon is at its connection limit ({self.cfg.max_connections}); retry"
-        if self.num_pending >= max(1, self.cfg.max_connections // 4):
-            return "too many connections waiting to authenticate; retry"
         return None
+
+    @property
+    def pending_quota(self) -> int:
+        return max(1, self.cfg.max_connections // 4)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
 
     def move_tenant(self, conn: ServedConnection, tenant: str) -> str | None:
         """Count `conn` under `tenant` (and no longer under the one it held), or say why
@@ -288,15 +315,14 @@ class DataPlane:
 
     def authenticated(self, conn: ServedConnection) -> None:
         with self.lock:
-            self.num_pending -= 1
+            self.pending.pop(conn, None)
 
     def forget(self, conn: ServedConnection) -> None:
         with self.lock:
             self._uncount_tenant(conn)
             if self.conns.pop(conn, None) is not None:
                 self.metrics.connections.dec()
-                if not conn.authenticated:
-                    self.num_pending -= 1
+            self.pending.pop(conn, None)
 
     def shutdown(self, grace_s: float) -> None:
         """Stop accepting; idle connections close now, busy ones after their current op."""

@@ -166,12 +166,21 @@ def test_open_reservations_per_connection_are_bounded_and_pruned(make_daemon, to
 
 
 def test_connections_are_capped_and_the_unauthenticated_ones_more_so(make_daemon, token_file):
+    """8 connections at most, 2 of them unauthenticated; silent sockets past those 2 push
+    out the oldest, so they never keep a client with a token from connecting (refusing the
+    newcomer instead, as before, let 256 silent sockets lock out every client)."""
     d = make_daemon("--token-file", token_file, "--max-connections", "8")
-    idle = [raw_conn(d) for _ in range(2)]  # 8 // 4 = 2 may wait unauthenticated
+    idle = [raw_conn(d) for _ in range(6)]  # 8 // 4 = 2 may wait unauthenticated
     try:
-        with raw_conn(d) as s:
+        for s in idle[:4]:  # the first pushed out by the third, and so on
             reply = w.recv_frame(s, 1 << 30)
             assert reply.msg.code == w.ErrorCode.UNAVAILABLE and "authenticate" in reply.msg.message
+            assert closed(s)
+        with raw_conn(d) as s:  # a client with a token still gets in, and is served
+            assert call(s, hello_msg(NS, "admin-secret")).op is w.Op.HELLO
+            assert call(s, w.Stats()).op is w.Op.STATS
+        # (it too pushed out the oldest waiting, idle[4]): the last one waits alone
+        assert wait_for(lambda: metric(d, "kvtier_connections ") == 1)
         for s in idle:
             s.close()
         assert wait_for(lambda: metric(d, "kvtier_connections ") == 0)  # the daemon saw them go
