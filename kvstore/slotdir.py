@@ -91,7 +91,8 @@ class SlotDirectory:
 
     def __init__(self, num_slots: int) -> None:
         table_size, *_, table_off = _layout(num_slots)
-        self._seg = ShmSegment.anonymous(table_off + 8 * table_size, "kvtier-slotdir")
+        self._seg = ShmSegment.anonymous(table_off + 8 * table_size, "kvtier-slotdir",
+                                         final=False)
         fcntl.flock(self._seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until we close or die
         self._seg.seal_writes()  # readers are handed read-only descriptors: none can write
         self._mm = self._seg._mm

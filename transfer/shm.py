@@ -32,6 +32,7 @@ F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
 F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
 F_SEAL_FUTURE_WRITE = 0x0010  # Linux >= 5.1; not in Python 3.11's fcntl
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
 
 
 HUGE_PAGE = 2 << 20
@@ -128,15 +129,20 @@ class ShmSegment:
         return cls(name, size, mm, view, owner=False)
 
     @classmethod
-    def anonymous(cls, size: int, label: str = "kvtier", prefault: bool = True) -> "ShmSegment":
+    def anonymous(cls, size: int, label: str = "kvtier", prefault: bool = True,
+                  final: bool = True) -> "ShmSegment":
         """A memfd of `size` bytes, mapped writable, its size sealed. `label` only names it
-        in /proc/PID/maps. Reach it from another process with `share_fd` + `from_fd`."""
+        in /proc/PID/maps. Reach it from another process with `share_fd` + `from_fd`.
+        `final`: the seals too (F_SEAL_SEAL), else they are sealed by `seal_writes`. Open,
+        anyone holding a descriptor could add F_SEAL_FUTURE_WRITE, and no later client
+        could map the segment writable again (a same-host client breaking its namespace's
+        arena for every other client of it)."""
         if size <= 0:
             raise ValueError(f"shm segment size must be > 0, got {size}")
         fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)
+            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | (F_SEAL_SEAL if final else 0))
             mm, view = map_fd(fd, size, prefault=prefault)
         except BaseException:
             os.close(fd)
@@ -160,8 +166,9 @@ class ShmSegment:
         return cls(None, size, mm, view, owner=False)
 
     def seal_writes(self) -> None:
-        """No new writable mapping or write(2) from anyone, ever; ours keeps working."""
-        fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+        """No new writable mapping or write(2) from anyone, ever; ours keeps working. The
+        seals are final then (of a segment made with `final=False`)."""
+        fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL)
 
     def share_fd(self, writable: bool) -> int:
         """A new descriptor (its own open file description) of this anonymous segment, to

@@ -28,7 +28,7 @@ from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TouchLog,
                                     copy_row, flags_of, get_layout, numpy_rows, row_view,
                                     match_of, put_statuses, raise_unless_retryable, reusable_after,
                                     stage, stats_of)
-from kvstore.client.shm import VECTOR_READS, ArenaMap
+from kvstore.client.shm import VECTOR_READS, ArenaMap, open_arena
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.putring import DIRECT_PUTS
@@ -119,7 +119,7 @@ class AsyncClient:
         arena = None
         if info.arena_id:
             reply, (arena_fd, dir_fd) = await conn.call_fds(w.Share(), 2)
-            arena = ArenaMap(reply, arena_fd, dir_fd, self.block_bytes)
+            arena = open_arena(reply, arena_fd, dir_fd, self.block_bytes)
         old, self._arena = self._arena, arena
         if old is not None:
             old.close()

@@ -12,6 +12,7 @@ memory as x86-64 does), reads of DRAM blocks need no request at all: see
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import numpy as np
@@ -25,6 +26,8 @@ from kvstore.arena_layout import META_BYTES, arena_meta
 from kvstore.slotdir import DIRECT_READS, SlotDirectoryReader
 from transfer.copy import copy_bytes, memmove
 from transfer.shm import ShmSegment
+
+log = logging.getLogger("kvtier.client")
 
 _DRAM = TierKind.DRAM  # a module global: an enum member's lookup cost ~1 us a read
 VECTOR_READS = 32  # direct reads of more blocks take the vectorised path (measured: even
@@ -149,4 +152,16 @@ def map_arena(conn, block_bytes: int) -> ArenaMap | None:
     if not conn.info.arena_id:
         return None
     reply, (arena_fd, dir_fd) = conn.call_fds(w.Share(), 2)
-    return ArenaMap(reply, arena_fd, dir_fd, block_bytes)
+    return open_arena(reply, arena_fd, dir_fd, block_bytes)
+
+
+def open_arena(info: w.ShareOk, arena_fd: int, dir_fd: int, block_bytes: int) -> ArenaMap | None:
+    """`ArenaMap` of SHARE's descriptors, or None (blocks then go inline over the local
+    socket, as over TCP) when the system will not map them: e.g. a segment another process
+    sealed against writable mappings, or no address space left."""
+    try:
+        return ArenaMap(info, arena_fd, dir_fd, block_bytes)
+    except OSError as e:
+        log.warning("cannot map the daemon's shared memory (%s): blocks go inline over the "
+                    "local socket", e)
+        return None

@@ -3,6 +3,7 @@ that namespace (read-only where they only read), usable by any uid, and nothing 
 through the daemon's /proc entries by another process."""
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from kvstore import Client
 from kvstore import wire as w
 from kvstore.keys import hash_blocks
+from transfer.shm import F_ADD_SEALS, F_SEAL_FUTURE_WRITE
 
 from .conftest import (ALICE, BOB, NS, ROOT, block_of, call, closed, hello_msg, local_conn,
                        nobody_can_run_here, raw_conn)
@@ -73,8 +75,13 @@ def test_the_descriptors_are_this_namespaces_and_read_only_where_only_read(secur
             for fd in (arena, directory):
                 with pytest.raises(OSError):  # sealed: a shrink would crash the daemon
                     os.ftruncate(fd, 0)
-        finally:
+                with pytest.raises(PermissionError):  # and the seals are final: no client
+                    fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE)  # can stop the others
+        finally:  # from mapping the arena writable
             w.close_fds([arena, directory])
+    with Client(secured.url, "alice-secret", ALICE) as c:  # the next client still can
+        assert c.transport == "shm"
+        c.put_n(hash_blocks(ALICE, np.arange(16) + 3), [np.full(ALICE.block_bytes, 3, np.uint8)])
 
 
 NOBODY_CLIENT = textwrap.dedent("""

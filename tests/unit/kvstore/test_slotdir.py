@@ -248,3 +248,22 @@ def test_stores_leave_nothing_in_dev_shm_however_they_end(tmp_path):
                               timeout=120)
         assert "made" in done.stdout, done.stderr
     assert set(os.listdir("/dev/shm")) <= before
+
+
+def test_an_arena_the_system_will_not_map_writable_means_inline_blocks(caplog):
+    """A client that cannot map SHARE's arena writable (another process sealed it, before
+    the daemon made its seals final) goes on without it, blocks inline, with a warning."""
+    from kvstore import wire as w
+    from kvstore.client.shm import open_arena
+    from transfer.shm import ShmSegment
+    seg = ShmSegment.anonymous(8192, "test-arena", final=False)
+    try:
+        seg.seal_writes()
+        arena_fd, dir_fd = seg.share_fd(writable=True), seg.share_fd(writable=False)
+        assert open_arena(w.ShareOk(), arena_fd, dir_fd, 4096) is None
+        assert "inline" in caplog.text
+        for fd in (arena_fd, dir_fd):  # both were closed
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    finally:
+        seg.close()
