@@ -134,7 +134,9 @@ class TierMap:
             if demote or i + 1 == len(self.tiers):
                 self.make_room(i, want)
             slots = tier.alloc_n(min(want, tier.num_free()))
-            if slots is None:  # it could not grow as it expected (disk full): what it has
+            if slots is None:  # it could not grow as it expected (disk full): room made
+                if demote or i + 1 == len(self.tiers):  # in what it has (its num_free had
+                    self.make_room(i, want)  # counted the growth, so nothing was evicted)
                 slots = tier.alloc_n(min(want, tier.num_free()))
             out.extend((i, s) for s in slots or ())
         return out
@@ -224,7 +226,11 @@ class TierMap:
         if dst + 1 == len(self.tiers):
             self.make_room(dst, len(victims))
         k = min(len(victims), self.tiers[dst].num_free())
-        slots = (self.tiers[dst].alloc_n(k) if k else None) or []
+        slots = self.tiers[dst].alloc_n(k) if k else None
+        if slots is None and k and dst + 1 == len(self.tiers):  # it could not grow (disk
+            self.make_room(dst, k)  # full): room made in what it has, as `allocate` does
+            slots = self.tiers[dst].alloc_n(min(k, self.tiers[dst].num_free()))
+        slots = slots or []
         self.drop(victims[len(slots):])  # no room below (a full disk): dropped, as ever
         moving = victims[:len(slots)]
         for e in moving:

@@ -200,3 +200,25 @@ def test_corruption_met_while_serving_is_a_miss_for_that_block_only(make_daemon,
         assert c.contains_n([hs[i] for i in bad]) == [False, False]  # removed
         assert c.remove_n(hs) == 6, "a reader count was left held"
         assert c.stats().tier(TierKind.SSD).counters.corrupt == 2
+
+
+@pytest.mark.parametrize("dram", [0, 4])
+def test_a_full_disk_whose_blocks_can_be_evicted_takes_every_put(small_disk, monkeypatch, dram):
+    """The SSD tier may grow past what the disk holds: once the disk refuses to grow it, a
+    put evicts its least recent blocks instead (straight, or under demotions from DRAM).
+    It counted the growth it expected as room, evicted nothing, and answered NO_SPACE once
+    per retry of the growth (every 50 ms here: a few times in this test)."""
+    from kvstore.config import StoreConfig, TierConfig
+    from kvstore.events import TierKind
+    from kvstore.store import TieredStore
+    from kvstore.tiers import ssd
+    monkeypatch.setattr(ssd, "GROW_RETRY_S", 0.05)
+    tiers = ((TierConfig(TierKind.DRAM, dram),) if dram else ()) + (
+        TierConfig(TierKind.SSD, 8192, path=str(small_disk / "ssd")),)  # 32 MiB of slots
+    with TieredStore(NS, StoreConfig(tiers)) as store:
+        hs = hash_blocks(NS, np.arange(3000 * 16))  # 12 MiB on an 8 MiB disk
+        statuses = [store.put_n([h], block_of(h, BB)[None])[0] for h in hs]
+        assert statuses.count(PutStatus.STORED) == len(hs), statuses.count(PutStatus.NO_SPACE)
+        out = np.zeros((1, BB), np.uint8)
+        assert store.get_n(hs[-1:], out) != [None] and np.array_equal(out[0], block_of(hs[-1], BB))
+        assert store.stats().tier(TierKind.SSD).used_blocks < 2048  # evicted: the disk is full
