@@ -221,17 +221,27 @@ class Client:
             # no torch view op (those took ~4 us of a ~30 us 256 KiB put); anything else is
             # checked by byte_rows and goes the same way as tensors
             host = host_rows(srcs, n, self.block_bytes)
-            done = puts.put_n(hashes, host) if host is not None else None
+            done = self._put_direct(puts, hashes, host) if host is not None else None
             if done is not None:
                 return done
         rows = byte_rows(srcs, n, self.block_bytes)
         if not n:
             return []
         if puts is not None and host is None:
-            done = puts.put_n(hashes, rows)
+            done = self._put_direct(puts, hashes, rows)
             if done is not None:
                 return done
         return self._run(self._put_n, w.pack_hashes(hashes), rows)
+
+    def _put_direct(self, puts: DirectPuts, hashes: Sequence[bytes], rows) -> list[PutStatus] | None:
+        """`puts.put_n`, or None when its channel broke (the daemon went away mid-put: its
+        FLUSH failed): the put goes by request, which reconnects or raises ConnectError,
+        never a bare socket error."""
+        try:
+            return puts.put_n(hashes, rows)
+        except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
+            self._drop_puts()
+            return None
 
     def _direct_puts(self) -> DirectPuts | None:
         """This client's put channel (opened on first use), when it may put with none."""

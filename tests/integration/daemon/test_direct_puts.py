@@ -296,3 +296,26 @@ def test_the_drainer_and_maintenance_run_as_background_threads(make_daemon):
     assert policies.pop("kvtier-puts") == [os.SCHED_BATCH]
     assert policies.pop("kvtier-maintain") == [os.SCHED_BATCH]  # the namespace's store
     assert all(p == os.SCHED_OTHER for ps in policies.values() for p in ps), policies
+
+
+@pytest.mark.parametrize("after_s", [0.2, 0.5])
+def test_a_daemon_killed_mid_put_is_an_sdk_error_not_a_socket_error(make_daemon, after_s):
+    """SIGKILL while a client streams same-host puts: put_n raises the SDK's own error
+    (KVStoreError: ConnectError), which callers catch. A FLUSH to the dead daemon (the put
+    channel asking for grants) let a bare ConnectionResetError out."""
+    import signal
+    import threading
+
+    from kvstore.errors import KVStoreError
+    d = make_daemon(dram_size="8MiB", ssd_size="0")
+    rows = np.ones((8, BB), np.uint8)
+    with Client(d.url, namespace=NS, timeout_s=5) as c:
+        assert c.transport == "shm"
+        threading.Timer(after_s, lambda: d.proc.send_signal(signal.SIGKILL)).start()
+        deadline = time.monotonic() + 30
+        with pytest.raises(Exception) as caught:
+            for i in range(10**7):
+                c.put_n(hash_blocks(NS, np.arange(8 * NS.block_tokens),
+                                    extra=i.to_bytes(8, "little")), rows)
+                assert time.monotonic() < deadline, "puts went on with the daemon dead"
+        assert isinstance(caught.value, KVStoreError), repr(caught.value)
