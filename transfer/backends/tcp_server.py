@@ -1,15 +1,23 @@
 """The tcp backend's listening side: serves peers' READ/WRITE/NOTIFY on its agent's memory.
 
 One thread per accepted connection, requests served in arrival order, so responses come back
-in order. A request naming memory the agent did not export gets an ERROR reply (its payload
+in order. A peer must complete HELLO within `io_timeout_s` of connecting (a deadline, not
+a per-read timeout: a byte every few seconds does not keep it open), and at most
+MAX_PENDING peers wait for theirs: one more pushes out the oldest, so a flood of silent
+connections, which needs no key, costs bounded threads and descriptors and locks no
+peer out. Running out of descriptors pauses accepting, never stops it. A request naming memory the agent did not export gets an ERROR reply (its payload
 is drained, the connection lives on); a malformed frame gets an ERROR reply and the
 connection is closed. Data is acknowledged only after all of it has landed.
 """
 from __future__ import annotations
 
+import collections
+import errno
 import hmac
+import logging
 import socket
 import threading
+import time
 
 import numpy as np
 
@@ -19,6 +27,11 @@ from ..types import Notification
 from .base import AgentContext
 from .tcp_wire import (MAX_HELLO_BYTES, Kind, Progress, desc_arrays, drain, frame,
                        protocol_error, recv_frame, recv_views, send_views, tune)
+
+log = logging.getLogger("kvtier.transfer")
+MAX_PENDING = 64  # connections waiting to complete HELLO, per listener
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_BACKOFF_S = (0.05, 1.0)
 
 
 class Server:
@@ -30,27 +43,72 @@ class Server:
         self._sock.settimeout(0.2)
         self.addr = self._sock.getsockname()[:2]
         self._conns: set[socket.socket] = set()
+        # not yet past HELLO, oldest first: socket -> the deadline of its HELLO
+        self._pending: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                         name=f"kvt-tcp-accept-{ctx.name}")
         self._thread.start()
 
     def _accept_loop(self) -> None:
+        pause = ACCEPT_BACKOFF_S[0]
         while not self._stop.is_set():
+            self._expire_pending(time.monotonic())
             try:
                 sock, _ = self._sock.accept()
             except socket.timeout:
                 continue
+            except OSError as e:
+                if self._stop.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # listener closed
+                if e.errno in OUT_OF_RESOURCES:  # (exiting here left the agent deaf for good)
+                    log.warning("transfer agent %s cannot accept a connection (%s): pausing "
+                                "%.2fs", self.ctx.name, e, pause)
+                    time.sleep(pause)
+                    pause = min(2 * pause, ACCEPT_BACKOFF_S[1])
+                continue  # else one connection that died before we took it
+            pause = ACCEPT_BACKOFF_S[0]
+            try:
+                tune(sock, self.ctx.config.tcp_sock_buf_bytes)
             except OSError:
-                return  # listener closed
-            tune(sock, self.ctx.config.tcp_sock_buf_bytes)
+                sock.close()
+                continue
             with self._lock:
                 self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                             name=f"kvt-tcp-serve-{self.ctx.name}").start()
+                self._pending[sock] = time.monotonic() + self.ctx.config.io_timeout_s
+                oldest = (self._pending.popitem(last=False)[0]
+                          if len(self._pending) > MAX_PENDING else None)
+            if oldest is not None:
+                _shut(oldest)  # its thread ends it
+            try:
+                threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                 name=f"kvt-tcp-serve-{self.ctx.name}").start()
+            except RuntimeError:  # no thread to be had: this one is refused
+                with self._lock:
+                    self._conns.discard(sock)
+                    self._pending.pop(sock, None)
+                sock.close()
+
+    def _expire_pending(self, now: float) -> None:
+        """Close the connections whose HELLO deadline passed (oldest first: the first one
+        still within its deadline ends the sweep)."""
+        late = []
+        with self._lock:
+            while self._pending:
+                sock, deadline = next(iter(self._pending.items()))
+                if deadline > now:
+                    break
+                del self._pending[sock]
+                late.append(sock)
+        for sock in late:
+            _shut(sock)
+
+    def _admitted(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._pending.pop(sock, None)
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = _ServerConn(self.ctx, sock, self._stop.is_set)
+        conn = _ServerConn(self.ctx, sock, self._stop.is_set, lambda: self._admitted(sock))
         try:
             conn.run()
         except TransferError as e:
@@ -59,6 +117,7 @@ class Server:
             self.ctx.grants.forget(conn)
             with self._lock:
                 self._conns.discard(sock)
+                self._pending.pop(sock, None)
             sock.close()
 
     def close(self) -> None:
@@ -78,11 +137,19 @@ class Server:
         self._thread.join(timeout=2)
 
 
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class _ServerConn:
-    def __init__(self, ctx: AgentContext, sock: socket.socket, stopped):
+    def __init__(self, ctx: AgentContext, sock: socket.socket, stopped, admitted=lambda: None):
         self.ctx = ctx
         self.sock = sock
         self.stopped = stopped
+        self.admitted = admitted
         self.progress = Progress()
         self.peer = "?"
 
@@ -115,6 +182,7 @@ class _ServerConn:
         if not (self.ctx.grants.admit(key, self) and known):
             raise TransferError(Fault.REFUSED, "refused")
         self.peer = str(peer)
+        self.admitted()
         self._send([frame(Kind.ACK, [0])])
         while True:
             kind, header, plen = self._recv(idle_ok=True)

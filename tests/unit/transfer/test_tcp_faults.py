@@ -2,9 +2,11 @@
 each ends in a TransferError within bounded time, never a hang, never a partial DONE."""
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -229,3 +231,92 @@ def test_hello_to_the_wrong_agent_is_refused(target):
         assert HEAD.unpack(head)[2] == Kind.ERROR
         body = s.recv(HEAD.unpack(head)[4], socket.MSG_WAITALL)
         assert b"refused" in body and b.agent_id.encode() not in body  # names nothing
+
+
+def _closed_within(s: socket.socket, seconds: float, dribble: bytes = b"") -> bool:
+    """Whether the server closes `s` within `seconds` (sending `dribble` a byte at a time
+    every 0.1 s meanwhile, as a peer that never finishes its HELLO)."""
+    deadline = time.monotonic() + seconds
+    s.settimeout(0.1)
+    for i in range(10**6):
+        if time.monotonic() > deadline:
+            return False
+        try:
+            if i < len(dribble):
+                s.send(dribble[i:i + 1])
+            if s.recv(1) == b"":
+                return True
+        except socket.timeout:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_a_hello_has_a_deadline_not_a_per_byte_timeout(target):
+    """A peer must finish HELLO within io_timeout_s (0.6 s) of connecting; one byte every
+    0.1 s kept it open for good (each read made progress)."""
+    b, _, _ = target
+    addr = AgentMetadata.decode(b.metadata()).tcp_addr
+    with socket.create_connection(addr, timeout=3) as s:
+        assert _closed_within(s, 3.0, frame(Kind.HELLO, [b.agent_id, "slow", b""]) * 10)
+
+
+def test_silent_connections_push_out_the_oldest_and_lock_no_peer_out(target, monkeypatch):
+    """Connections waiting for HELLO are capped (MAX_PENDING: 4 here): one more closes the
+    oldest, so a flood of them (no key needed) costs bounded threads and descriptors, and a
+    peer that says HELLO at once is always served."""
+    from transfer.backends import tcp_server
+    monkeypatch.setattr(tcp_server, "MAX_PENDING", 4)
+    b, region, mem = target
+    addr = AgentMetadata.decode(b.metadata()).tcp_addr
+    silent = [socket.create_connection(addr, timeout=3) for _ in range(7)]
+    try:
+        assert all(_closed_within(s, 2.0) for s in silent[:3])  # the three oldest
+        s = _raw_conn(b)  # (it pushes out one more while it says HELLO)
+        s.sendall(frame(Kind.WRITE, [1, struct.pack("<q", region.region_id),
+                                     struct.pack("<q", 0), struct.pack("<q", 2), None], 2) + b"hi")
+        assert _reply_kind(s) == Kind.ACK and bytes(mem[:2]) == b"hi"
+        s.close()
+    finally:
+        for s in silent:
+            s.close()
+
+
+EMFILE_SCRIPT = """
+import resource, socket, sys, time
+import numpy as np
+from transfer import Agent, AgentConfig, AgentMetadata, BackendKind
+from transfer.backends import tcp_server
+from transfer.backends.tcp_wire import HEAD, Kind, frame
+tcp_server.MAX_PENDING = 10**6  # let the flood reach the descriptor limit
+resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+b = Agent("target", AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=30.0))
+b.register(np.zeros(4096, np.uint8))
+addr = AgentMetadata.decode(b.metadata()).tcp_addr
+flood = []
+try:
+    for _ in range(200):
+        flood.append(socket.create_connection(addr, timeout=1))
+except OSError:
+    pass
+time.sleep(0.5)  # the accept loop meets EMFILE meanwhile
+for s in flood:
+    s.close()
+time.sleep(1.5)
+s = socket.create_connection(addr, timeout=5)
+s.sendall(frame(Kind.HELLO, [b.agent_id, "after", b""]))
+head = s.recv(HEAD.size, socket.MSG_WAITALL)
+print("flood", len(flood), "reply", HEAD.unpack(head)[2] == Kind.ACK)
+"""
+
+
+def test_running_out_of_descriptors_pauses_accepting_never_stops_it():
+    """The accept loop met EMFILE during a flood and returned: the agent port was deaf
+    until the process restarted. (In a child process with 96 descriptors.)"""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", EMFILE_SCRIPT], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__))))))
+    assert "reply True" in out.stdout, out.stdout + out.stderr
