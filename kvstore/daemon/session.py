@@ -33,6 +33,7 @@ from transfer import ShmSegment
 STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
+SCRATCH_WINDOW = 16 << 20  # scratch a put's SSD / GPU blocks go through, written as it fills
 MAX_OPEN_RESERVATIONS = 64  # per connection (a client has one open at a time, or a few)
 MAX_RESERVED_HASHES = 1 << 17  # blocks reserved at once per connection (two full RESERVEs)
 
@@ -259,24 +260,46 @@ class Session:
         self._put_reply(res.statuses)
 
     def _recv_blocks(self, res: Reservation, indices: Sequence[int]) -> None:
-        """Receive blocks `indices` of a reservation: DRAM slots in place, the rest via
-        scratch then the tier's write_n; blocks not STORED are read and dropped."""
+        """Receive blocks `indices` of a reservation: DRAM slots in place, the rest through
+        scratch of at most SCRATCH_WINDOW bytes, written to their tier window by window
+        (scratch for the whole batch, up to 1 GiB, stayed resident for as long as a client
+        took to send it: a few stalled puts ran a host out of memory); blocks not STORED are
+        read and dropped. A tier's write error is raised once the whole payload is read, so
+        the connection stays in step."""
         bb = self.hosted.ns.block_bytes
         arena = self.dram_rows()
-        scratch = self.scratch_rows(len(indices), bb) if indices else None
-        others: dict[TierKind, list[int]] = {}
-        for k, i in enumerate(indices):
+        inline = sum(1 for i in indices if res.slots[i] is None or res.slots[i][0] is not TierKind.DRAM)
+        scratch = self.scratch_rows(min(inline, max(1, SCRATCH_WINDOW // bb)), bb) if inline else None
+        waiting: dict[TierKind, list[tuple[int, int]]] = {}  # tier -> (scratch row, block)
+        used, failed = 0, None
+        for i in indices:
             slot = res.slots[i]
             if slot is not None and slot[0] is TierKind.DRAM:
                 self.recv_into(arena[slot[1]])
                 continue
-            self.recv_into(scratch[k])
-            if slot is not None:
-                others.setdefault(slot[0], []).append(k)
-        for kind, ks in others.items():
-            idx = [indices[k] for k in ks]
-            self.store.tier(kind).write_n([res.slots[i][1] for i in idx],
-                                          [res.hashes[i] for i in idx], [scratch[k] for k in ks])
+            self.recv_into(scratch[used])
+            if slot is not None and failed is None:
+                waiting.setdefault(slot[0], []).append((used, i))
+            used += 1
+            if used == len(scratch):
+                failed = failed or self._write_window(res, scratch, waiting)
+                used = 0
+        failed = failed or self._write_window(res, scratch, waiting)
+        if failed is not None:
+            raise failed
+
+    def _write_window(self, res: Reservation, scratch, waiting) -> TierIOError | None:
+        """Write the blocks waiting in scratch to their tiers; the error, if one failed."""
+        try:
+            for kind, rows in waiting.items():
+                self.store.tier(kind).write_n([res.slots[i][1] for _, i in rows],
+                                              [res.hashes[i] for _, i in rows],
+                                              [scratch[k] for k, _ in rows])
+        except TierIOError as e:
+            return e
+        finally:
+            waiting.clear()
+        return None
 
     def get(self, msg: w.Get, payload_bytes: int) -> None:
         """One store visit per hash: DRAM blocks are leased, the rest copied (and

@@ -13,9 +13,11 @@ import pytest
 from kvstore import Client
 from kvstore import wire as w
 from kvstore.client import ConnectError
+from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
 
-from .conftest import ALICE, BOB, NS, call, closed, hello_msg, metric, raw_conn, rss_kib, wait_for
+from .conftest import (ALICE, BOB, NS, block_of, call, closed, hello_msg, metric, raw_conn,
+                       rss_kib, wait_for)
 
 
 @pytest.fixture
@@ -305,3 +307,48 @@ def test_one_tenant_cannot_take_every_connection(make_daemon, token_file):
 def _hello_ok(d, token, ns) -> bool:
     with raw_conn(d) as s:
         return call(s, hello_msg(ns, token)).op is w.Op.HELLO
+
+
+def test_a_stalled_put_to_ssd_holds_a_window_of_scratch_not_its_whole_batch(make_daemon):
+    """A PUT whose blocks go to SSD is received through at most SCRATCH_WINDOW (16 MiB) of
+    scratch, written as it fills: a client that stops one block short of a 64 MiB batch
+    left all 64 MiB resident for as long as it liked (a few such puts exhausted the host),
+    uncounted by any tenant limit. The blocks are all stored once it ends."""
+    d = make_daemon("--dram-size", "0", ssd_size="256MiB")
+    bb = NS.block_bytes
+    n = (64 << 20) // bb
+    hs = hash_blocks(NS, np.arange(n * NS.block_tokens) + 31337)
+    payload = np.concatenate([block_of(h, bb) for h in hs[:4]] + [np.full((n - 4) * bb, 9, np.uint8)])
+    with raw_conn(d, timeout=60) as s:
+        assert call(s, hello_msg(NS)).op is w.Op.HELLO
+        before = rss_kib(d.pid)
+        s.sendall(w.encode(w.Put(hashes=w.pack_hashes(hs)), w.Op.PUT, False, payload.nbytes))
+        s.sendall(payload[:-bb].tobytes())  # all but the last block, then silence
+        assert wait_for(lambda: unread_by_daemon(s) == 0, 30)  # it took all it was sent
+        grown = rss_kib(d.pid) - before
+        # the window and the bookkeeping of 16k blocks (~35 MiB here), not the 64 MiB batch
+        assert grown < (payload.nbytes >> 10) * 3 // 4, f"{grown} KiB resident for a stalled put"
+        s.sendall(payload[-bb:].tobytes())
+        reply = w.recv_frame(s, 1 << 30)
+        assert reply.op is w.Op.PUT and reply.msg.statuses == b"\x00" * n
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        out = np.zeros((4, bb), np.uint8)
+        assert None not in c.get_n(hs[:4], out)
+        assert all(np.array_equal(row, block_of(h, bb)) for row, h in zip(out, hs[:4]))
+        assert c.stats().tier(TierKind.SSD).used_blocks == n
+
+
+def unread_by_daemon(s: socket.socket) -> int:
+    """Bytes we sent on `s` that the daemon has not read yet: our send queue plus its receive
+    queue (/proc/net/tcp, the daemon's end of this loopback connection)."""
+    import fcntl
+    import struct
+    import termios
+    ours = struct.unpack("i", fcntl.ioctl(s, termios.TIOCOUTQ, b"\0" * 4))[0]
+    here, there = s.getsockname()[1], s.getpeername()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, remote, _, queues = line.split()[1:5]
+            if int(local.split(":")[1], 16) == there and int(remote.split(":")[1], 16) == here:
+                return ours + int(queues.split(":")[1], 16)
+    return ours
