@@ -20,7 +20,8 @@ from rocksdict import AccessType, Rdict
 
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
-from kvstore.tiers.slabfile import SlabFile, old_layout
+from kvstore.tiers.slabfile import (HEADERS, SLABS, SlabFile, headers_missing, old_layout,
+                                    stride_of)
 from kvstore.tiers.ssd import SsdTier, TIER_FILE
 from kvstore.tiers.ssdindex import parse_entry, rocksdb_options
 
@@ -50,19 +51,25 @@ def _namespace(path: str) -> Namespace:
     meta = os.path.join(path, TIER_FILE)
     if not os.path.isfile(meta):
         raise ConfigError(f"{path} is not an SSD tier directory (no {TIER_FILE})")
-    if old_layout(path):
-        raise ConfigError(f"{path} is an SSD tier of an older layout (headers inside slabs.dat): "
-                          "the daemon moves it aside and starts it empty at its next start; "
-                          "there is nothing to check or repair in place")
     try:
         with open(meta) as f:
-            return Namespace(**json.load(f))
+            ns = Namespace(**json.load(f))
     except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON, not a namespace
         raise ConfigError(f"{meta} does not name a namespace ({e}): the tier rewrites it at "
                           "its next open; fsck cannot check the blocks without it") from e
+    if old_layout(path, ns.block_bytes):
+        raise ConfigError(f"{path} is an SSD tier of an older layout (headers inside slabs.dat): "
+                          "the daemon moves it aside and starts it empty at its next start; "
+                          "there is nothing to check or repair in place")
+    return ns
 
 
 def _check(path: str, ns: Namespace) -> FsckReport:
+    if headers_missing(path):  # (a SlabFile would create an empty one)
+        entries, index_error = _read_index(os.path.join(path, "index"))
+        return FsckReport(0, 0, [], f"{HEADERS} is missing; the tier writes it again from the "
+                          f"index ({len(entries)} entries) at its next open, or --repair does "
+                          f"now" + (f" ({index_error})" if index_error else ""), 0)
     slabs = SlabFile(path, ns, 1 << 62)
     try:
         entries, index_error = _read_index(os.path.join(path, "index"))
@@ -150,8 +157,9 @@ def _repair(path: str, ns: Namespace) -> None:
 
 
 def _grown_slots(path: str, ns: Namespace) -> int:
-    slabs = SlabFile(path, ns, 1 << 62)
+    """Slots the slab file holds (read from its size: a SlabFile would create a missing
+    header file, which the tier then could not tell from a real one)."""
     try:
-        return max(1, slabs.num_grown)
-    finally:
-        slabs.close()
+        return max(1, os.path.getsize(os.path.join(path, SLABS)) // stride_of(ns.block_bytes))
+    except OSError:
+        return 1

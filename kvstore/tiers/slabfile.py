@@ -50,14 +50,45 @@ def stride_of(block_bytes: int) -> int:
     return -(-block_bytes // PAGE) * PAGE
 
 
-def old_layout(directory: str) -> bool:
-    """Whether `directory` holds a slab file of the first layout (headers inside it)."""
-    return (os.path.isfile(os.path.join(directory, SLABS))
+def old_layout(directory: str, block_bytes: int | None) -> bool:
+    """Whether `directory` holds a slab file of the first layout (each slot's header inside
+    it, after the payload, slots page-rounded with it): a slabs.dat with no headers.dat
+    whose first slots show such a header. With none of those (or `block_bytes` unknown:
+    None), it is a current tier whose headers.dat was lost (`headers_missing`)."""
+    path = os.path.join(directory, SLABS)
+    if not os.path.isfile(path) or os.path.exists(os.path.join(directory, HEADERS)):
+        return False
+    if block_bytes is None:
+        return True
+    old_stride = -(-(block_bytes + HEADER_BYTES) // PAGE) * PAGE
+    try:
+        with open(path, "rb") as f:
+            for slot in range(64):
+                f.seek(slot * old_stride + block_bytes)
+                raw = f.read(HEADER_BYTES)
+                if len(raw) < HEADER_BYTES:
+                    break
+                try:
+                    decode_header(raw)
+                    return True
+                except BlockFormatError:
+                    continue
+    except OSError:
+        return True  # unreadable: not read as ours either
+    return False
+
+
+def headers_missing(directory: str) -> bool:
+    """A slab file with payloads and no header file beside it (deleted, or lost to a
+    damaged disk): the tier writes the headers again from its index (`restore_headers`)."""
+    path = os.path.join(directory, SLABS)
+    return (os.path.isfile(path) and os.path.getsize(path) > 0
             and not os.path.exists(os.path.join(directory, HEADERS)))
 
 
 class SlabFile:
     def __init__(self, directory: str, ns: Namespace, num_slots: int) -> None:
+        self.headers_missing = headers_missing(directory)  # (before opening creates it)
         self.path = os.path.join(directory, SLABS)
         self.headers_path = os.path.join(directory, HEADERS)
         self.ns, self.num_slots = ns, num_slots
@@ -152,6 +183,32 @@ class SlabFile:
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES,
                      [encode_header(self.ns, hashes[i], sums[i]) for i in idx])
         return sums
+
+    def restore_headers(self, entries: Sequence[tuple[bytes, int, int]]) -> int:
+        """Write the headers of a slab file that lost its header file, from the index's
+        (hash, slot, checksum) entries; returns how many. A slot two entries name (one of
+        them stale: a delete a crash cut off) gets the one its payload matches, if any.
+        Payloads are checked on every read as ever: an entry that lies reads as a miss."""
+        slab_slots = min(self.num_slots, os.fstat(self.fd).st_size // self.stride)
+        by_slot: dict[int, list[tuple[bytes, int]]] = {}
+        for h, slot, c in entries:
+            if slot < slab_slots:
+                by_slot.setdefault(slot, []).append((h, c))
+        buf = memoryview(bytearray(self.block_bytes))
+        written = 0
+        os.ftruncate(self.hfd, slab_slots * HEADER_BYTES)
+        for slot in sorted(by_slot):
+            named = by_slot[slot]
+            if len(named) > 1:
+                named = [(h, c) for h, c in named if self.read_n([slot], [c], [buf])[0]][:1]
+            if named:
+                self._io(os.pwritev, self.hfd, slot * HEADER_BYTES,
+                         [encode_header(self.ns, named[0][0], named[0][1])])
+                written += 1
+        os.fsync(self.hfd)
+        self.num_grown = slab_slots
+        self.headers_missing = False
+        return written
 
     def erase_headers(self, slots: Sequence[int]) -> None:
         """Zero the headers of freed slots (one pwrite per run), so that an index rebuilt

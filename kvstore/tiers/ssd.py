@@ -57,7 +57,7 @@ class SsdTier:
     persistent = True
 
     def __init__(self, ns: Namespace, path: str, num_slots: int, durable: bool = True) -> None:
-        _set_aside_old_layout(path)
+        _set_aside_old_layout(path, ns.block_bytes)
         os.makedirs(path, exist_ok=True)
         _write_tier_file(path, ns)
         self.ns, self.path, self.durable = ns, path, durable
@@ -67,6 +67,8 @@ class SsdTier:
         had_index = os.path.isfile(os.path.join(self.index.path, "CURRENT"))
         try:
             self._at_open = self.index.open()  # entries as found; `recover` checks them
+            if self.slabs.headers_missing:
+                self._restore_headers()
         except BaseException:
             self.slabs.close()
             raise
@@ -79,6 +81,18 @@ class SsdTier:
         self.num_dropped_at_open = 0
         self.num_recovered_from_slabs = 0
         _warn_if_bigger_than_disk(path, num_slots * self.slabs.slot_disk_bytes)
+
+    def _restore_headers(self) -> None:
+        """headers.dat is gone while slabs.dat holds payloads: written again from the index
+        (the blocks stay; each is checked against its checksum on every read)."""
+        entries = [e for e in (parse_entry(k, v) for k, v in self._at_open) if e is not None]
+        try:
+            n = self.slabs.restore_headers(entries)
+        except OSError as e:
+            raise TierIOError(f"the SSD tier at {self.path} lost its header file and cannot "
+                              f"write it again: {e}") from e
+        log.warning("SSD tier %s: headers.dat was missing; %d block headers written again "
+                    "from the index", self.path, n)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -308,13 +322,13 @@ def _write_tier_file(path: str, ns: Namespace) -> None:
     os.replace(meta + ".tmp", meta)
 
 
-def _set_aside_old_layout(path: str) -> None:
+def _set_aside_old_layout(path: str, block_bytes: int) -> None:
     """A directory of an older layout is moved aside, not read: its blocks are a cache, and
     the new tier starts empty beside it. Layouts: one RocksDB value per block (a RocksDB
     `CURRENT` at the top), then a slab file whose slots held each block's header."""
     if os.path.isfile(os.path.join(path, "CURRENT")):
         layout = "one-value-per-block"
-    elif old_layout(path):
+    elif old_layout(path, block_bytes):
         layout = "header-in-slot slab"
     else:
         return

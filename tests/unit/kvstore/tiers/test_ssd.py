@@ -1,3 +1,5 @@
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from rocksdict import Rdict
 from kvstore.errors import ConfigError, TierIOError
 from kvstore.fsck import fsck
 from kvstore.keys import Namespace, hash_blocks
-from kvstore.layout import HEADER_BYTES, checksum, decode_header
+from kvstore.layout import HEADER_BYTES, checksum, decode_header, encode_header
 from kvstore.tiers import slabfile, ssdindex
 from kvstore.tiers.slabfile import stride_of
 from kvstore.tiers.ssd import SsdTier
@@ -523,11 +525,15 @@ def test_a_directory_of_an_older_layout_is_moved_aside_and_fsck_says_so(tmp_path
         db = Rdict(str(path))
         db[bytes(HASHES[0])] = b"an old block"
         db.close()
-    else:  # the first slab layout: slabs.dat alone, its slots holding their headers
-        tier = SsdTier(NS, str(path), 4)
-        tier.write_n(tier.alloc_n(2), HASHES[:2], _blocks(2))
-        tier.close()
-        os.unlink(path / "headers.dat")
+    else:  # the first slab layout: slabs.dat alone, each slot payload | header | pad
+        path.mkdir()
+        old_stride = -(-(NS.block_bytes + HEADER_BYTES) // 4096) * 4096
+        with open(path / "slabs.dat", "wb") as f:
+            for i, row in enumerate(_blocks(2)):
+                payload = row.numpy().tobytes()
+                slot = payload + encode_header(NS, HASHES[i], checksum(payload))
+                f.write(slot + bytes(old_stride - len(slot)))
+        (path / "tier.json").write_text(json.dumps(dataclasses.asdict(NS)))
         with pytest.raises(ConfigError, match="older layout"):
             fsck(str(path))
     tier = SsdTier(NS, str(path), 4)
@@ -726,3 +732,28 @@ def test_tier_json_names_the_namespace_the_directory_was_last_opened_for(tmp_pat
     tier.close()
     report = fsck(str(tmp_path))
     assert report.clean and report.num_ok == 2
+
+
+def test_a_lost_header_file_is_written_again_from_the_index(tmp_path, caplog):
+    """headers.dat deleted (or lost with a damaged disk) beside an intact slabs.dat and
+    index: fsck says so, and the next open writes the headers again from the index, every
+    block found byte-exact. It was taken for the first layout, and the whole tier was set
+    aside (every block a miss)."""
+    tier = SsdTier(NS, str(tmp_path), 8)
+    slots = tier.alloc_n(5)
+    tier.write_n(slots, HASHES[:5], _blocks(5))
+    tier.free_n(slots[4:], HASHES[4:5])  # removed: must stay gone
+    tier.close()
+    os.unlink(tmp_path / "headers.dat")
+    report = fsck(str(tmp_path))
+    assert not report.clean and "headers.dat is missing" in report.index_error
+    assert "4 entries" in report.index_error and not (tmp_path / "headers.dat").exists()
+    tier = SsdTier(NS, str(tmp_path), 8)
+    found = dict(tier.recover())
+    assert found == {bytes(h): s for h, s in zip(HASHES[:4], slots)}
+    out = torch.zeros(4, NS.block_bytes, dtype=torch.uint8)
+    assert tier.read_n(slots[:4], HASHES[:4], out) == [True] * 4
+    assert torch.equal(out, _blocks(5)[:4]) and "written again" in caplog.text
+    assert not [p for p in os.listdir(tmp_path.parent) if ".legacy-" in p]
+    tier.close()
+    assert fsck(str(tmp_path)).clean
