@@ -210,6 +210,9 @@ def read_token_file(path: str) -> tuple[tuple[str, str], ...]:
     for parts in filter(None, lines):
         if len(parts) > 2:
             raise ConfigError(f"token file {path}: a line is `TOKEN [TENANT]`, got {parts}")
+        if len(parts) == 2 and parts[1] == ADMIN:  # ADMIN as a tenant would be an admin
+            raise ConfigError(f"token file {path}: {ADMIN!r} is not a tenant name (a token "
+                              "alone on its line is an admin token)")
         out.append((parts[0], parts[1] if len(parts) == 2 else ADMIN))
     if not out:
         raise ConfigError(f"token file {path} holds no token")

@@ -25,6 +25,9 @@ def test_token_file_and_tenant_grants(tmp_path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="no token"):
         read_token_file(str(tmp_path / "empty"))
+    (tmp_path / "star").write_text(f"sneaky {ADMIN}\n")  # a tenant named like the admin mark
+    with pytest.raises(ConfigError, match="not a tenant name"):
+        read_token_file(str(tmp_path / "star"))
 
 
 def test_toml(tmp_path):
