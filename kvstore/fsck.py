@@ -74,8 +74,11 @@ def _check(path: str, ns: Namespace) -> FsckReport:
     try:
         entries, index_error = _read_index(os.path.join(path, "index"))
         ok, bad, claimed = 0, [], set()
+        named: dict[int, set[bytes]] = {}  # slot -> the hashes entries put there
+        for e in filter(None, (parse_entry(k, v) for k, v in entries)):
+            named.setdefault(e[1], set()).add(e[0])
         for key, value in entries:
-            reason = _entry_problem(slabs, key, value, claimed)
+            reason = _entry_problem(slabs, key, value, claimed, named)
             if reason:
                 bad.append((key, reason))
             else:
@@ -120,16 +123,21 @@ def _read_index(path: str) -> tuple[list[tuple[bytes, bytes]], str | None]:
     return entries, error
 
 
-def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set) -> str | None:
+def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set,
+                   named: dict[int, set[bytes]]) -> str | None:
     entry = parse_entry(key, value)
     if entry is None:
         return "not an index entry (wrong key or value size)"
-    h, slot, _ = entry
+    h, slot, want = entry
     if slot >= slabs.num_grown:
         return f"slot {slot} is beyond the slab file"
     # before the claim: a stale entry (a delete a crash cut off) naming the same slot as the
     # block now in it takes nothing from it
     ((_, holder, c),) = slabs.headers([slot])
+    if holder is not None and holder not in named[slot] and c == want:  # the header's hash
+        claimed.add(slot)  # field damaged (not a block of its own to adopt)
+        return (f"slot {slot}'s header names another block but holds this entry's checksum: "
+                "the header is damaged; the next start or --repair writes it again")
     if holder is not None and holder != h:
         return (f"slot {slot} now holds another block: a stale entry (its delete was cut "
                 "off by a crash), harmless; the next start or --repair drops it")

@@ -210,6 +210,12 @@ class SlabFile:
         self.headers_missing = False
         return written
 
+    def write_headers(self, items: Sequence[tuple[int, bytes, int]]) -> None:
+        """Write the headers of (slot, block hash, checksum) again (ones found damaged).
+        Raises TierIOError."""
+        for slot, h, c in items:
+            self._io(os.pwritev, self.hfd, slot * HEADER_BYTES, [encode_header(self.ns, h, c)])
+
     def erase_headers(self, slots: Sequence[int]) -> None:
         """Zero the headers of freed slots (one pwrite per run), so that an index rebuilt
         from the headers never adopts a block that was removed (its payload is still there,

@@ -207,7 +207,10 @@ class SsdTier:
     def _verified(self, raw: list[tuple[bytes, bytes]]
                   ) -> tuple[dict[bytes, tuple[int, int]], list[bytes]]:
         """Index entries whose slot exists and holds that block's header (of two entries
-        naming one slot, a delete a crash cut off left one stale: the header decides)."""
+        naming one slot, a delete a crash cut off left one stale: the header decides). A
+        header that names another block but carries the entry's checksum was damaged (its
+        hash field: adopted as it was, the payload answered for a key nobody put): the
+        entry stands, and the header is written again."""
         by_slot: dict[int, list[tuple[bytes, int]]] = {}
         dropped = []
         for key, value in raw:
@@ -215,16 +218,30 @@ class SsdTier:
             if entry is None or entry[1] >= min(self.num_slots, self.slabs.num_grown):
                 dropped.append(key)
                 continue
-            by_slot.setdefault(entry[1], []).append(entry[0])
+            by_slot.setdefault(entry[1], []).append((entry[0], entry[2]))
         on_disk = {slot: (h, c) for slot, h, c in self.slabs.headers(sorted(by_slot))}
         found: dict[bytes, tuple[int, int]] = {}
-        for slot, hashes in by_slot.items():
+        mended = []
+        for slot, named in by_slot.items():
             header_hash, c = on_disk.get(slot, (None, 0))
-            for h in hashes:
+            if header_hash not in {h for h, _ in named}:
+                vouched = [h for h, ec in named if ec == c] if header_hash is not None else []
+                if len(vouched) == 1:
+                    header_hash = vouched[0]
+                    mended.append((slot, header_hash, c))
+            for h, _ in named:
                 if h == header_hash:  # with the header's checksum: the one written with
                     found[h] = (slot, c)  # these bytes
                 else:
                     dropped.append(h)
+        if mended:
+            log.warning("SSD tier %s: %d block headers named another block than the index "
+                        "with the index's checksum (damaged): written again", self.path,
+                        len(mended))
+            try:
+                self.slabs.write_headers(mended)
+            except TierIOError as e:
+                log.warning("%s", e)
         return found, dropped
 
     def _adopt_from_slabs(self, found: dict[bytes, tuple[int, int]]

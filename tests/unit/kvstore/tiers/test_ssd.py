@@ -757,3 +757,32 @@ def test_a_lost_header_file_is_written_again_from_the_index(tmp_path, caplog):
     assert not [p for p in os.listdir(tmp_path.parent) if ".legacy-" in p]
     tier.close()
     assert fsck(str(tmp_path)).clean
+
+
+def test_a_header_whose_hash_field_is_damaged_serves_no_key_nobody_put(tmp_path):
+    """A flipped bit in a header's block hash: the index's entry (same slot, the checksum
+    the header carries) stands and the header is written again. Before, the entry was
+    dropped as stale and the slot adopted under the damaged hash: a hit for a key never
+    put, and fsck counted it intact."""
+    tier = SsdTier(NS, str(tmp_path), 4)
+    slots = tier.alloc_n(2)
+    tier.write_n(slots, HASHES[:2], _blocks(2))
+    tier.close()
+    with open(tmp_path / "headers.dat", "rb") as f:
+        f.seek(slots[1] * HEADER_BYTES)
+        at = slots[1] * HEADER_BYTES + f.read(HEADER_BYTES).index(bytes(HASHES[1]))
+    _flip(tmp_path / "headers.dat", at + 3)
+    wrong = _header(tmp_path, slots[1]).block_hash
+    assert wrong != HASHES[1]
+    report = fsck(str(tmp_path))
+    assert [reason for _, reason in report.bad] == [
+        f"slot {slots[1]}'s header names another block but holds this entry's checksum: "
+        "the header is damaged; the next start or --repair writes it again"]
+    assert report.num_recoverable == 0
+    tier = SsdTier(NS, str(tmp_path), 4)
+    assert dict(tier.recover()) == {bytes(h): s for h, s in zip(HASHES[:2], slots)}
+    out = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)
+    assert tier.read_n(slots, HASHES[:2], out) == [True, True] and torch.equal(out, _blocks(2))
+    assert tier.locate(wrong) is None
+    tier.close()
+    assert _header(tmp_path, slots[1]).block_hash == HASHES[1] and fsck(str(tmp_path)).clean
