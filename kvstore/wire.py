@@ -349,6 +349,8 @@ class StatsOk(Message):
     open_reservations: int = 0
     open_leases: int = 0
     tiers: tuple[tuple[int, ...], ...] = ()  # (kind, capacity, used, free, *TierCounters)
+    write_errors: int = 0       # puts a tier could not store (answered NO_SPACE)
+    background_errors: int = 0  # maintenance passes that failed
 
 
 @_msg(Op.ERROR, reply=True)

@@ -181,7 +181,7 @@ def stats_of(reply: w.StatsOk, ns: Namespace) -> StoreStats:
     tiers = tuple(TierStats(TierKind(row[0]), row[1], row[2], row[3], TierCounters(*row[4:]))
                   for row in reply.tiers)
     return StoreStats(ns.model, ns.block_bytes, tiers, reply.misses, reply.open_reservations,
-                      reply.open_leases)
+                      reply.open_leases, reply.write_errors, reply.background_errors)
 
 
 def iter_rows(rows):

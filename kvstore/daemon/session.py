@@ -471,7 +471,9 @@ class Session:
         rows = tuple((int(t.kind), t.capacity_blocks, t.used_blocks, t.free_blocks,
                       *vars(t.counters).values()) for t in s.tiers)
         self.reply(w.Op.STATS, w.StatsOk(misses=s.misses, open_reservations=s.open_reservations,
-                                         open_leases=s.open_leases, tiers=rows))
+                                         open_leases=s.open_leases, tiers=rows,
+                                         write_errors=s.write_errors,
+                                         background_errors=s.background_errors))
 
     def close(self) -> None:
         """The connection ended: its staging segment and agent capability go too."""

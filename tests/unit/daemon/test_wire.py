@@ -35,6 +35,16 @@ def test_replies_round_trip():
         assert decode(w.encode(msg, op, True)) == msg
 
 
+def test_stats_carry_the_error_counts_to_the_client():
+    """Client.stats().write_errors and background_errors read what the daemon counted
+    (they were always 0: the reply had no fields for them)."""
+    from kvstore.client.replies import stats_of
+    from kvstore.keys import Namespace
+    reply = decode(w.encode(w.StatsOk(write_errors=10, background_errors=2), w.Op.STATS, True))
+    stats = stats_of(reply, Namespace("m", 1, 1, 64))
+    assert (stats.write_errors, stats.background_errors) == (10, 2)
+
+
 def test_clear_errors():
     good = w.encode(w.Stats(), w.Op.STATS, False)
     with pytest.raises(w.ProtocolError, match="magic"):
