@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import shutil
 import struct
@@ -43,6 +44,7 @@ from kvstore.keys import HASH_BYTES
 log = logging.getLogger("kvtier.ssd")
 ENTRY = struct.Struct("<QQ")  # slot, payload checksum
 RETRY_S = 1.0
+WARN_EVERY_S = 10.0  # a failing index is logged at most this often
 GROUP_OPS = 256  # entries and deletes queued before one RocksDB write takes them all
 QUEUE_KEEP = 1024 * GROUP_OPS  # while the index refuses writes, at most this many wait: the
 # oldest are let go (a stale entry is harmless, a missing one is adopted from its header at
@@ -72,6 +74,8 @@ class SlotIndex:
             maxlen=QUEUE_KEEP)  # (hash, slot or DELETE, checksum), in the order they came
         self._write_lock = threading.Lock()  # takes the queue and writes it, one at a time
         self._failed_at: float | None = None
+        self._warned_at = -math.inf  # the last refusal logged (see write_queued)
+        self._unlogged = 0           # refusals since, not logged
         self.num_errors = 0        # writes or deletes RocksDB refused
         self.num_rebuilds = 0      # times the index was set aside and written afresh
         self.damaged = False       # the last open found it unreadable (recovery rebuilds)
@@ -165,8 +169,14 @@ class SlotIndex:
         the next open: see above)."""
         try:
             self.flush()
-        except TierIOError as e:
-            log.warning("%s (the queued entries wait; the slab headers hold them)", e)
+        except TierIOError as e:  # logged once per WARN_EVERY_S: on a full disk every put
+            now = time.monotonic()  # that fills a group meets it, hundreds a second
+            if now - self._warned_at < WARN_EVERY_S:
+                self._unlogged += 1
+                return
+            more = f"; {self._unlogged} more like it since the last" if self._unlogged else ""
+            log.warning("%s (the queued entries wait; the slab headers hold them%s)", e, more)
+            self._warned_at, self._unlogged = now, 0
 
     def delete_n(self, hashes) -> None:
         """Delete entries now (with anything queued); TierIOError if RocksDB refuses."""
