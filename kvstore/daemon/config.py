@@ -76,8 +76,10 @@ class DaemonConfig:
     idle_timeout_s: float = opt(600.0, "seconds an authenticated connection may stay "
                                 "silent (or stall mid-frame) before it is closed",
                                 flag="--idle-timeout")
-    reservation_timeout_s: float = opt(30.0, "seconds before an uncommitted put is "
-                                       "reclaimed", flag="--reservation-timeout")
+    reservation_timeout_s: float = opt(30.0, "seconds a same-host RESERVE may wait for its "
+                                       "COMMIT before it is reclaimed (a PUT request holds "
+                                       "its slots for as long as it lasts)",
+                                       flag="--reservation-timeout")
     lease_ttl_s: float = 30.0
     max_payload_bytes: int = 1 << 30
     durable: bool = opt(True, "SSD puts without the write-ahead log (faster; recent blocks "
