@@ -73,7 +73,9 @@ class TieredStore(Reads, Grants):
         # DRAM slots itself), by id -> that writer; and, per writer, the DRAM slots of its
         # reservations that timed out, by id: kept from reuse until it is done with them
         self._owners: dict[int, object] = {}
-        self._quarantined: dict[object, dict[int, list[Entry]]] = {}
+        # (each kept at most one more reservation timeout: a writer stalled that long has
+        # lost its slots; one that never says it is done cannot keep them for good)
+        self._quarantined: dict[object, dict[int, tuple[float, list[Entry]]]] = {}
         self._granted: set[int] = set()  # DRAM slots granted to same-host writers (grants.py)
         self._leases: dict[int, tuple[float, list[Entry]]] = {}
         self._ids = itertools.count(1)
@@ -240,18 +242,39 @@ class TieredStore(Reads, Grants):
         self._p.forget_reserved(held)  # the hashes may be put again meanwhile
         self._p.release_reserved([e for e in entries if e.tier != dram])
         if held:
-            self._quarantined.setdefault(owner, {})[rid] = held
+            until = time.monotonic() + self.config.reservation_timeout_s
+            self._quarantined.setdefault(owner, {})[rid] = (until, held)
+
+    def _expire_quarantine(self, now: float) -> None:
+        """Under the lock: quarantined slots past their second timeout go back."""
+        for owner in list(self._quarantined):
+            mine = self._quarantined[owner]
+            for rid in [r for r, (until, _) in mine.items() if until < now]:
+                self._p.release_reserved(mine.pop(rid)[1])
+            if not mine:
+                del self._quarantined[owner]
+
+    def num_quarantined(self, owner: object) -> tuple[int, int]:
+        """(reservations, blocks) of `owner`'s kept out of use after their timeout: they
+        count against its limits as if still open."""
+        with self._lock:
+            mine = self._quarantined.get(owner, {})
+            return len(mine), sum(len(held) for _, held in mine.values())
 
     def release_owned(self, owner: object, reservation_id: int) -> bool:
-        """The DRAM slots of `owner`'s reclaimed reservation back into use (its writer is
-        done with them: it sent COMMIT or ABORT for it). Whether there were any."""
+        """`owner` is done with a reservation it no longer holds open (it sent COMMIT or
+        ABORT for it after its timeout): its DRAM slots back into use, or, not reclaimed
+        yet, the reservation aborted now. Whether there was anything."""
         with self._lock:
+            if self._owners.get(reservation_id) is owner:
+                self._p.release_reserved(self._take_reservation(reservation_id))
+                return True
             mine = self._quarantined.get(owner, {})
             held = mine.pop(reservation_id, None)
             if not mine:
                 self._quarantined.pop(owner, None)
             if held and not self._closed:
-                self._p.release_reserved(held)
+                self._p.release_reserved(held[1])
             return held is not None
 
     def end_owner(self, owner: object) -> None:
@@ -261,7 +284,7 @@ class TieredStore(Reads, Grants):
             for rid in [r for r, o in self._owners.items() if o is owner]:
                 del self._owners[rid]  # (its open reservations are aborted by the caller)
             if not self._closed:
-                for held in mine.values():
+                for _, held in mine.values():
                     self._p.release_reserved(held)
 
     # ---------------------------------------------------------------- reads
@@ -367,6 +390,7 @@ class TieredStore(Reads, Grants):
                 return
             for rid in [r for r, (dl, _) in self._reservations.items() if dl < now]:
                 self._expire_reservation(rid)
+            self._expire_quarantine(now)
             for lid in [l for l, (dl, _) in self._leases.items() if dl < now]:
                 self._unhold(self._leases.pop(lid)[1])
             self._p.expire_soft_pins(now)

@@ -349,9 +349,11 @@ class Session:
     def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:
         hashes = msg.hash_list
         self._make_room_for_reservation(len(hashes))
-        # owned by this connection: if it times out, the DRAM slots the client may still be
-        # writing stay out of use until it sends COMMIT / ABORT for it, or goes
-        res = self.store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s, owner=self)
+        # a same-host client writes its DRAM slots itself: if the reservation times out, they
+        # stay out of use until it sends COMMIT / ABORT for it, or goes (a TCP client
+        # writes none: its slots go back at once)
+        res = self.store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s,
+                                   owner=self if self.local else None)
         self.reservations[res.reservation_id] = (res, time.monotonic()
                                                  + self.cfg.reservation_timeout_s)
         slots = [s[1] if s is not None and s[0] is TierKind.DRAM else w.NO_SLOT for s in res.slots]
@@ -367,10 +369,11 @@ class Session:
         now = time.monotonic()
         for rid in [r for r, (_, until) in self.reservations.items() if until <= now]:
             del self.reservations[rid]
-        held = sum(len(r.hashes) for r, _ in self.reservations.values())
-        if (len(self.reservations) >= MAX_OPEN_RESERVATIONS
-                or held + num_hashes > MAX_RESERVED_HASHES):
-            raise w.RemoteError(w.ErrorCode.QUOTA, f"this connection has {len(self.reservations)} "
+        kept, kept_blocks = self.store.num_quarantined(self)  # timed out, still its slots
+        opened = len(self.reservations) + kept
+        held = sum(len(r.hashes) for r, _ in self.reservations.values()) + kept_blocks
+        if opened >= MAX_OPEN_RESERVATIONS or held + num_hashes > MAX_RESERVED_HASHES:
+            raise w.RemoteError(w.ErrorCode.QUOTA, f"this connection has {opened} "
                                 f"reservations open ({held} blocks): commit or abort them first "
                                 f"(at most {MAX_OPEN_RESERVATIONS}, {MAX_RESERVED_HASHES} blocks)")
 

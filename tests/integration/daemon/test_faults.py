@@ -166,7 +166,7 @@ def test_a_timed_out_reservation_keeps_its_dram_slots_until_the_client_is_done(d
     sends COMMIT (refused: nothing stored) or ABORT, or its connection ends."""
     hs = hash_blocks(NS, np.arange(16) + 5151)
     more = hash_blocks(NS, np.arange(4 * 16) + 6161)
-    with raw_conn(daemon) as s, raw_conn(daemon) as other:
+    with local_conn(daemon) as s, raw_conn(daemon) as other:  # s: a same-host writer
         hello(s)
         hello(other)
         r = _call(s, w.Reserve(hashes=w.pack_hashes(hs)))
@@ -187,6 +187,37 @@ def test_a_timed_out_reservation_keeps_its_dram_slots_until_the_client_is_done(d
         assert _call(other, w.Abort(reservation_id=again.reservation_id)).op is w.Op.ABORT
         assert _call(s, w.Reserve(hashes=w.pack_hashes(hs))).op is w.Op.RESERVE
     still_serving(daemon)  # (and s's connection closed with a reservation open: given back)
+
+
+def test_timed_out_reservations_cannot_pile_up_out_of_use(daemon):
+    """The slots a connection's timed-out reservations keep out of use count against its
+    limits (64 reservations) like open ones, and go back after one more timeout even if it
+    never says it is done: no connection can hold the DRAM tier by reserving and waiting.
+    A TCP client writes no slot itself: its timed-out reservations free theirs at once."""
+    from kvstore.daemon.session import MAX_OPEN_RESERVATIONS
+    hs = hash_blocks(NS, np.arange(16 * (MAX_OPEN_RESERVATIONS + 1)) + 7171)
+    with local_conn(daemon) as s:
+        hello(s)
+        for h in hs[:MAX_OPEN_RESERVATIONS]:
+            assert _call(s, w.Reserve(hashes=h)).op is w.Op.RESERVE
+        deadline = time.monotonic() + 10
+        while _call(s, w.Stats()).msg.open_reservations and time.monotonic() < deadline:
+            time.sleep(0.1)
+        refused = _call(s, w.Reserve(hashes=hs[-1]))  # timed out, their slots still kept
+        assert refused.op is w.Op.ERROR and refused.msg.code == w.ErrorCode.QUOTA
+        deadline = time.monotonic() + 10  # a second timeout (1 s here) gives them back
+        while _call(s, w.Reserve(hashes=hs[-1])).op is not w.Op.RESERVE:
+            assert time.monotonic() < deadline, "kept out of use for good"
+            time.sleep(0.2)
+    with raw_conn(daemon) as t:  # over TCP: no quarantine, nothing held after the timeout
+        hello(t)
+        for h in hs[:MAX_OPEN_RESERVATIONS]:
+            assert _call(t, w.Reserve(hashes=h)).op is w.Op.RESERVE
+        deadline = time.monotonic() + 10
+        while _call(t, w.Stats()).msg.open_reservations and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _call(t, w.Reserve(hashes=hs[-1])).op is w.Op.RESERVE
+    still_serving(daemon)
 
 
 def test_full_store_reports_no_space(make_daemon):
