@@ -35,6 +35,7 @@ from kvstore.keys import Namespace
 from kvstore.layout import HEADER_BYTES, checksum, decode_header, encode_header
 
 SLABS, HEADERS = "slabs.dat", "headers.dat"
+RESTORING = ".restoring"  # headers.dat + this: lost headers being written again
 PAGE = 4096
 EXTENT_BYTES = 256 << 20
 INDEX_HEADROOM = 1 << 20  # disk the slab files never take: the index must still write
@@ -96,8 +97,12 @@ class SlabFile:
         self.stride = stride_of(self.block_bytes)
         self.slot_disk_bytes = self.stride + HEADER_BYTES
         self.extent_slots = max(1, EXTENT_BYTES // self.stride)
-        # the headers first: a directory with slabs.dat alone is of the first layout
-        self.hfd = _open(self.headers_path)
+        # the headers first: a directory with slabs.dat alone is of the first layout. Lost
+        # ones are rebuilt in a file of their own, renamed into place once whole: an open
+        # that fails midway leaves headers.dat missing still (the next open restores it),
+        # never empty (which would say every slot is free)
+        self.hfd = (_open(self.headers_path + RESTORING, os.O_TRUNC) if self.headers_missing
+                    else _open(self.headers_path))
         try:
             self.fd = _open(self.path)
         except BaseException:
@@ -196,6 +201,7 @@ class SlabFile:
                 by_slot.setdefault(slot, []).append((h, c))
         buf = memoryview(bytearray(self.block_bytes))
         written = 0
+        os.ftruncate(self.hfd, 0)
         os.ftruncate(self.hfd, slab_slots * HEADER_BYTES)
         for slot in sorted(by_slot):
             named = by_slot[slot]
@@ -206,6 +212,8 @@ class SlabFile:
                          [encode_header(self.ns, named[0][0], named[0][1])])
                 written += 1
         os.fsync(self.hfd)
+        os.rename(self.headers_path + RESTORING, self.headers_path)
+        _fsync_dir(os.path.dirname(self.headers_path))
         self.num_grown = slab_slots
         self.headers_missing = False
         return written
@@ -324,11 +332,19 @@ class SlabFile:
                 setattr(self, name, -1)
 
 
-def _open(path: str) -> int:
+def _open(path: str, flags: int = 0) -> int:
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | flags, 0o600)
     except OSError as e:
         raise TierIOError(f"cannot open the SSD slab file {path}: {e}") from e
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _padded(payloads: list, pad: memoryview | None) -> list:

@@ -88,9 +88,9 @@ class SsdTier:
         entries = [e for e in (parse_entry(k, v) for k, v in self._at_open) if e is not None]
         try:
             n = self.slabs.restore_headers(entries)
-        except OSError as e:
+        except (OSError, TierIOError) as e:  # headers.dat still missing: the next open
             raise TierIOError(f"the SSD tier at {self.path} lost its header file and cannot "
-                              f"write it again: {e}") from e
+                              f"write it again now ({e}); the next open tries again") from e
         log.warning("SSD tier %s: headers.dat was missing; %d block headers written again "
                     "from the index", self.path, n)
 
