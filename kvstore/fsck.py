@@ -22,7 +22,7 @@ from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.tiers.slabfile import (HEADERS, SLABS, SlabFile, headers_missing, old_layout,
                                     stride_of)
-from kvstore.tiers.ssd import SsdTier, TIER_FILE
+from kvstore.tiers.ssd import TIER_FILE, SsdTier, damaged_copy
 from kvstore.tiers.ssdindex import parse_entry, rocksdb_options
 
 
@@ -134,8 +134,9 @@ def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set,
     # before the claim: a stale entry (a delete a crash cut off) naming the same slot as the
     # block now in it takes nothing from it
     ((_, holder, c),) = slabs.headers([slot])
-    if holder is not None and holder not in named[slot] and c == want:  # the header's hash
-        claimed.add(slot)  # field damaged (not a block of its own to adopt)
+    if (holder is not None and holder not in named[slot] and c == want
+            and damaged_copy(h, holder)):  # the header's hash field damaged (not a block of
+        claimed.add(slot)  # its own to adopt)
         return (f"slot {slot}'s header names another block but holds this entry's checksum: "
                 "the header is damaged; the next start or --repair writes it again")
     if holder is not None and holder != h:

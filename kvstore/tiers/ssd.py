@@ -208,9 +208,11 @@ class SsdTier:
                   ) -> tuple[dict[bytes, tuple[int, int]], list[bytes]]:
         """Index entries whose slot exists and holds that block's header (of two entries
         naming one slot, a delete a crash cut off left one stale: the header decides). A
-        header that names another block but carries the entry's checksum was damaged (its
-        hash field: adopted as it was, the payload answered for a key nobody put): the
-        entry stands, and the header is written again."""
+        header that names a block a few bits off the entry's, with the entry's checksum,
+        was damaged (its hash field: adopted as it was, the payload answered for a key
+        nobody put): the entry stands, and the header is written again. (Two real hashes
+        are ~64 bits apart: a header naming one of those is another block, maybe of the
+        same bytes, put after the entry's was freed; it is adopted as ever.)"""
         by_slot: dict[int, list[tuple[bytes, int]]] = {}
         dropped = []
         for key, value in raw:
@@ -225,7 +227,8 @@ class SsdTier:
         for slot, named in by_slot.items():
             header_hash, c = on_disk.get(slot, (None, 0))
             if header_hash not in {h for h, _ in named}:
-                vouched = [h for h, ec in named if ec == c] if header_hash is not None else []
+                vouched = ([h for h, ec in named if ec == c and damaged_copy(h, header_hash)]
+                           if header_hash is not None else [])
                 if len(vouched) == 1:
                     header_hash = vouched[0]
                     mended.append((slot, header_hash, c))
@@ -300,6 +303,15 @@ class SsdTier:
         self._closed = True
         self.index.close()
         self.slabs.close()
+
+
+DAMAGED_BITS = 8  # a header hash this close to an entry's is that hash damaged (two hashes
+# of real blocks are this close with odds of about 2^-80)
+
+
+def damaged_copy(h: bytes, other: bytes) -> bool:
+    """Whether `other` reads as `h` with a few bits flipped (DAMAGED_BITS at most)."""
+    return 0 < (int.from_bytes(h, "little") ^ int.from_bytes(other, "little")).bit_count() <= DAMAGED_BITS
 
 
 def _host_views(srcs: ByteBatch, nbytes: int) -> list[memoryview]:
