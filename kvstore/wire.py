@@ -38,7 +38,8 @@ import msgspec
 from kvstore.errors import KVStoreError
 from kvstore.keys import HASH_BYTES
 
-PROTOCOL_VERSION = 5  # 5: TOUCH carries read counts, FLUSH a batch's want (4: HELLO, the codec)
+PROTOCOL_VERSION = 6  # 6: STATS carries the error counts (5: TOUCH read counts, FLUSH a
+# batch's want; 4: HELLO, the codec)
 MAGIC = b"KVTW"
 PREFIX = struct.Struct("<4sHHIQ")
 MAX_HEADER_BYTES = 1 << 20
