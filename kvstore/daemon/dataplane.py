@@ -62,6 +62,7 @@ class ServedConnection:
     def __init__(self, sock: socket.socket, server: "DataPlane", local: bool) -> None:
         self.sock, self.server = sock, server
         self.busy = False
+        self.pushed_out: str | None = None  # why another connection took its place
         self.tenant: str | None = None  # whose token this connection holds (counted per tenant)
         self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES,
                                     time.monotonic() + server.cfg.hello_timeout_s)
@@ -88,7 +89,8 @@ class ServedConnection:
             m.protocol_errors.inc()
             self._send_error(e.code, str(e))
         except (ConnectionError, OSError, TimeoutError):
-            pass  # the client went away, timed out, or shutdown woke us: nothing to answer
+            if self.pushed_out:  # (else the client went away, timed out, or shutdown woke
+                self._send_error(w.ErrorCode.UNAVAILABLE, self.pushed_out)  # us: no answer)
         finally:
             self._close()
 
@@ -175,12 +177,13 @@ class ServedConnection:
             self.sock.close()
             self.server.forget(self)
 
-    def wake(self, code: w.ErrorCode, message: str) -> None:
-        """Closed from outside (it made room for another): told why unless it is mid-op."""
-        if not self.busy:
-            self._send_error(code, message)
+    def push_out(self, message: str) -> None:
+        """Closed from outside (it made room for another). Its own thread, the only writer
+        of its socket, tells the client why: the read it waits in ends (shutdown of the
+        reading side only) and it answers UNAVAILABLE before it closes."""
+        self.pushed_out = message
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.shutdown(socket.SHUT_RD)
         except OSError:
             pass
 
@@ -265,8 +268,8 @@ class DataPlane:
                 self.pending[conn] = None
         if evicted is not None:
             self.metrics.connections_refused.inc()
-            evicted.wake(w.ErrorCode.UNAVAILABLE, "too many connections waiting to "
-                         "authenticate: this one, the oldest, made room; retry")
+            evicted.push_out("too many connections waiting to authenticate: this one, the "
+                             "oldest, made room; retry")
         if refused is not None:
             self.metrics.connections_refused.inc()
             conn._send_error(w.ErrorCode.UNAVAILABLE, refused)
