@@ -11,6 +11,7 @@ over TCP both are refused.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -34,6 +35,7 @@ STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
 SCRATCH_WINDOW = 16 << 20  # scratch a put's SSD / GPU blocks go through, written as it fills
+MIN_PAYLOAD_RATE = 4 << 20  # bytes/s a put's payload must keep up (see _payload_deadline)
 MAX_OPEN_RESERVATIONS = 64  # per connection (a client has one open at a time, or a few)
 MAX_RESERVED_HASHES = 1 << 17  # blocks reserved at once per connection (two full RESERVEs)
 
@@ -178,7 +180,8 @@ class Session:
         # bytes still arrive
         res = store.reserve_n(hashes, timeout_s=math.inf)
         try:
-            self._recv_blocks(res, range(len(hashes)))
+            with self._payload_deadline(payload_bytes):
+                self._recv_blocks(res, range(len(hashes)))
         except TierIOError as e:  # the payload was read in full: the connection stays in step
             return self._put_reply(store.abort_failed(res, e))
         except BaseException:
@@ -258,6 +261,29 @@ class Session:
         store.commit(res.reservation_id)
         self.bytes_in += n * bb
         self._put_reply(res.statuses)
+
+    @contextlib.contextmanager
+    def _payload_deadline(self, payload_bytes: int):
+        """A payload that holds reserved slots must come at MIN_PAYLOAD_RATE at least,
+        after twice --reservation-timeout of grace: else a client trickling a byte per idle
+        timeout held up to 1 GiB of slots for as long as it liked. Past the deadline the
+        put is aborted (nothing stored) and the connection closed. Each read is bounded by
+        the deadline (kernel timeout) and checked against it."""
+        if not payload_bytes:
+            yield
+            return
+        allowed = 2 * self.cfg.reservation_timeout_s + payload_bytes / MIN_PAYLOAD_RATE
+        before = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
+        idle = struct.unpack("ll", before)
+        bound = allowed if idle == (0, 0) else min(allowed, idle[0] + idle[1] / 1e6)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                             struct.pack("ll", int(bound), int((bound % 1) * 1e6)))
+        self.reader.payload_deadline = time.monotonic() + allowed
+        try:
+            yield
+        finally:
+            self.reader.payload_deadline = None
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, before)
 
     def _recv_blocks(self, res: Reservation, indices: Sequence[int]) -> None:
         """Receive blocks `indices` of a reservation: DRAM slots in place, the rest through
@@ -395,7 +421,8 @@ class Session:
                 self.drain(payload_bytes)
                 raise
             self.check_payload(len(inline), payload_bytes)
-            self._recv_blocks(res, inline)
+            with self._payload_deadline(payload_bytes):
+                self._recv_blocks(res, inline)
             self.store.commit(res.reservation_id)
         except ReservationError as e:  # reclaimed after its timeout: nothing stored
             self._release_timed_out(res.reservation_id)

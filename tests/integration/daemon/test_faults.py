@@ -149,7 +149,8 @@ def test_a_put_slower_than_the_reservation_timeout_corrupts_no_other_block(daemo
         hello(s)
         s.sendall(w.encode(w.Put(hashes=w.pack_hashes(slow)), w.Op.PUT, False, payload.nbytes))
         s.sendall(payload[:BB + 100].tobytes())
-        time.sleep(2.5)  # past the timeout (the daemon's maintenance runs every 0.5 s)
+        time.sleep(1.6)  # past the timeout (the daemon's maintenance runs every 0.5 s), not
+        # past the payload's deadline (twice the timeout, plus 4 MiB/s)
         with Client(daemon.url, namespace=NS, use_shm=False) as c:
             assert c.put_n(others, [block_of(h, BB) for h in others]) == [PutStatus.STORED] * 8
         s.sendall(payload[BB + 100:].tobytes())
@@ -158,6 +159,29 @@ def test_a_put_slower_than_the_reservation_timeout_corrupts_no_other_block(daemo
     with Client(daemon.url, namespace=NS, use_shm=False) as c:
         assert _blocks_are(c, others) and _blocks_are(c, slow)
         c.remove_n(others + slow)
+
+
+def test_a_put_that_trickles_past_its_deadline_is_aborted_and_holds_nothing(daemon):
+    """A payload must keep up 4 MiB/s after twice --reservation-timeout (2 s here): one
+    sending a byte per idle timeout held its slots for as long as it liked. Past the
+    deadline the put is aborted, nothing of it stored, the connection closed."""
+    slow = hash_blocks(NS, np.arange(2 * 16) + 8383)
+    payload = np.concatenate([block_of(h, BB) for h in slow])
+    with raw_conn(daemon) as s:
+        hello(s)
+        s.sendall(w.encode(w.Put(hashes=w.pack_hashes(slow)), w.Op.PUT, False, payload.nbytes))
+        s.sendall(payload[:100].tobytes())
+        time.sleep(2.5)
+        try:
+            s.sendall(payload[100:].tobytes())
+            assert s.recv(1) == b""  # closed, no reply
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    with Client(daemon.url, namespace=NS, use_shm=False) as c:
+        deadline = time.monotonic() + 10
+        while c.stats().open_reservations and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.contains_n(slow) == [False, False] and c.stats().open_reservations == 0
 
 
 def test_a_timed_out_reservation_keeps_its_dram_slots_until_the_client_is_done(daemon):
