@@ -213,6 +213,16 @@ def test_a_timed_out_reservation_keeps_its_dram_slots_until_the_client_is_done(d
     still_serving(daemon)  # (and s's connection closed with a reservation open: given back)
 
 
+def _reserve_each_until_reclaimed(s: socket.socket, hashes: list[bytes]) -> None:
+    """RESERVE each hash on `s`, then wait until the store has reclaimed them all."""
+    for h in hashes:
+        assert _call(s, w.Reserve(hashes=h)).op is w.Op.RESERVE
+    deadline = time.monotonic() + 10
+    while _call(s, w.Stats()).msg.open_reservations and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _call(s, w.Stats()).msg.open_reservations == 0
+
+
 def test_timed_out_reservations_cannot_pile_up_out_of_use(daemon):
     """The slots a connection's timed-out reservations keep out of use count against its
     limits (64 reservations) like open ones, and go back after one more timeout even if it
@@ -222,11 +232,7 @@ def test_timed_out_reservations_cannot_pile_up_out_of_use(daemon):
     hs = hash_blocks(NS, np.arange(16 * (MAX_OPEN_RESERVATIONS + 1)) + 7171)
     with local_conn(daemon) as s:
         hello(s)
-        for h in hs[:MAX_OPEN_RESERVATIONS]:
-            assert _call(s, w.Reserve(hashes=h)).op is w.Op.RESERVE
-        deadline = time.monotonic() + 10
-        while _call(s, w.Stats()).msg.open_reservations and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _reserve_each_until_reclaimed(s, hs[:MAX_OPEN_RESERVATIONS])
         refused = _call(s, w.Reserve(hashes=hs[-1]))  # timed out, their slots still kept
         assert refused.op is w.Op.ERROR and refused.msg.code == w.ErrorCode.QUOTA
         deadline = time.monotonic() + 10  # a second timeout (1 s here) gives them back
@@ -235,11 +241,7 @@ def test_timed_out_reservations_cannot_pile_up_out_of_use(daemon):
             time.sleep(0.2)
     with raw_conn(daemon) as t:  # over TCP: no quarantine, nothing held after the timeout
         hello(t)
-        for h in hs[:MAX_OPEN_RESERVATIONS]:
-            assert _call(t, w.Reserve(hashes=h)).op is w.Op.RESERVE
-        deadline = time.monotonic() + 10
-        while _call(t, w.Stats()).msg.open_reservations and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _reserve_each_until_reclaimed(t, hs[:MAX_OPEN_RESERVATIONS])
         assert _call(t, w.Reserve(hashes=hs[-1])).op is w.Op.RESERVE
     still_serving(daemon)
 
