@@ -174,10 +174,9 @@ class Session:
         if msg.staged:
             return self._put_staged(hashes, payload_bytes)
         self.check_payload(len(hashes), payload_bytes)
-        # no timeout: the reservation lives exactly as long as this request, however slowly
-        # its payload comes (a stalled client meets the connection's idle timeout, and the
-        # abort below); reclaimed midway, its slots would go to other blocks while their
-        # bytes still arrive
+        # no timeout: the reservation lives exactly as long as this request (reclaimed
+        # midway, its slots went to other blocks while its bytes still arrived); the
+        # payload's deadline bounds the request, and the abort below ends it
         res = store.reserve_n(hashes, timeout_s=math.inf)
         try:
             with self._payload_deadline(payload_bytes):
