@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import enum
+import errno
+
+# what accept() raises when the process (or host) is out of descriptors or memory: a
+# listener pauses and retries, never gives up (both the agent's and the daemon's)
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class Fault(enum.Enum):

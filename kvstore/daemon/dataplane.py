@@ -36,10 +36,10 @@ from kvstore.daemon.namespaces import Registry
 from kvstore.daemon.putchannel import Drainer
 from kvstore.daemon.session import HANDLERS, Session
 from kvstore.errors import KVStoreError, StoreClosedError
+from transfer.errors import OUT_OF_RESOURCES
 
 log = logging.getLogger("kvtier.dataplane")
 ACCEPT_BACKOFF_S = (0.01, 1.0)  # first and longest pause when the process is out of fds
-_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 PAYLOAD_OPS = frozenset((w.Op.PUT, w.Op.COMMIT))  # the only requests that carry block bytes
 
 
@@ -235,7 +235,7 @@ class DataPlane:
             except OSError as e:
                 if self.stopping.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
                     return  # listening socket closed: shutting down
-                if e.errno not in _OUT_OF_RESOURCES:
+                if e.errno not in OUT_OF_RESOURCES:
                     continue  # one connection that died before we took it
                 self.metrics.accept_errors.inc()
                 log.warning("cannot accept a connection (%s): pausing %.2fs; raise the open "
@@ -289,10 +289,6 @@ class DataPlane:
     @property
     def pending_quota(self) -> int:
         return max(1, self.cfg.max_connections // 4)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.pending)
 
     def move_tenant(self, conn: ServedConnection, tenant: str) -> str | None:
         """Count `conn` under `tenant` (and no longer under the one it held), or say why

@@ -51,17 +51,15 @@ def stride_of(block_bytes: int) -> int:
     return -(-block_bytes // PAGE) * PAGE
 
 
-def old_layout(directory: str, block_bytes: int | None) -> bool:
+def old_layout(directory: str, block_bytes: int) -> bool:
     """Whether `directory` holds a slab file of the first layout (each slot's header inside
     it, after the payload, slots page-rounded with it): a slabs.dat with no headers.dat
-    whose first slots show such a header. With none of those (or `block_bytes` unknown:
-    None), it is a current tier whose headers.dat was lost (`headers_missing`)."""
+    whose first slots show such a header. With none, it is a current tier whose
+    headers.dat was lost (`headers_missing`)."""
     path = os.path.join(directory, SLABS)
     if not os.path.isfile(path) or os.path.exists(os.path.join(directory, HEADERS)):
         return False
-    if block_bytes is None:
-        return True
-    old_stride = -(-(block_bytes + HEADER_BYTES) // PAGE) * PAGE
+    old_stride = stride_of(block_bytes + HEADER_BYTES)
     try:
         with open(path, "rb") as f:
             for slot in range(64):
@@ -200,23 +198,20 @@ class SlabFile:
             if slot < slab_slots:
                 by_slot.setdefault(slot, []).append((h, c))
         buf = memoryview(bytearray(self.block_bytes))
-        written = 0
-        os.ftruncate(self.hfd, 0)
-        os.ftruncate(self.hfd, slab_slots * HEADER_BYTES)
+        items = []
+        os.ftruncate(self.hfd, slab_slots * HEADER_BYTES)  # (opened empty: O_TRUNC)
         for slot in sorted(by_slot):
             named = by_slot[slot]
             if len(named) > 1:
                 named = [(h, c) for h, c in named if self.read_n([slot], [c], [buf])[0]][:1]
-            if named:
-                self._io(os.pwritev, self.hfd, slot * HEADER_BYTES,
-                         [encode_header(self.ns, named[0][0], named[0][1])])
-                written += 1
+            items += [(slot, h, c) for h, c in named]
+        self.write_headers(items)
         os.fsync(self.hfd)
         os.rename(self.headers_path + RESTORING, self.headers_path)
         _fsync_dir(os.path.dirname(self.headers_path))
         self.num_grown = slab_slots
         self.headers_missing = False
-        return written
+        return len(items)
 
     def write_headers(self, items: Sequence[tuple[int, bytes, int]]) -> None:
         """Write the headers of (slot, block hash, checksum) again (ones found damaged).

@@ -1,13 +1,15 @@
 """The tcp backend's listening side: serves peers' READ/WRITE/NOTIFY on its agent's memory.
 
 One thread per accepted connection, requests served in arrival order, so responses come back
-in order. A peer must complete HELLO within `io_timeout_s` of connecting (a deadline, not
-a per-read timeout: a byte every few seconds does not keep it open), and at most
-MAX_PENDING peers wait for theirs: one more pushes out the oldest, so a flood of silent
-connections, which needs no key, costs bounded threads and descriptors and locks no
-peer out. Running out of descriptors pauses accepting, never stops it. A request naming memory the agent did not export gets an ERROR reply (its payload
+in order. A request naming memory the agent did not export gets an ERROR reply (its payload
 is drained, the connection lives on); a malformed frame gets an ERROR reply and the
 connection is closed. Data is acknowledged only after all of it has landed.
+
+A peer must complete HELLO within `io_timeout_s` of connecting (a deadline, not a per-read
+timeout: a byte every few seconds does not keep it open), and at most MAX_PENDING peers
+wait for theirs: one more pushes out the oldest, so a flood of silent connections, which
+needs no key, costs bounded threads and descriptors and locks no peer out. Running out of
+descriptors pauses accepting, never stops it.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 
 import numpy as np
 
-from ..errors import Fault, TransferError
+from ..errors import OUT_OF_RESOURCES, Fault, TransferError
 from ..memory import check_ranges, finish_staged, host_views
 from ..types import Notification
 from .base import AgentContext
@@ -30,7 +32,6 @@ from .tcp_wire import (MAX_HELLO_BYTES, Kind, Progress, desc_arrays, drain, fram
 
 log = logging.getLogger("kvtier.transfer")
 MAX_PENDING = 64  # connections waiting to complete HELLO, per listener
-OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_BACKOFF_S = (0.05, 1.0)
 
 
