@@ -127,19 +127,27 @@ class TierMap:
         With demote=False only the last tier evicts (by dropping: no bytes move here); the
         others give what is free, the caller having made room with `plan_room` first."""
         out: list[tuple[int, int]] = []
-        for i, tier in enumerate(self.tiers):
+        for i in range(len(self.tiers)):
             want = n - len(out)
             if want == 0:
                 break
-            if demote or i + 1 == len(self.tiers):
+            evict = demote or i + 1 == len(self.tiers)
+            if evict:
                 self.make_room(i, want)
-            slots = tier.alloc_n(min(want, tier.num_free()))
-            if slots is None:  # it could not grow as it expected (disk full): room made
-                if demote or i + 1 == len(self.tiers):  # in what it has (its num_free had
-                    self.make_room(i, want)  # counted the growth, so nothing was evicted)
-                slots = tier.alloc_n(min(want, tier.num_free()))
-            out.extend((i, s) for s in slots or ())
+            out.extend((i, s) for s in self._take_slots(i, want, evict) or ())
         return out
+
+    def _take_slots(self, i: int, n: int, evict: bool) -> list[int] | None:
+        """Up to n of tier i's free slots. A tier that could not grow as its num_free said
+        (a full disk) is asked again for what it has, after making room there when `evict`
+        (the growth it counted had kept make_room from evicting anything)."""
+        tier = self.tiers[i]
+        slots = tier.alloc_n(min(n, tier.num_free()))
+        if slots is None:
+            if evict:
+                self.make_room(i, n)
+            slots = tier.alloc_n(min(n, tier.num_free()))
+        return slots
 
     def make_room(self, i: int, n: int) -> None:
         """Evict from tier i until it has n free slots, or nothing more can go."""
@@ -226,11 +234,7 @@ class TierMap:
         if dst + 1 == len(self.tiers):
             self.make_room(dst, len(victims))
         k = min(len(victims), self.tiers[dst].num_free())
-        slots = self.tiers[dst].alloc_n(k) if k else None
-        if slots is None and k and dst + 1 == len(self.tiers):  # it could not grow (disk
-            self.make_room(dst, k)  # full): room made in what it has, as `allocate` does
-            slots = self.tiers[dst].alloc_n(min(k, self.tiers[dst].num_free()))
-        slots = slots or []
+        slots = (self._take_slots(dst, k, dst + 1 == len(self.tiers)) if k else None) or []
         self.drop(victims[len(slots):])  # no room below (a full disk): dropped, as ever
         moving = victims[:len(slots)]
         for e in moving:
