@@ -46,11 +46,13 @@ def cpu_array(buf) -> np.ndarray | None:
 _U8 = np.dtype(np.uint8)
 
 
-def host_rows(buf, n: int, nbytes: int) -> np.ndarray | None:
-    """A writable numpy `[n, nbytes]` view of `buf` when it already is n blocks of host
-    bytes back to back (a C-contiguous uint8 CPU tensor or numpy array, `[n, nbytes]` or
-    flat), else None (then `byte_rows` checks it and says what is wrong). A same-host read
-    copies straight into it: one conversion, no torch view ops (those cost ~3 us a read)."""
+def host_rows(buf, n: int, nbytes: int, writable: bool = True) -> np.ndarray | None:
+    """A numpy `[n, nbytes]` view of `buf` (writable unless `writable` is False: a put's
+    sources) when it already is n blocks of host bytes back to back (a C-contiguous uint8
+    CPU tensor or numpy array, `[n, nbytes]` or flat), else None (then `byte_rows` checks it
+    and says what is wrong). Reads copy straight into it, puts send or copy straight from
+    it: one conversion, no torch view ops (a numpy source made a torch view and back cost
+    ~20 us of a 256 KiB TCP put, measured in the loop)."""
     if type(buf) is torch.Tensor:
         try:
             a = buf.numpy()  # refuses device tensors and ones that need grad
@@ -60,7 +62,7 @@ def host_rows(buf, n: int, nbytes: int) -> np.ndarray | None:
         a = buf
     else:
         return None
-    if a.dtype != _U8 or not a.flags.c_contiguous or not a.flags.writeable:
+    if a.dtype != _U8 or not a.flags.c_contiguous or (writable and not a.flags.writeable):
         return None
     if a.shape == (n, nbytes):
         return a
@@ -82,28 +84,21 @@ def host_address(buf, nbytes: int) -> int | None:
 def read_rows(dsts, n: int, nbytes: int, same_host: bool, max_by_address: int):
     """A read's destination rows: on the daemon's host, up to `max_by_address` blocks in
     one CPU tensor as its address (`host_address`: direct reads memmove into it), else host
-    rows as one numpy `[n, bytes]` view where they allow it (`host_rows`), else
-    `byte_rows`'s tensors (which check the sizes and say what is wrong)."""
-    if same_host:
-        if n <= max_by_address and (at := host_address(dsts, n * nbytes)):
-            return at
-        host = host_rows(dsts, n, nbytes)
-        if host is not None:
-            return host
-    return byte_rows(dsts, n, nbytes, writable=True)
+    rows as one numpy `[n, bytes]` view where they allow it (`host_rows`: a TCP read
+    receives into it), else `byte_rows`' tensors (which check the sizes and say what is
+    wrong)."""
+    if same_host and n <= max_by_address and (at := host_address(dsts, n * nbytes)):
+        return at
+    host = host_rows(dsts, n, nbytes)
+    return host if host is not None else byte_rows(dsts, n, nbytes, writable=True)
 
 
 def request_rows(rows, dsts, n: int, nbytes: int):
-    """`read_rows`' rows as tensors, for a request (an address becomes `dsts`' rows)."""
+    """`read_rows`' rows for a request: an address becomes `dsts`' rows again."""
     if type(rows) is int:
-        return byte_rows(dsts, n, nbytes, writable=True)
-    return tensor_rows(rows)
-
-
-def tensor_rows(rows):
-    """`rows` as `byte_rows` gives them: a numpy `[n, bytes]` view (`host_rows`) becomes a
-    tensor over the same memory; anything else is already one."""
-    return torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
+        host = host_rows(dsts, n, nbytes)
+        return host if host is not None else byte_rows(dsts, n, nbytes, writable=True)
+    return rows
 
 
 def byte_rows(bufs, n: int, nbytes: int, *, writable: bool = False) -> torch.Tensor | list[torch.Tensor]:
@@ -126,8 +121,10 @@ def byte_rows(bufs, n: int, nbytes: int, *, writable: bool = False) -> torch.Ten
     return flat.view(n, nbytes)
 
 
-def select_rows(rows: torch.Tensor | Sequence[torch.Tensor], idx: Sequence[int]):
-    """The rows at `idx`, keeping the single-tensor form when all rows are taken in order."""
-    if isinstance(rows, torch.Tensor) and len(idx) == rows.shape[0] and list(idx) == list(range(len(idx))):
+def select_rows(rows, idx: Sequence[int]):
+    """The rows at `idx` (of a `[n, bytes]` tensor or array, or a sequence of rows), keeping
+    the single-buffer form when all rows are taken in order."""
+    if (isinstance(rows, (torch.Tensor, np.ndarray)) and len(idx) == rows.shape[0]
+            and list(idx) == list(range(len(idx)))):
         return rows
     return [rows[i] for i in idx]

@@ -25,7 +25,7 @@ from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TouchLog, as_numpy,
-                                    copy_row, flags_of, get_layout, numpy_rows, row_view,
+                                    copy_row, flags_of, get_layout, payload_views, row_view,
                                     match_of, put_statuses, raise_unless_retryable, reusable_after,
                                     stage, stats_of)
 from kvstore.client.shm import VECTOR_READS, ArenaMap, open_arena
@@ -174,7 +174,9 @@ class AsyncClient:
     async def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
         """Store blocks (see `Client.put_n`); on the daemon's host with no request while
         the put channel's grants last."""
-        rows = byte_rows(srcs, len(hashes), self.block_bytes)
+        rows = host_rows(srcs, len(hashes), self.block_bytes, writable=False)  # (Client.put_n)
+        if rows is None:
+            rows = byte_rows(srcs, len(hashes), self.block_bytes)
         if not len(hashes):
             return []
         await self.connect()
@@ -247,7 +249,7 @@ class AsyncClient:
             reply, _ = await conn.call(w.Put(hashes=packed, staged=True))
             return put_statuses(reply.statuses)
         if arena is None:
-            reply, _ = await conn.call(w.Put(hashes=packed), numpy_rows(rows))
+            reply, _ = await conn.call(w.Put(hashes=packed), payload_views(rows))
             return put_statuses(reply.statuses)
         res, _ = await conn.call(w.Reserve(hashes=packed))
         slots = np.frombuffer(res.slots, "<i8")

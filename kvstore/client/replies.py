@@ -188,19 +188,26 @@ def iter_rows(rows):
     return rows if isinstance(rows, list) else list(rows)
 
 
-def numpy_rows(rows) -> list[np.ndarray]:
-    """Host numpy views of a batch's rows (one conversion for a CPU `[n, bytes]` tensor)."""
+def payload_views(rows) -> list:
+    """A put's rows as a frame's payload buffers: host rows held back to back (a `[n,
+    bytes]` array or CPU tensor) as one buffer, else one per row."""
     whole = cpu_array(rows)
-    return list(whole) if whole is not None else [as_numpy(r) for r in iter_rows(rows)]
+    return [whole] if whole is not None else [as_numpy(r) for r in iter_rows(rows)]
 
 
-def as_numpy(row: torch.Tensor) -> np.ndarray:
+def as_numpy(row) -> np.ndarray:
+    if type(row) is np.ndarray:
+        return row
     return row.numpy() if row.device.type == "cpu" else row.cpu().numpy()
 
 
 def stage(staging: np.ndarray, rows, n: int, block_bytes: int) -> None:
     """Copy n blocks into the front of a staging segment."""
     staged = staging[:n * block_bytes].reshape(n, block_bytes)
+    whole = cpu_array(rows)
+    if whole is not None:
+        np.copyto(staged, whole.reshape(n, block_bytes), casting="no")
+        return
     for i, row in enumerate(iter_rows(rows)):
         np.copyto(staged[i], as_numpy(row))
 
@@ -214,9 +221,11 @@ def row_view(rows, host, i: int) -> tuple[memoryview, torch.Tensor | None]:
     return (memoryview(host[i]), None) if host is not None else host_view(rows[i])
 
 
-def host_view(row: torch.Tensor) -> tuple[memoryview, torch.Tensor | None]:
+def host_view(row) -> tuple[memoryview, torch.Tensor | None]:
     """Where to receive a row's bytes: the row itself (host memory), or a host staging
     tensor to copy to the device row afterwards (returned second)."""
+    if type(row) is np.ndarray:
+        return memoryview(row), None
     if row.device.type == "cpu":
         return memoryview(row.numpy()), None
     staging = torch.empty(row.numel(), dtype=torch.uint8)

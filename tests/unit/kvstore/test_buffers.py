@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.buffers import byte_rows, host_address, host_rows, tensor_rows
+from kvstore.buffers import byte_rows, host_address, host_rows, select_rows
 from kvstore.errors import BlockSizeError
 
 
@@ -21,7 +21,7 @@ def test_host_bytes_become_one_writable_view_of_the_same_memory(make):
     rows[1] = 7
     flat = buf.reshape(-1) if isinstance(buf, torch.Tensor) else buf.reshape(-1)
     assert list(flat[8:16]) == [7] * 8 and not flat[:8].any() and not flat[16:].any()
-    assert torch.equal(tensor_rows(rows)[1], torch.full((8,), 7, dtype=torch.uint8))
+    assert torch.equal(torch.from_numpy(rows)[1], torch.full((8,), 7, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("buf", [
@@ -36,6 +36,20 @@ def test_host_bytes_become_one_writable_view_of_the_same_memory(make):
 ])
 def test_anything_else_is_left_to_byte_rows(buf):
     assert host_rows(buf, 3, 8) is None
+
+
+def test_a_put_takes_read_only_host_bytes_as_they_are():
+    buf = np.frombuffer(bytes(range(24)), np.uint8)
+    rows = host_rows(buf, 3, 8, writable=False)
+    assert rows.shape == (3, 8) and bytes(rows[2]) == bytes(range(16, 24))
+    assert np.shares_memory(rows, buf)
+
+
+def test_select_rows_keeps_a_whole_array_whole_and_picks_rows_otherwise():
+    rows = np.arange(24, dtype=np.uint8).reshape(3, 8)
+    assert select_rows(rows, range(3)) is rows
+    picked = select_rows(rows, [2, 0])
+    assert [bytes(r) for r in picked] == [bytes(rows[2]), bytes(rows[0])]
 
 
 def test_byte_rows_still_explains_what_host_rows_declined():
