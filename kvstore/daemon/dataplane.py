@@ -41,6 +41,7 @@ from transfer.errors import OUT_OF_RESOURCES
 log = logging.getLogger("kvtier.dataplane")
 ACCEPT_BACKOFF_S = (0.01, 1.0)  # first and longest pause when the process is out of fds
 PAYLOAD_OPS = frozenset((w.Op.PUT, w.Op.COMMIT))  # the only requests that carry block bytes
+OP_LABELS = {op: op.name.lower() for op in w.Op}  # the `op` label of each op's figures
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -66,8 +67,10 @@ class ServedConnection:
         self.tenant: str | None = None  # whose token this connection holds (counted per tenant)
         self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES,
                                     time.monotonic() + server.cfg.hello_timeout_s)
+        self.tally = server.metrics.tally()  # this connection's requests (given back in _close)
         self.session = Session(sock, self.reader, server.registry, server.cfg,
-                               server.instance, server.local_name, local, server.drainer)
+                               server.instance, server.local_name, local, self.tally,
+                               server.drainer)
 
     @property
     def authenticated(self) -> bool:
@@ -138,14 +141,8 @@ class ServedConnection:
             raise ConnectionError("internal error") from e
         finally:
             n = len(getattr(frame.msg, "hashes", b"")) // 16
-            m.observe(frame.op.name.lower(), outcome, time.perf_counter() - t0, n)
-            s = self.session
-            if s.bytes_in:
-                m.bytes_in.inc(s.bytes_in)
-            if s.bytes_out:
-                m.bytes_out.inc(s.bytes_out)
-            s.bytes_in = s.bytes_out = 0
-            s.trim_scratch()
+            self.tally.observe(OP_LABELS[frame.op], outcome, time.perf_counter() - t0, n)
+            self.session.trim_scratch()
         if self.authenticated and not was_authenticated:
             self.reader.authenticated()
             w.kernel_timeouts(self.sock, self.server.cfg.idle_timeout_s)
@@ -175,6 +172,7 @@ class ServedConnection:
             pass  # stores closed at shutdown: their reservations and leases went with them
         finally:
             self.sock.close()
+            self.server.metrics.retire(self.tally)
             self.server.forget(self)
 
     def push_out(self, message: str) -> None:

@@ -11,7 +11,6 @@ over TCP both are refused.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
@@ -24,6 +23,7 @@ import torch
 
 from kvstore import wire as w
 from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.metrics import OpTally
 from kvstore.daemon.namespaces import Hosted, Registry, namespace_of
 from kvstore.daemon.putchannel import Drainer, PutChannel
 from kvstore.errors import ReservationError, StoreClosedError, TierIOError
@@ -35,7 +35,7 @@ STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
 SCRATCH_WINDOW = 16 << 20  # scratch a put's SSD / GPU blocks go through, written as it fills
-MIN_PAYLOAD_RATE = 4 << 20  # bytes/s a put's payload must keep up (see _payload_deadline)
+MIN_PAYLOAD_RATE = 4 << 20  # bytes/s a put's payload must keep up (see _bound_payload)
 MAX_OPEN_RESERVATIONS = 64  # per connection (a client has one open at a time, or a few)
 MAX_RESERVED_HASHES = 1 << 17  # blocks reserved at once per connection (two full RESERVEs)
 
@@ -47,10 +47,10 @@ def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
 class Session:
     def __init__(self, sock: socket.socket, reader: w.FrameReader, registry: Registry,
                  cfg: DaemonConfig, instance: bytes, local_name: str, local: bool,
-                 drainer: Drainer | None = None) -> None:
+                 tally: OpTally, drainer: Drainer | None = None) -> None:
         self.sock, self.reader, self.registry, self.cfg = sock, reader, registry, cfg
         self.instance, self.local_name, self.local = instance, local_name, local
-        self.drainer = drainer
+        self.drainer, self.tally = drainer, tally  # (payload bytes counted in the tally)
         self.channel: PutChannel | None = None
         self.hosted: Hosted | None = None
         # open on this connection: id -> (reservation, when the store reclaims it)
@@ -61,7 +61,7 @@ class Session:
         self._arena: tuple[object, np.ndarray | None] = (None, None)  # (store, its DRAM rows)
         self.staging: ShmSegment | None = None
         self.agent_key = b""
-        self.bytes_in = self.bytes_out = 0
+        self._rcvtimeo: bytes | None = None  # the socket's receive timeout, once read
 
     # ------------------------------------------------------------ plumbing
 
@@ -87,7 +87,7 @@ class Session:
     def recv_into(self, buf: torch.Tensor | np.ndarray) -> None:
         view = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
         self.reader.recv_into(view)
-        self.bytes_in += view.nbytes
+        self.tally.bytes_in += view.nbytes
 
     def drain(self, nbytes: int) -> None:
         """Read and drop a payload we refuse, so the connection stays in step."""
@@ -99,7 +99,8 @@ class Session:
 
     def reply(self, op: w.Op, msg: w.Message, payload=()) -> None:
         w.send_frame(self.sock, msg, op, True, payload)
-        self.bytes_out += sum(memoryview(p).nbytes for p in payload)
+        if payload:
+            self.tally.bytes_out += sum(memoryview(p).nbytes for p in payload)
 
     @property
     def store(self):
@@ -178,14 +179,16 @@ class Session:
         # midway, its slots went to other blocks while its bytes still arrived); the
         # payload's deadline bounds the request, and the abort below ends it
         res = store.reserve_n(hashes, timeout_s=math.inf)
+        bound = self._bound_payload(payload_bytes)
         try:
-            with self._payload_deadline(payload_bytes):
-                self._recv_blocks(res, range(len(hashes)))
+            self._recv_blocks(res, range(len(hashes)))
         except TierIOError as e:  # the payload was read in full: the connection stays in step
             return self._put_reply(store.abort_failed(res, e))
         except BaseException:
             store.abort(res.reservation_id)
             raise
+        finally:
+            self._unbound_payload(bound)
         store.commit(res.reservation_id)
         self._put_reply(res.statuses)
 
@@ -203,7 +206,8 @@ class Session:
         self.drainer.add(self.channel)
         # A put channel is silent by design: no idle timeout (its grants must outlive
         # quiet spells); it ends when the client closes it or dies (the kernel closes it).
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        self._rcvtimeo = struct.pack("ll", 0, 0)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._rcvtimeo)
         fds = self.channel.fds()
         try:
             w.send_frame_fds(self.sock, w.PutsOk(
@@ -258,30 +262,37 @@ class Session:
             store.abort(res.reservation_id)
             raise
         store.commit(res.reservation_id)
-        self.bytes_in += n * bb
+        self.tally.bytes_in += n * bb
         self._put_reply(res.statuses)
 
-    @contextlib.contextmanager
-    def _payload_deadline(self, payload_bytes: int):
+    def _bound_payload(self, payload_bytes: int) -> bytes | None:
         """A payload that holds reserved slots must come at MIN_PAYLOAD_RATE at least,
         after twice --reservation-timeout of grace: else a client trickling a byte per idle
         timeout held up to 1 GiB of slots for as long as it liked. Past the deadline the
         put is aborted (nothing stored) and the connection closed. Each read is bounded by
-        the deadline (kernel timeout) and checked against it."""
+        the deadline (kernel timeout) and checked against it. Returns what `_unbound_payload`
+        restores (None: nothing was changed). The connection's own receive timeout is read
+        once and kept (this session is the only one to change it later: `puts`), so a put
+        costs no getsockopt, and no setsockopt where its bound is that timeout anyway."""
         if not payload_bytes:
-            yield
-            return
+            return None
         allowed = 2 * self.cfg.reservation_timeout_s + payload_bytes / MIN_PAYLOAD_RATE
-        before = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
-        idle = struct.unpack("ll", before)
-        bound = allowed if idle == (0, 0) else min(allowed, idle[0] + idle[1] / 1e6)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                             struct.pack("ll", int(bound), int((bound % 1) * 1e6)))
         self.reader.payload_deadline = time.monotonic() + allowed
-        try:
-            yield
-        finally:
-            self.reader.payload_deadline = None
+        before = self._rcvtimeo
+        if before is None:
+            before = self._rcvtimeo = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
+        idle = struct.unpack("ll", before)
+        if idle != (0, 0) and allowed >= idle[0] + idle[1] / 1e6:
+            return b""  # the idle timeout bounds each read more tightly already
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                             struct.pack("ll", int(allowed), int((allowed % 1) * 1e6)))
+        return before
+
+    def _unbound_payload(self, before: bytes | None) -> None:
+        if before is None:
+            return
+        self.reader.payload_deadline = None
+        if before:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, before)
 
     def _recv_blocks(self, res: Reservation, indices: Sequence[int]) -> None:
@@ -420,8 +431,11 @@ class Session:
                 self.drain(payload_bytes)
                 raise
             self.check_payload(len(inline), payload_bytes)
-            with self._payload_deadline(payload_bytes):
+            bound = self._bound_payload(payload_bytes)
+            try:
                 self._recv_blocks(res, inline)
+            finally:
+                self._unbound_payload(bound)
             self.store.commit(res.reservation_id)
         except ReservationError as e:  # reclaimed after its timeout: nothing stored
             self._release_timed_out(res.reservation_id)

@@ -1,0 +1,85 @@
+"""The data plane's request figures: per-connection tallies summed at scrape time, in the
+Prometheus text format a scraper reads (checked by prometheus_client's own parser)."""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.daemon.metrics import LATENCY_BUCKETS, Metrics
+
+
+def scrape(m: Metrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(m.registry).decode()):
+        for s in family.samples:
+            out[s.name, tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_live_and_closed_connections_are_summed_and_closing_loses_nothing():
+    m = Metrics(lambda: [])
+    a, b = m.tally(), m.tally()
+    a.observe("put", "ok", 2e-5, 4)
+    a.observe("put", "ok", 3e-4, 1)
+    b.observe("put", "refused", 5.0, 0)  # past the last bound: +Inf only
+    b.observe("get", "ok", 1e-6, 16)
+    a.bytes_in, b.bytes_out = 1000, 24
+    before = scrape(m)
+    m.retire(a)
+    m.retire(a)  # a second retire of the same tally counts nothing twice
+    assert scrape(m) == before
+    ops = ("kvtier_ops_total", (("op", "put"), ("outcome", "ok")))
+    assert before[ops] == 2
+    assert before["kvtier_ops_total", (("op", "put"), ("outcome", "refused"))] == 1
+    assert before["kvtier_op_blocks_total", (("op", "put"),)] == 5
+    assert before["kvtier_op_blocks_total", (("op", "get"),)] == 16
+    assert before["kvtier_net_bytes_total", (("direction", "in"),)] == 1000
+    assert before["kvtier_net_bytes_total", (("direction", "out"),)] == 24
+    assert before["kvtier_op_seconds_count", (("op", "put"),)] == 3
+    assert abs(before["kvtier_op_seconds_sum", (("op", "put"),)] - 5.00032) < 1e-9
+
+
+def test_latency_buckets_are_cumulative_with_the_bounds_inclusive():
+    m = Metrics(lambda: [])
+    t = m.tally()
+    for seconds in (LATENCY_BUCKETS[0], LATENCY_BUCKETS[0] * 1.01, 1e9):
+        t.observe("get", "ok", seconds, 1)
+    got = scrape(m)
+
+    def bucket(le: str) -> float:
+        return got["kvtier_op_seconds_bucket", (("le", le), ("op", "get"))]
+    assert bucket("1e-05") == 1  # a value on a bound falls in that bound's bucket
+    assert bucket("5e-05") == 2
+    assert bucket("2.5") == 2
+    assert bucket("+Inf") == 3
+
+
+def test_a_scrape_while_connections_record_sees_counts_that_only_grow():
+    m = Metrics(lambda: [])
+    stop = threading.Event()
+    tallies = [m.tally() for _ in range(4)]
+
+    def record(t):
+        while not stop.is_set():
+            t.observe("put", "ok", 1e-4, 1)
+            t.observe(f"op{t.bytes_in % 7}", "ok", 1e-4, 1)  # new ops appear meanwhile
+            t.bytes_in += 1
+
+    threads = [threading.Thread(target=record, args=(t,)) for t in tallies]
+    for th in threads:
+        th.start()
+    try:
+        last = 0.0
+        for i in range(50):
+            now = scrape(m)[("kvtier_ops_total", (("op", "put"), ("outcome", "ok")))]
+            assert now >= last
+            last = now
+            if i == 25:
+                m.retire(tallies[0])
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    assert scrape(m)[("kvtier_ops_total", (("op", "put"), ("outcome", "ok")))] >= last
