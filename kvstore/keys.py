@@ -204,3 +204,9 @@ def check_hashes(hashes: Sequence[bytes]) -> None:
     for h in hashes:
         if len(h) != HASH_BYTES:
             raise ValueError(f"block hashes are {HASH_BYTES} bytes; got one of {len(h)} bytes")
+
+
+def hash_keys(hashes: Sequence[bytes]) -> list[bytes]:
+    """The block hashes as `bytes` (the store's keys), each checked as `check_hashes` does."""
+    check_hashes(hashes)
+    return [h if type(h) is bytes else bytes(h) for h in hashes]

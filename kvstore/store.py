@@ -24,7 +24,7 @@ from kvstore.buffers import byte_rows, select_rows
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.errors import ReservationError, StoreClosedError, TierIOError
 from kvstore.events import EventKind, KVEvent, TierKind
-from kvstore.keys import Namespace, check_hashes
+from kvstore.keys import Namespace, check_hashes, hash_keys
 from kvstore.layout import decode_block
 from kvstore.tiermap import Entry, Move, TierMap, State, group_by_tier, visible
 from kvstore.grants import Grants
@@ -129,13 +129,16 @@ class TieredStore(Reads, Grants):
         client, which may still be writing when the timeout passes): those slots of a
         reclaimed reservation are not reused until `release_owned(owner, id)` or
         `end_owner(owner)` says it is done with them."""
-        check_hashes(hashes)
-        keys = [bytes(h) for h in hashes]
+        keys = hash_keys(hashes)
         timeout = self.config.reservation_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             self._check_open()
             p = self._p
-            mine = self._hold(dict.fromkeys(keys))  # held: making room never takes them
+            entries = p.entries
+            # the blocks stored already are held: making room never takes them (a batch of
+            # fresh blocks, the common case, has none to hold)
+            mine = (self._hold(dict.fromkeys(keys)) if any(h in entries for h in keys)
+                    else [None] * len(keys))
             if len(p.tiers) == 1 or p.tiers[0].num_free() >= len(keys):
                 # no bytes to move first (room is there, or made by dropping): one visit
                 try:
@@ -157,9 +160,13 @@ class TieredStore(Reads, Grants):
         """Slots for the hashes not stored yet (under the lock; the fastest tier's room was
         made already, or is made by dropping)."""
         p = self._p
-        known = {h for h in keys if h in p.entries}
-        p.touch([p.entries[h] for h in keys if h in known])  # don't evict them for this put
-        fresh = [h for h in dict.fromkeys(keys) if h not in known]
+        entries = p.entries
+        known = {h for h in keys if h in entries}
+        if known:
+            p.touch([entries[h] for h in keys if h in known])  # don't evict them for this put
+            fresh = [h for h in dict.fromkeys(keys) if h not in known]
+        else:
+            fresh = list(dict.fromkeys(keys))
         where = dict(zip(fresh, p.allocate(len(fresh), demote=False)))
         statuses, slots, new = [], [], []
         for h in keys:
@@ -202,9 +209,10 @@ class TieredStore(Reads, Grants):
                 e.state = State.COMMITTED
                 p.make_evictable(e)
             for tier_idx, group in group_by_tier(entries):
-                p.tiers[tier_idx].publish_n([e.slot for e in group], [e.hash for e in group])
-                p.counters[tier_idx].bytes_in += len(group) * self.ns.block_bytes
-                p.emit(EventKind.STORED, tier_idx, [e.hash for e in group])
+                hashes = [e.hash for e in group]
+                p.tiers[tier_idx].publish_n([e.slot for e in group], hashes)
+                p.counters[tier_idx].bytes_in += len(group) * p.block_bytes
+                p.emit(EventKind.STORED, tier_idx, hashes)
 
     def abort(self, reservation_id: int) -> None:
         """Give back a reservation's slots; its blocks were never visible."""
