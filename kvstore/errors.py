@@ -41,6 +41,10 @@ class ReservationError(KVStoreError, RuntimeError):
     """Committing or aborting a reservation that is unknown, expired or already done."""
 
 
+class LeaseError(KVStoreError, RuntimeError):
+    """A lease (or a block in it) that is not held: unknown, ended, or read already."""
+
+
 class TierIOError(KVStoreError):
     """A tier could not read or write its storage (disk full, I/O error, a damaged index).
     The store turns it into a miss (reads) or NO_SPACE (writes); it never means wrong KV."""

@@ -16,14 +16,15 @@ from typing import NamedTuple, Sequence
 
 from kvstore.api import MatchResult, leading_hits
 from kvstore.buffers import byte_rows, select_rows
-from kvstore.errors import TierIOError
+from kvstore.errors import LeaseError, TierIOError
 from kvstore.events import TierKind
-from kvstore.keys import check_hashes
+from kvstore.keys import check_hashes, hash_keys
 from kvstore.tiermap import Entry, visible
 
 log = logging.getLogger("kvtier.store")
 TOUCH_CHUNK = 512  # blocks touch_n handles per visit under the lock (~0.3 ms)
 NO_SLOT = -1  # fetch_n: a hit whose bytes were copied, not leased
+DEFERRED = -2  # fetch_n: a hit held in the lease, its bytes still to copy (`read_deferred`)
 
 
 class Lease(NamedTuple):
@@ -52,25 +53,62 @@ class Reads:
         return MatchResult(n, tuple(tiers[:n]))
 
     def fetch_n(self, hashes: Sequence[bytes], rows, ttl_s: float = 30.0,
-                lease_tier: TierKind | None = TierKind.DRAM, prefix: bool = False):
+                lease_tier: TierKind | None = TierKind.DRAM, prefix: bool = False,
+                max_copied: int | None = None):
         """One visit per hash for a reader that can copy slots of `lease_tier` itself (a
         same-host client mapping the DRAM arena): blocks there are leased (copy them, then
         `release`); the others are copied into their `rows` (and promoted where configured;
         one promoted into `lease_tier` is leased at its new slot too). Hits and misses are
         counted once. With `prefix`, only the longest stored prefix is read.
         `hits[i]` is (tier found in, leased slot or NO_SLOT) or None; `copied[i]` says the
-        block's bytes are in `rows[i]`. `lease_id` is 0 when nothing is leased."""
+        block's bytes are in `rows[i]`. `lease_id` is 0 when nothing is leased.
+
+        With `max_copied`, only the first that many blocks to copy are copied (a reader
+        streaming a big batch out in windows: the daemon); the others are held in the lease,
+        counted as hits, with DEFERRED for a slot: copy them with `read_deferred`."""
         rows = byte_rows(rows, len(hashes), self.ns.block_bytes, writable=True)
         leased = self._lease_all(hashes, ttl_s, prefix, lease_tier)
         if leased is not None:
             return leased
-        held, tiers, kept, copied = self._read(hashes, rows, prefix, lease_tier)
+        held, tiers, kept, copied = self._read(hashes, rows, prefix, lease_tier, max_copied)
         with self._lock:
             lid = self._lease_kept(kept, ttl_s)
-            leased = {id(e) for e in kept}
-            hits = tuple(None if t is None else (t, e.slot if id(e) in leased else NO_SLOT)
+            lt, kept_ids = self._tier_index(lease_tier), {id(e) for e in kept}
+            hits = tuple(None if t is None else (t, _lease_slot(e, id(e) in kept_ids, lt))
                          for t, e in zip(tiers, held))
         return Lease(lid, hits, tuple(copied))
+
+    def read_deferred(self, lease_id: int, hashes: Sequence[bytes], rows) -> list[bool]:
+        """Copy blocks a `fetch_n` deferred into `rows` (one per hash, in order); each then
+        leaves the lease. False for a block found corrupted: it is dropped, and counted a
+        miss instead of the hit `fetch_n` counted. Raises LeaseError when a block is not
+        deferred in that lease (never was, already read, or the lease ended)."""
+        rows = byte_rows(rows, len(hashes), self.ns.block_bytes, writable=True)
+        keys = hash_keys(hashes)
+        with self._lock:
+            self._check_open()
+            _, entries = self._leases.get(lease_id, (0.0, []))
+            by_hash = {e.hash: e for e in entries}
+            mine = [by_hash.get(h) for h in keys]
+            if None in mine:
+                raise LeaseError(f"block {keys[mine.index(None)].hex()} is not held in lease "
+                                 f"{lease_id} (read already, or the lease ended)")
+            taken = {id(e) for e in mine}
+            entries[:] = [e for e in entries if id(e) not in taken]
+        ok = self._read_held(mine, rows)
+        self._promote([(e, rows[k]) for k, (e, good) in enumerate(zip(mine, ok)) if good])
+        with self._lock:
+            p, corrupt = self._p, []
+            for e, good in zip(mine, ok):
+                if not good:
+                    e.readers -= 1
+                    corrupt.append(e)
+                    p.counters[e.tier].hits -= 1  # counted by fetch_n: a miss after all
+                    p.counters[e.tier].bytes_out -= p.block_bytes
+                    self._num_misses += 1
+            p.drop([e for e in corrupt if p.entries.get(e.hash) is e], corrupt=True)
+            self._unhold([e for e, good in zip(mine, ok) if good])
+        return ok
 
     def _lease_all(self, hashes: Sequence[bytes], ttl_s: float, prefix: bool,
                    lease_tier: TierKind | None) -> Lease | None:
@@ -150,10 +188,11 @@ class Reads:
     # ------------------------------------------------------------------ the three steps
 
     def _read(self, hashes: Sequence[bytes], rows, prefix: bool = False,
-              lease_tier: TierKind | None = None):
+              lease_tier: TierKind | None = None, max_copied: int | None = None):
         """Hold, copy what will not be leased, settle, promote. Returns (the entry held per
         hash, the tier each was found in or None, the entries kept held for a lease, per
-        hash whether its bytes were copied into its row)."""
+        hash whether its bytes were copied into its row). Past `max_copied` blocks to
+        copy, the rest are kept held uncopied (deferred: see fetch_n)."""
         check_hashes(hashes)
         with self._lock:
             self._check_open()
@@ -161,35 +200,47 @@ class Reads:
             lt = self._tier_index(lease_tier)
         to_read = held if lt is None else [None if e is None or e.tier == lt else e
                                            for e in held]
+        deferred: set[int] = set()
+        if max_copied is not None and sum(e is not None for e in to_read) > max_copied:
+            to_read, left = list(to_read), max_copied
+            for i, e in enumerate(to_read):
+                if e is not None:
+                    if left:
+                        left -= 1
+                    else:
+                        deferred.add(id(e))
+                        to_read[i] = None
         try:
             ok = self._read_held(to_read, rows)
         except BaseException:
             with self._lock:  # nothing may stay held: every reader count goes back
                 self._unhold([e for e in held if e is not None])
             raise
-        if lt is not None:  # the blocks to lease were not copied, and are good
-            ok = [good or (e is not None and e.tier == lt) for e, good in zip(held, ok)]
+        if lt is not None or deferred:  # the blocks to lease or read later are good so far
+            ok = [good or (e is not None and (e.tier == lt or id(e) in deferred))
+                  for e, good in zip(held, ok)]
         promoting = self.config.promote_on_hit and any(e is not None and e.tier > 0
                                                        for e in to_read)
         with self._lock:
             tiers, live = self._settle(held, ok, prefix)
             if not promoting:  # settle and release in one visit
-                kept = self._release_unleased(live, lt)
+                kept = self._release_unleased(live, lt, deferred)
         if promoting:
             self._promote([(e, rows[i]) for i, e in enumerate(held)
                            if e is not None and tiers[i] is not None and to_read[i] is not None])
             with self._lock:
-                kept = self._release_unleased(live, lt)
+                kept = self._release_unleased(live, lt, deferred)
         copied = [r is not None and t is not None for r, t in zip(to_read, tiers)]
         return held, tiers, kept, copied
 
-    def _release_unleased(self, live: list[tuple[Entry, object]], lt: int | None) -> list[Entry]:
-        """Under the lock: release what a read held but will not lease; returns the rest."""
-        if lt is None:  # nothing to lease (get_n)
-            self._unhold([e for e, _ in live])
-            return []
-        self._unhold([e for e, t in live if t is None or e.tier != lt])
-        return [e for e, t in live if t is not None and e.tier == lt]
+    def _release_unleased(self, live: list[tuple[Entry, object]], lt: int | None,
+                          deferred: set[int]) -> list[Entry]:
+        """Under the lock: release what a read held but will neither lease nor read later;
+        returns the rest."""
+        def keep(e: Entry, t) -> bool:
+            return t is not None and (e.tier == lt or id(e) in deferred)
+        self._unhold([e for e, t in live if not keep(e, t)])
+        return [e for e, t in live if keep(e, t)]
 
     def _tier_index(self, kind: TierKind | None) -> int | None:
         index = self.__dict__.get("_kind_index")  # the tiers never change: built once
@@ -334,3 +385,11 @@ class Reads:
         with self._lock:
             _, entries = self._leases.pop(lease_id, (0.0, []))
             self._unhold(entries)
+
+
+def _lease_slot(e: Entry, kept: bool, lt: int | None) -> int:
+    """A fetched hit's slot for its reader: leased at its slot (in the lease tier), read
+    later (DEFERRED: held in the lease elsewhere), or copied already (NO_SLOT)."""
+    if not kept:
+        return NO_SLOT
+    return e.slot if e.tier == lt else DEFERRED

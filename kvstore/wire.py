@@ -678,10 +678,16 @@ def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=(
         sock.sendall(encode(msg, op, reply))
         return
     views = [memoryview(b).cast("B") for b in payload]
-    bufs = [memoryview(encode(msg, op, reply, sum(v.nbytes for v in views))), *views]
-    while bufs:
-        sent = sock.sendmsg(bufs[:256])
-        while bufs and sent >= len(bufs[0]):
-            sent -= len(bufs.pop(0))
+    send_views(sock, [memoryview(encode(msg, op, reply, sum(v.nbytes for v in views))), *views])
+
+
+def send_views(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """Send flat byte views in order, gathered by sendmsg (256 at a time), whole."""
+    at = 0
+    while at < len(bufs):
+        sent = sock.sendmsg(bufs[at:at + 256])
+        while at < len(bufs) and sent >= len(bufs[at]):
+            sent -= len(bufs[at])
+            at += 1
         if sent:
-            bufs[0] = bufs[0][sent:]
+            bufs[at] = bufs[at][sent:]

@@ -11,6 +11,7 @@ over TCP both are refused.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -26,11 +27,13 @@ from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import OpTally
 from kvstore.daemon.namespaces import Hosted, Registry, namespace_of
 from kvstore.daemon.putchannel import Drainer, PutChannel
-from kvstore.errors import ReservationError, StoreClosedError, TierIOError
+from kvstore.errors import KVStoreError, ReservationError, StoreClosedError, TierIOError
 from kvstore.events import TierKind
+from kvstore.reads import DEFERRED
 from kvstore.store import PutStatus, Reservation
 from transfer import ShmSegment
 
+log = logging.getLogger("kvtier.session")
 STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
@@ -38,6 +41,10 @@ SCRATCH_WINDOW = 16 << 20  # scratch a put's SSD / GPU blocks go through, writte
 MIN_PAYLOAD_RATE = 4 << 20  # bytes/s a put's payload must keep up (see _bound_payload)
 MAX_OPEN_RESERVATIONS = 64  # per connection (a client has one open at a time, or a few)
 MAX_RESERVED_HASHES = 1 << 17  # blocks reserved at once per connection (two full RESERVEs)
+
+
+class StreamAborted(ConnectionError):
+    """A reply that cannot be finished as promised: the connection is closed."""
 
 
 def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
@@ -62,6 +69,7 @@ class Session:
         self.staging: ShmSegment | None = None
         self.agent_key = b""
         self._rcvtimeo: bytes | None = None  # the socket's receive timeout, once read
+        self._window: np.ndarray | None = None  # a streamed GET's deferred blocks (_stream)
 
     # ------------------------------------------------------------ plumbing
 
@@ -361,26 +369,81 @@ class Session:
                 finally:
                     store.unhold_n(entries)
                 return
-        rows = self.scratch_rows(len(hashes), bb)
-        lease = store.fetch_n(hashes, rows, ttl_s=self.cfg.lease_ttl_s,
+        # blocks to copy past the first window are read window by window as the reply goes
+        # out (_stream): a GET of 1 GiB of SSD blocks held 1 GiB of scratch for as long as
+        # its client took to read it, and a few such clients ran the host out of memory
+        rows = self.scratch_rows(len(hashes), bb)  # (only the first window's rows are used)
+        lease = store.fetch_n(hashes, rows, ttl_s=self.cfg.lease_ttl_s if msg.shm else math.inf,
                               lease_tier=TierKind.DRAM if arena is not None else None,
-                              prefix=msg.prefix)
+                              prefix=msg.prefix, max_copied=max(1, SCRATCH_WINDOW // bb))
         tiers = tier_bytes([None if h is None else h[0] for h in lease.hits])
         slots = [w.NO_SLOT if h is None else h[1] for h in lease.hits]
         hits = [i for i, h in enumerate(lease.hits) if h is not None]
-        self.hosted.count_lease_hits(sum(slots[i] != w.NO_SLOT for i in hits))
-        if msg.shm:
+        self.hosted.count_lease_hits(sum(slots[i] >= 0 for i in hits))
+        if msg.shm:  # (a TCP client's lease ends with the request: no TTL needed)
             if lease.lease_id:
                 self.leases.add(lease.lease_id)
-            return self.reply(w.Op.GET, w.GetOk(
-                tiers=tiers, lease_id=lease.lease_id, slots=np.array(slots, "<i8").tobytes()),
-                [rows[i].numpy() for i in hits if slots[i] == w.NO_SLOT])
+            shown = np.maximum(np.array(slots, "<i8"), w.NO_SLOT)  # deferred: inline too
+            return self._stream(w.GetOk(tiers=tiers, lease_id=lease.lease_id,
+                                        slots=shown.tobytes()),
+                                lease.lease_id, hashes, [i for i in hits if slots[i] < 0],
+                                slots, rows, arena)
         try:
-            self.reply(w.Op.GET, w.GetOk(tiers=tiers),
-                       [arena[slots[i]] if slots[i] != w.NO_SLOT else rows[i].numpy()
-                        for i in hits])
+            self._stream(w.GetOk(tiers=tiers), lease.lease_id, hashes, hits, slots, rows, arena)
         finally:
             store.release(lease.lease_id)
+
+    def _stream(self, msg: w.GetOk, lease_id: int, hashes: list[bytes], order: list[int],
+                slots: list[int], rows: torch.Tensor, arena: np.ndarray | None) -> None:
+        """Send a GET reply: `msg`, then the bytes of the blocks `order` names, in order:
+        leased DRAM slots (a TCP client's) from the arena, copied blocks from `rows`, and
+        deferred ones (DEFERRED) read into a window of scratch just before they go, one
+        window at a time. A deferred block found corrupted then cannot be taken out of the
+        reply already promised: the connection is closed (the client retries; the block,
+        dropped, is a miss then)."""
+        bb = rows.shape[1]
+        window = max(1, SCRATCH_WINDOW // bb)
+        self.tally.bytes_out += len(order) * bb
+        bufs = [memoryview(w.encode(msg, w.Op.GET, True, len(order) * bb))]
+        deferred: list[tuple[int, int]] = []  # (hash index, its place in bufs)
+        for i in order:
+            slot = slots[i]
+            if slot == DEFERRED:
+                if len(deferred) == window:
+                    self._send_part(lease_id, hashes, bufs, deferred)
+                    bufs, deferred = [], []
+                deferred.append((i, len(bufs)))
+                bufs.append(None)
+            else:
+                bufs.append(memoryview(arena[slot] if slot >= 0 else rows[i].numpy()))
+        self._send_part(lease_id, hashes, bufs, deferred)
+
+    def _send_part(self, lease_id: int, hashes: list[bytes], bufs: list,
+                   deferred: list[tuple[int, int]]) -> None:
+        """Read the deferred blocks of one part of a GET reply into the window, then send
+        the part."""
+        if deferred:
+            bb = self.hosted.ns.block_bytes
+            window = self._window_rows(len(deferred), bb)
+            try:
+                ok = self.store.read_deferred(lease_id, [hashes[i] for i, _ in deferred], window)
+            except KVStoreError as e:  # (the lease ended, the store closed): no error frame
+                raise StreamAborted(f"the reply cannot be finished: {e}") from e  # mid-reply
+            if not all(ok):
+                log.warning("a GET's block was found corrupted after its reply had promised "
+                            "it: connection closed (the client retries; it is a miss now)")
+                raise StreamAborted("a block of the reply was found corrupted")
+            for k, (_, at) in enumerate(deferred):
+                bufs[at] = memoryview(window[k])
+        w.send_views(self.sock, [b.cast("B") for b in bufs])
+
+    def _window_rows(self, n: int, block_bytes: int) -> np.ndarray:
+        """`[n, block_bytes]` of the connection's window scratch (at most SCRATCH_WINDOW
+        and one block): where a streamed GET's deferred blocks are read."""
+        need = n * block_bytes
+        if self._window is None or self._window.nbytes < need:
+            self._window = np.empty(need, np.uint8)
+        return self._window[:need].reshape(n, block_bytes)
 
     def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:
         hashes = msg.hash_list

@@ -202,6 +202,32 @@ def test_corruption_met_while_serving_is_a_miss_for_that_block_only(make_daemon,
         assert c.stats().tier(TierKind.SSD).counters.corrupt == 2
 
 
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_corruption_met_after_a_streamed_reply_began_closes_it_and_the_retry_misses(
+        make_daemon, tmp_path, use_shm):
+    """A GET bigger than the daemon's 16 MiB scratch window reads its SSD blocks window by
+    window as the reply goes out: a block found corrupted after the reply has promised it
+    cannot be taken back, so the daemon closes the connection; the client retries, and the
+    block, dropped, is a miss. No wrong byte reaches the caller, nothing stays held."""
+    from kvstore.keys import Namespace
+    ns = Namespace("test-model", num_layers=32, num_kv_heads=8, head_dim=64)  # 1 MiB blocks
+    bb, n, bad = ns.block_bytes, 40, 37  # window: 16 copied, then 16 and 8 read as it goes
+    data = tmp_path / "data"
+    d = make_daemon("--dram-size", "0", data_dir=str(data), ssd_size="128MiB")
+    hs = hash_blocks(ns, np.arange(n * 16) + 4242)
+    slab = str(data / f"{ns.ns_id:016x}" / "ssd" / "slabs.dat")
+    with Client(d.url, namespace=ns, use_shm=use_shm) as c:
+        c.put_n(hs, np.stack([block_of(h, bb) for h in hs]))  # block i in slot i
+        _flip(slab, bad * stride_of(bb) + 4096)
+        out = np.zeros((n, bb), np.uint8)
+        tiers = c.get_n(hs, out)
+        assert [i for i, t in enumerate(tiers) if t is None] == [bad]
+        assert all(np.array_equal(out[i], block_of(hs[i], bb)) for i in range(n) if i != bad)
+        assert c.stats().tier(TierKind.SSD).counters.corrupt == 1
+        assert c.remove_n(hs) == n - 1, "a reader count was left held"
+    assert "found corrupted after its reply had promised it" in d.output()
+
+
 @pytest.mark.parametrize("dram", [0, 4])
 def test_a_full_disk_whose_blocks_can_be_evicted_takes_every_put(small_disk, monkeypatch, dram):
     """The SSD tier may grow past what the disk holds: once the disk refuses to grow it, a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import resource
 import socket
+import time
 
 import msgpack
 import numpy as np
@@ -336,6 +337,48 @@ def test_a_stalled_put_to_ssd_holds_a_window_of_scratch_not_its_whole_batch(make
         assert None not in c.get_n(hs[:4], out)
         assert all(np.array_equal(row, block_of(h, bb)) for row, h in zip(out, hs[:4]))
         assert c.stats().tier(TierKind.SSD).used_blocks == n
+
+
+def test_a_get_of_ssd_blocks_its_client_does_not_read_holds_a_window_not_its_batch(make_daemon):
+    """A GET's SSD blocks are read into scratch window by window as the reply goes out: a
+    client that asked for 96 MiB of them and read nothing left all 96 MiB resident until
+    its send timed out (minutes), and a few such clients exhausted the host. The reply,
+    read at last, is whole and exact."""
+    from kvstore.keys import Namespace
+    ns = Namespace("test-model", num_layers=8, num_kv_heads=8, head_dim=64)  # 256 KiB blocks
+    bb, n = ns.block_bytes, (96 << 20) // ns.block_bytes
+    d = make_daemon("--dram-size", "0", ssd_size="256MiB")
+    hs = hash_blocks(ns, np.arange(n * ns.block_tokens) + 777)
+    with Client(d.url, namespace=ns, use_shm=False) as c:
+        for i in range(0, n, 64):
+            c.put_n(hs[i:i + 64], np.stack([block_of(h, bb) for h in hs[i:i + 64]]))
+    with raw_conn(d, timeout=60) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        assert call(s, hello_msg(ns)).op is w.Op.HELLO
+        before = rss_kib(d.pid)
+        w.send_frame(s, w.Get(hashes=w.pack_hashes(hs)), w.Op.GET, False)
+        assert wait_for(lambda: _unsent_by_daemon(s) > 0, 30)  # its send is blocked on us
+        time.sleep(0.5)
+        grown = rss_kib(d.pid) - before
+        assert grown < (n * bb >> 10) // 2, f"{grown} KiB resident for an unread GET"
+        reply = w.recv_frame(s, 1 << 30)
+        assert reply.op is w.Op.GET and reply.msg.tiers == bytes([TierKind.SSD]) * n
+        got = bytearray(reply.payload_bytes)
+        w.recv_exact(s, memoryview(got))
+    blocks = np.frombuffer(got, np.uint8).reshape(n, bb)
+    assert all(np.array_equal(blocks[i], block_of(hs[i], bb)) for i in (0, 63, 64, n - 1))
+
+
+def _unsent_by_daemon(s: socket.socket) -> int:
+    """Bytes the daemon has queued toward `s` that we have not read: its send queue
+    (/proc/net/tcp, the daemon's end of this loopback connection)."""
+    here, there = s.getsockname()[1], s.getpeername()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, remote, _, queues = line.split()[1:5]
+            if int(local.split(":")[1], 16) == there and int(remote.split(":")[1], 16) == here:
+                return int(queues.split(":")[0], 16)
+    return 0
 
 
 def unread_by_daemon(s: socket.socket) -> int:

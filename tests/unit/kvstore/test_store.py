@@ -536,3 +536,56 @@ def test_touch_counts_reads_and_orders_recency_across_chunks(tmp_path, monkeypat
         assert s.touch_n(CHAIN[:3]) == 3
         s.put_n(OTHER[1:3], blocks(2, seed=1))  # two blocks evicted: the least recent
         assert s.contains_n(CHAIN[:4]) == [True, True, False, False]
+
+
+def test_fetch_copies_a_window_and_defers_the_rest_held_until_read(tmp_path):
+    """fetch_n(max_copied=k): DRAM blocks leased, the first k others copied, the rest held
+    in the lease (DEFERRED) and counted as hits; read_deferred copies them exactly, takes
+    them out of the lease, and a held block is never evicted meanwhile."""
+    from kvstore.errors import LeaseError
+    from kvstore.reads import DEFERRED, NO_SLOT
+    with make(tmp_path, dram=2, ssd=8, promote_on_hit=False) as s:
+        data = blocks(8, seed=3)
+        s.put_n(CHAIN[:8], data)  # the 6 oldest demoted to SSD
+        where = [s.match_prefix([h]).tiers[0] for h in CHAIN[:8]]
+        ssd = [i for i, t in enumerate(where) if t is TierKind.SSD]
+        rows = torch.zeros(8, NS.block_bytes, dtype=torch.uint8)
+        hits_before = s.stats().tier(TierKind.SSD).counters.hits
+        lease = s.fetch_n(CHAIN[:8], rows, lease_tier=TierKind.DRAM, max_copied=2)
+        slots = [h[1] for h in lease.hits]
+        assert [slots[i] for i in ssd] == [NO_SLOT, NO_SLOT] + [DEFERRED] * (len(ssd) - 2)
+        assert all(slots[i] >= 0 for i in range(8) if i not in ssd)
+        assert all(torch.equal(rows[i], data[i]) for i in ssd[:2])
+        assert s.stats().tier(TierKind.SSD).counters.hits == hits_before + len(ssd)
+        later = ssd[2:]
+        s.put_n(OTHER[:6], blocks(6, seed=4))  # pressure: held blocks must stay put
+        window = torch.zeros(len(later), NS.block_bytes, dtype=torch.uint8)
+        assert s.read_deferred(lease.lease_id, [CHAIN[i] for i in later], window) == [True] * len(later)
+        assert all(torch.equal(window[k], data[i]) for k, i in enumerate(later))
+        with pytest.raises(LeaseError, match="not held"):
+            s.read_deferred(lease.lease_id, [CHAIN[later[0]]], window[:1])
+        s.release(lease.lease_id)
+        assert s.stats().open_leases == 0
+
+
+def test_a_deferred_block_found_corrupted_is_dropped_and_a_miss_not_a_hit(tmp_path):
+    with make(tmp_path, dram=0, ssd=6) as s:
+        data = blocks(4, seed=5)
+        s.put_n(CHAIN[:4], data)  # block i in slot i of a fresh SSD tier
+        tier = s.tier(TierKind.SSD)
+        path, offset = tier.locate(CHAIN[3])
+        with open(path, "r+b") as f:
+            f.seek(offset + 7)
+            f.write(b"\xff\x00")
+        rows = torch.zeros(4, NS.block_bytes, dtype=torch.uint8)
+        lease = s.fetch_n(CHAIN[:4], rows, lease_tier=None, max_copied=1)
+        misses = s.stats().misses
+        assert s.stats().tier(TierKind.SSD).counters.hits == 4
+        window = torch.zeros(3, NS.block_bytes, dtype=torch.uint8)
+        assert s.read_deferred(lease.lease_id, CHAIN[1:4], window) == [True, True, False]
+        st = s.stats()
+        assert st.tier(TierKind.SSD).counters.hits == 3 and st.misses == misses + 1
+        assert st.tier(TierKind.SSD).counters.corrupt == 1
+        assert s.contains_n(CHAIN[:4]) == [True, True, True, False]
+        s.release(lease.lease_id)
+        assert s.remove_n(CHAIN[:3]) == 3, "a reader count was left held"
