@@ -32,7 +32,7 @@ import xxhash
 
 from kvstore.errors import BlockFormatError, TierIOError
 from kvstore.keys import Namespace
-from kvstore.layout import HEADER_BYTES, checksum, decode_header, encode_header
+from kvstore.layout import HEADER_BYTES, HeaderEncoder, checksum, decode_header
 
 SLABS, HEADERS = "slabs.dat", "headers.dat"
 RESTORING = ".restoring"  # headers.dat + this: lost headers being written again
@@ -113,6 +113,7 @@ class SlabFile:
         self._pad_view = memoryview(bytes(pad)) if pad else None
         self._scratch_view = memoryview(bytearray(pad)) if pad else None
         self._run_blocks = max(1, HASHED_RUN_BYTES // self.block_bytes)
+        self._header = HeaderEncoder(ns)
 
     def grow(self, min_slots: int = 1) -> range:
         """Reserve the next extent on disk (smaller ones, down to `min_slots`, when the
@@ -161,7 +162,7 @@ class SlabFile:
             heads = []
             for i in idx:
                 sums[i] = checksum(payloads[i])
-                heads.append(encode_header(self.ns, hashes[i], sums[i]))
+                heads.append(self._header(hashes[i], sums[i]))
             self._io(os.pwritev, self.fd, first * self.stride,
                      _padded([payloads[i] for i in idx], self._pad_view))
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES, heads)
@@ -184,7 +185,7 @@ class SlabFile:
             sums.append(h.intdigest())
         for first, idx in _runs(slots):
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES,
-                     [encode_header(self.ns, hashes[i], sums[i]) for i in idx])
+                     [self._header(hashes[i], sums[i]) for i in idx])
         return sums
 
     def restore_headers(self, entries: Sequence[tuple[bytes, int, int]]) -> int:
@@ -217,7 +218,7 @@ class SlabFile:
         """Write the headers of (slot, block hash, checksum) again (ones found damaged).
         Raises TierIOError."""
         for slot, h, c in items:
-            self._io(os.pwritev, self.hfd, slot * HEADER_BYTES, [encode_header(self.ns, h, c)])
+            self._io(os.pwritev, self.hfd, slot * HEADER_BYTES, [self._header(h, c)])
 
     def erase_headers(self, slots: Sequence[int]) -> None:
         """Zero the headers of freed slots (one pwrite per run), so that an index rebuilt
