@@ -81,13 +81,14 @@ class ServedConnection:
         try:
             while not self.server.stopping.is_set():
                 frame = self.reader.frame(self.server.cfg.max_payload_bytes)
-                with self.server.lock:
-                    self.busy = True
+                # (a plain flag: shutdown reads it under its lock, but a frame read just
+                # before it is set can be woken either way; taking the lock here too
+                # closed no such window, and cost two lock visits per request)
+                self.busy = True
                 try:
                     self._serve(frame)
                 finally:
-                    with self.server.lock:
-                        self.busy = False
+                    self.busy = False
         except w.ProtocolError as e:
             m.protocol_errors.inc()
             self._send_error(e.code, str(e))
@@ -101,14 +102,14 @@ class ServedConnection:
         m, t0 = self.server.metrics, time.perf_counter()
         if frame.reply:
             raise w.ProtocolError(f"a client sent a reply frame ({frame.op.name})")
-        if frame.op is not w.Op.HELLO and not self.authenticated:
+        was_authenticated = self.authenticated
+        if frame.op is not w.Op.HELLO and not was_authenticated:
             raise w.ProtocolError(f"{frame.op.name} before HELLO: send HELLO (token and "
                                   "namespace) first")
         if frame.payload_bytes and frame.op not in PAYLOAD_OPS:
             # its bytes would be read as the next frame: the stream is out of step
             raise w.ProtocolError(f"{frame.op.name} takes no payload, but the frame "
                                   f"announces {frame.payload_bytes} bytes")
-        was_authenticated = self.authenticated
         outcome = "ok"
         try:
             if frame.op is w.Op.HELLO:
@@ -143,7 +144,7 @@ class ServedConnection:
             n = len(getattr(frame.msg, "hashes", b"")) // 16
             self.tally.observe(OP_LABELS[frame.op], outcome, time.perf_counter() - t0, n)
             self.session.trim_scratch()
-        if self.authenticated and not was_authenticated:
+        if not was_authenticated and self.authenticated:
             self.reader.authenticated()
             w.kernel_timeouts(self.sock, self.server.cfg.idle_timeout_s)
             self.server.authenticated(self)

@@ -63,6 +63,10 @@ class Hosted:
     # GET /kv/events): each keeps its own "after seq N" cursor.
     _events: EventRing = field(default_factory=EventRing)
     _events_lock: threading.Lock = field(default_factory=threading.Lock)
+    block_bytes: int = field(init=False)  # ns.block_bytes, read by every request
+
+    def __post_init__(self) -> None:
+        self.block_bytes = self.ns.block_bytes
 
     def events_after(self, after: int) -> tuple[KVEvent, ...] | None:
         """The store's events numbered after `after`, or None when some of them are gone

@@ -146,7 +146,7 @@ class Session:
             self.agent_key = hosted.agent_key(msg.agent_key)
         dram = hosted.dram
         self.reply(w.Op.HELLO, w.HelloOk(
-            node_id=self.cfg.node_id, block_bytes=hosted.ns.block_bytes,
+            node_id=self.cfg.node_id, block_bytes=hosted.block_bytes,
             max_payload_bytes=self.cfg.max_payload_bytes, instance=self.instance,
             local_socket=self.local_name, arena_id=dram.arena_id if dram else b"",
             shm_slots=dram.num_slots if dram else 0,
@@ -171,7 +171,7 @@ class Session:
             w.close_fds(fds)
 
     def check_payload(self, n: int, payload_bytes: int) -> None:
-        bb = self.hosted.ns.block_bytes
+        bb = self.hosted.block_bytes
         if payload_bytes != n * bb:
             self.drain(payload_bytes)
             raise w.RemoteError(w.ErrorCode.BLOCK_SIZE, f"{payload_bytes} payload bytes for "
@@ -179,7 +179,7 @@ class Session:
                                 f"are {bb} bytes")
 
     def put(self, msg: w.Put, payload_bytes: int) -> None:
-        store, hashes = self.store, msg.hash_list
+        store, hashes = self.hosted.store, msg.hash_list  # (authenticated: _serve checked)
         if msg.staged:
             return self._put_staged(hashes, payload_bytes)
         self.check_payload(len(hashes), payload_bytes)
@@ -201,7 +201,7 @@ class Session:
         self._put_reply(res.statuses)
 
     def _put_reply(self, statuses) -> None:
-        self.reply(w.Op.PUT, w.PutOk(statuses=bytes(STATUS_CODES[s] for s in statuses)))
+        self.reply(w.Op.PUT, w.PutOk(statuses=bytes(map(STATUS_CODES.__getitem__, statuses))))
 
     def puts(self, msg: w.Puts, payload_bytes: int) -> None:
         """Make this connection a put channel (kvstore.daemon.putchannel)."""
@@ -252,7 +252,7 @@ class Session:
 
     def _put_staged(self, hashes: list[bytes], payload_bytes: int) -> None:
         """Blocks the client copied into our staging segment: reserve, copy, commit."""
-        bb, n = self.hosted.ns.block_bytes, len(hashes)
+        bb, n = self.hosted.block_bytes, len(hashes)
         if payload_bytes:
             self.drain(payload_bytes)
             raise w.RemoteError(w.ErrorCode.PROTOCOL, "a staged PUT carries no payload")
@@ -310,9 +310,10 @@ class Session:
         took to send it: a few stalled puts ran a host out of memory); blocks not STORED are
         read and dropped. A tier's write error is raised once the whole payload is read, so
         the connection stays in step."""
-        bb = self.hosted.ns.block_bytes
+        bb = self.hosted.block_bytes
         arena = self.dram_rows()
-        inline = sum(1 for i in indices if res.slots[i] is None or res.slots[i][0] is not TierKind.DRAM)
+        slots = res.slots
+        inline = sum(1 for i in indices if slots[i] is None or slots[i][0] is not TierKind.DRAM)
         scratch = self.scratch_rows(min(inline, max(1, SCRATCH_WINDOW // bb)), bb) if inline else None
         waiting: dict[TierKind, list[tuple[int, int]]] = {}  # tier -> (scratch row, block)
         used, failed = 0, None
@@ -352,7 +353,7 @@ class Session:
         in DRAM sent straight from its slots, held (no lease) until the reply is out."""
         store, hashes = self.store, msg.hash_list
         self.release_n(msg.release)
-        bb, arena = self.hosted.ns.block_bytes, self.dram_rows()
+        bb, arena = self.hosted.block_bytes, self.dram_rows()
         if len(hashes) * bb > self.cfg.max_payload_bytes:  # the reply, and the scratch it
             raise w.RemoteError(w.ErrorCode.TOO_LARGE,  # may take: bounded like a put's
                                 f"a GET of {len(hashes)} blocks of {bb} bytes could answer "
@@ -423,7 +424,7 @@ class Session:
         """Read the deferred blocks of one part of a GET reply into the window, then send
         the part."""
         if deferred:
-            bb = self.hosted.ns.block_bytes
+            bb = self.hosted.block_bytes
             window = self._window_rows(len(deferred), bb)
             try:
                 ok = self.store.read_deferred(lease_id, [hashes[i] for i, _ in deferred], window)
