@@ -83,16 +83,16 @@ def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatc
 
 @pytest.fixture
 def chunked(monkeypatch):
-    """Blocks of NS go the way big ones do (CHUNKED_BLOCK_BYTES): written and read in
-    pieces of 300 bytes, the last one short, each hashed right next to its own I/O."""
+    """Blocks of NS go the way big ones do (CHUNKED_BLOCK_BYTES): read in pieces of 300
+    bytes, the last one short, each hashed right after its own preadv (written whole)."""
     monkeypatch.setattr(slabfile, "CHUNKED_BLOCK_BYTES", NS.block_bytes)
     monkeypatch.setattr(slabfile, "CHUNK_BYTES", 300)
 
 
 def test_big_blocks_move_in_hashed_chunks_and_a_damaged_chunk_is_a_miss(tmp_path, chunked):
-    """Big blocks are written and read a chunk at a time, each hashed next to its I/O: the
-    bytes on disk, the checksum in the header, and what reads back are those of a block
-    moved whole; a byte flipped in any chunk fails that block alone."""
+    """Big blocks are read a chunk at a time, each hashed next to its I/O: the bytes on
+    disk, the checksum in the header, and what reads back are those of a block moved
+    whole; a byte flipped in any chunk fails that block alone."""
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(5)
     blocks = _blocks(5, seed=4)
@@ -132,9 +132,11 @@ def test_a_chunk_that_cannot_be_read_fails_its_block_and_the_rest_read(tmp_path,
     tier.close()
 
 
-def test_a_big_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch, chunked):
-    """A payload write that fails (ENOSPC) at the second chunk of a big block raises a
-    TierIOError and writes no header; the next write, once the disk takes it, lands."""
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_a_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch, fail_at):
+    """A payload write that fails (ENOSPC), at the first call of a run or after a short one
+    took part of it, raises a TierIOError and writes no header; the next write, once the
+    disk takes it, lands."""
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(4)
     blocks = _blocks(4, seed=7)
@@ -143,8 +145,10 @@ def test_a_big_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch
     def pwritev(fd, bufs, offset):
         if fd == tier.slabs.fd:
             calls.append(offset)
-            if len(calls) == 2:
+            if len(calls) == fail_at:
                 raise OSError(28, "No space left on device")
+            first = memoryview(bufs[0]).cast("B")  # a short write: the rest comes next
+            return real(fd, [first[:1000]], offset)
         return real(fd, bufs, offset)
     monkeypatch.setattr(slabfile.os, "pwritev", pwritev)
     with pytest.raises(TierIOError, match="No space left"):
