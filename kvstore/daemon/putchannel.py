@@ -153,6 +153,10 @@ class Drainer:
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
+        # rung by close: the thread waits in epoll for up to DRAIN_S, which every daemon
+        # stop paid in full (~0.4 s of a ~0.5 s stop)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll.register(self._wake, select.EPOLLIN)
         self._channels: dict[int, PutChannel] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -180,6 +184,8 @@ class Drainer:
         while not self._stop.is_set():
             try:
                 events = self._epoll.poll(self.DRAIN_S)
+                if self._stop.is_set():
+                    break
                 with self._lock:
                     ready = [self._channels.get(fd) for fd, _ in events] if events else \
                         list(self._channels.values())
@@ -198,5 +204,7 @@ class Drainer:
 
     def close(self) -> None:
         self._stop.set()
+        os.eventfd_write(self._wake, 1)
         self._thread.join(5)
         self._epoll.close()
+        os.close(self._wake)
