@@ -237,6 +237,10 @@ class Reads:
                           deferred: set[int]) -> list[Entry]:
         """Under the lock: release what a read held but will neither lease nor read later;
         returns the rest."""
+        if lt is None and not deferred:  # nothing to lease or read later (get_n)
+            self._unhold([e for e, _ in live])
+            return []
+
         def keep(e: Entry, t) -> bool:
             return t is not None and (e.tier == lt or id(e) in deferred)
         self._unhold([e for e, t in live if not keep(e, t)])
