@@ -313,7 +313,11 @@ class TierMap:
 
     def drop(self, group: Sequence[Entry], corrupt: bool = False, removed: bool = False) -> None:
         """Remove blocks from the store entirely: last-tier eviction, corruption, or an
-        explicit remove (which counts as neither)."""
+        explicit remove (which counts as neither). A block named twice (a read of a batch
+        that named it twice, found corrupted at both) is removed once: its slot freed
+        twice would be handed to two blocks."""
+        if len(group) > 1:
+            group = list({id(e): e for e in group}.values())
         for tier_idx, members in group_by_tier(group):
             hashes = [e.hash for e in members]
             self.tiers[tier_idx].free_n([e.slot for e in members], hashes)
