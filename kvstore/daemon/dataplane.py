@@ -271,6 +271,7 @@ class DataPlane:
                              "oldest, made room; retry")
         if refused is not None:
             self.metrics.connections_refused.inc()
+            self.metrics.retire(conn.tally)  # (it never runs: run's _close would do it)
             conn._send_error(w.ErrorCode.UNAVAILABLE, refused)
             sock.close()
             return

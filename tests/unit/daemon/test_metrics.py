@@ -3,6 +3,7 @@ Prometheus text format a scraper reads (checked by prometheus_client's own parse
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -83,3 +84,34 @@ def test_a_scrape_while_connections_record_sees_counts_that_only_grow():
         for th in threads:
             th.join()
     assert scrape(m)[("kvtier_ops_total", (("op", "put"), ("outcome", "ok")))] >= last
+
+
+def test_connections_refused_at_the_limit_leave_no_tally_behind(tmp_path):
+    """A connection refused at --max-connections never runs, so its tally must go back
+    when it is refused: each one left a live tally that every scrape summed, forever."""
+    import socket
+
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.daemon.dataplane import DataPlane, listen
+    from kvstore.daemon.namespaces import Registry
+
+    cfg = DaemonConfig(port=0, data_dir=str(tmp_path), max_connections=1, local_socket=False)
+    registry = Registry(cfg)
+    metrics = Metrics(registry.hosted)
+    plane = DataPlane(cfg, registry, metrics, listen("127.0.0.1", 0))
+    plane.start()
+    clients = []
+    try:
+        for _ in range(20):
+            clients.append(socket.create_connection(("127.0.0.1", plane.port)))
+        deadline = time.monotonic() + 10
+        while metrics.connections_refused._value.get() < 19 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert metrics.connections_refused._value.get() == 19
+        assert len(metrics.requests._live) == 1  # the one connection admitted
+    finally:
+        for c in clients:
+            c.close()
+        plane.shutdown(1.0)
+        registry.close()
+    assert not metrics.requests._live
