@@ -10,6 +10,7 @@ written under the lock but the destination of the promotion itself (a memory tie
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import NamedTuple, Sequence
@@ -31,6 +32,7 @@ class Lease(NamedTuple):
     lease_id: int
     hits: tuple[tuple[TierKind, int] | None, ...]  # (tier, slot) per requested hash; None = miss
     copied: tuple[bool, ...] = ()  # fetch_n: the block's bytes are in the caller's row
+    rows: tuple[int, ...] = ()  # fetch_n with max_copied: which row that is (-1: none)
 
 
 class Reads:
@@ -63,40 +65,57 @@ class Reads:
         `hits[i]` is (tier found in, leased slot or NO_SLOT) or None; `copied[i]` says the
         block's bytes are in `rows[i]`. `lease_id` is 0 when nothing is leased.
 
-        With `max_copied`, only the first that many blocks to copy are copied (a reader
-        streaming a big batch out in windows: the daemon); the others are held in the lease,
-        counted as hits, with DEFERRED for a slot: copy them with `read_deferred`."""
-        rows = byte_rows(rows, len(hashes), self.ns.block_bytes, writable=True)
+        With `max_copied` (a reader streaming a big batch out in windows: the daemon),
+        `rows` holds only that many rows: the k-th block copied goes to `rows[k]` (in
+        order), and the blocks past them are held in the lease, counted as hits, with
+        DEFERRED for a slot: copy them with `read_deferred`."""
+        n = len(hashes) if max_copied is None else min(len(hashes), max_copied)
+        rows = byte_rows(rows, n, self.ns.block_bytes, writable=True)
         leased = self._lease_all(hashes, ttl_s, prefix, lease_tier)
         if leased is not None:
             return leased
-        held, tiers, kept, copied = self._read(hashes, rows, prefix, lease_tier, max_copied)
+        held, tiers, kept, copied, row_at = self._read(hashes, rows, prefix, lease_tier,
+                                                      max_copied)
         with self._lock:
             lid = self._lease_kept(kept, ttl_s)
             lt, kept_ids = self._tier_index(lease_tier), {id(e) for e in kept}
-            hits = tuple(None if t is None else (t, _lease_slot(e, id(e) in kept_ids, lt))
-                         for t, e in zip(tiers, held))
-        return Lease(lid, hits, tuple(copied))
+            hits = tuple(None if t is None else
+                         (t, e.slot if id(e) in kept_ids and e.tier == lt
+                          else NO_SLOT if copied[i] else DEFERRED)
+                         for i, (t, e) in enumerate(zip(tiers, held)))
+        return Lease(lid, hits, tuple(copied),
+                     tuple(r if c else -1 for r, c in zip(row_at, copied)) if row_at else ())
 
     def read_deferred(self, lease_id: int, hashes: Sequence[bytes], rows) -> list[bool]:
-        """Copy blocks a `fetch_n` deferred into `rows` (one per hash, in order); each then
-        leaves the lease. False for a block found corrupted: it is dropped, and counted a
-        miss instead of the hit `fetch_n` counted. Raises LeaseError when a block is not
-        deferred in that lease (never was, already read, or the lease ended)."""
+        """Copy blocks a `fetch_n` deferred into `rows` (one per hash, in order; a hash the
+        batch named twice, twice); each then leaves the lease. False for a block found
+        corrupted: it is dropped, and counted a miss instead of the hit `fetch_n` counted.
+        Raises LeaseError when a block is not deferred in that lease (never was, already
+        read, or the lease ended)."""
         rows = byte_rows(rows, len(hashes), self.ns.block_bytes, writable=True)
         keys = hash_keys(hashes)
         with self._lock:
             self._check_open()
             _, entries = self._leases.get(lease_id, (0.0, []))
-            by_hash = {e.hash: e for e in entries}
-            mine = [by_hash.get(h) for h in keys]
-            if None in mine:
-                raise LeaseError(f"block {keys[mine.index(None)].hex()} is not held in lease "
-                                 f"{lease_id} (read already, or the lease ended)")
-            taken = {id(e) for e in mine}
-            entries[:] = [e for e in entries if id(e) not in taken]
-        ok = self._read_held(mine, rows)
-        self._promote([(e, rows[k]) for k, (e, good) in enumerate(zip(mine, ok)) if good])
+            where: dict[bytes, list[int]] = {}
+            for j, e in enumerate(entries):
+                where.setdefault(e.hash, []).append(j)
+            taken = []
+            for h in keys:  # one of the lease's holds per copy asked for
+                if not where.get(h):
+                    raise LeaseError(f"block {h.hex()} is not held in lease {lease_id} "
+                                     "(read already, or the lease ended)")
+                taken.append(where[h].pop())
+            mine = [entries[j] for j in taken]
+            gone = set(taken)
+            entries[:] = [e for j, e in enumerate(entries) if j not in gone]
+        try:
+            ok = self._read_held(mine, rows)
+            self._promote([(e, rows[k]) for k, (e, good) in enumerate(zip(mine, ok)) if good])
+        except BaseException:
+            with self._lock:  # out of the lease already: nothing else would give them back
+                self._unhold(mine)
+            raise
         with self._lock:
             p, corrupt = self._p, []
             for e, good in zip(mine, ok):
@@ -109,6 +128,13 @@ class Reads:
             p.drop([e for e in corrupt if p.entries.get(e.hash) is e], corrupt=True)
             self._unhold([e for e, good in zip(mine, ok) if good])
         return ok
+
+    def renew_lease(self, lease_id: int, ttl_s: float) -> None:
+        """The lease now ends `ttl_s` from now unless released first (unknown: ignored)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                self._leases[lease_id] = (time.monotonic() + ttl_s, lease[1])
 
     def _lease_all(self, hashes: Sequence[bytes], ttl_s: float, prefix: bool,
                    lease_tier: TierKind | None) -> Lease | None:
@@ -191,8 +217,9 @@ class Reads:
               lease_tier: TierKind | None = None, max_copied: int | None = None):
         """Hold, copy what will not be leased, settle, promote. Returns (the entry held per
         hash, the tier each was found in or None, the entries kept held for a lease, per
-        hash whether its bytes were copied into its row). Past `max_copied` blocks to
-        copy, the rest are kept held uncopied (deferred: see fetch_n)."""
+        hash whether its bytes were copied into its row, and with `max_copied` the row of
+        `rows` each hash's copy went to, -1 for none, else None). Past `max_copied` blocks
+        to copy, the rest are kept held uncopied (deferred: see fetch_n)."""
         check_hashes(hashes)
         with self._lock:
             self._check_open()
@@ -200,16 +227,11 @@ class Reads:
             lt = self._tier_index(lease_tier)
         to_read = held if lt is None else [None if e is None or e.tier == lt else e
                                            for e in held]
-        deferred: set[int] = set()
-        if max_copied is not None and sum(e is not None for e in to_read) > max_copied:
-            to_read, left = list(to_read), max_copied
-            for i, e in enumerate(to_read):
-                if e is not None:
-                    if left:
-                        left -= 1
-                    else:
-                        deferred.add(id(e))
-                        to_read[i] = None
+        deferred: collections.Counter[int] = collections.Counter()  # id(entry) -> positions
+        row_at = None
+        if max_copied is not None:
+            to_read, row_at, deferred = _defer_past(to_read, max_copied)
+            rows = [None if k < 0 else rows[k] for k in row_at]
         try:
             ok = self._read_held(to_read, rows)
         except BaseException:
@@ -217,8 +239,8 @@ class Reads:
                 self._unhold([e for e in held if e is not None])
             raise
         if lt is not None or deferred:  # the blocks to lease or read later are good so far
-            ok = [good or (e is not None and (e.tier == lt or id(e) in deferred))
-                  for e, good in zip(held, ok)]
+            ok = [good or (e is not None and (e.tier == lt or r is None))
+                  for e, r, good in zip(held, to_read, ok)]
         promoting = self.config.promote_on_hit and any(e is not None and e.tier > 0
                                                        for e in to_read)
         with self._lock:
@@ -231,20 +253,28 @@ class Reads:
             with self._lock:
                 kept = self._release_unleased(live, lt, deferred)
         copied = [r is not None and t is not None for r, t in zip(to_read, tiers)]
-        return held, tiers, kept, copied
+        return held, tiers, kept, copied, row_at
 
     def _release_unleased(self, live: list[tuple[Entry, object]], lt: int | None,
-                          deferred: set[int]) -> list[Entry]:
-        """Under the lock: release what a read held but will neither lease nor read later;
-        returns the rest."""
+                          deferred: collections.Counter[int]) -> list[Entry]:
+        """Under the lock: release what a read held but will neither lease nor read later
+        (`deferred`: how many of each entry's holds are kept to read later); returns the
+        rest."""
         if lt is None and not deferred:  # nothing to lease or read later (get_n)
             self._unhold([e for e, _ in live])
             return []
-
-        def keep(e: Entry, t) -> bool:
-            return t is not None and (e.tier == lt or id(e) in deferred)
-        self._unhold([e for e, t in live if not keep(e, t)])
-        return [e for e, t in live if keep(e, t)]
+        left = collections.Counter(deferred)
+        kept, released = [], []
+        for e, t in live:
+            if t is not None and e.tier == lt:
+                kept.append(e)
+            elif t is not None and left[id(e)] > 0:
+                left[id(e)] -= 1
+                kept.append(e)
+            else:
+                released.append(e)
+        self._unhold(released)
+        return kept
 
     def _tier_index(self, kind: TierKind | None) -> int | None:
         index = self.__dict__.get("_kind_index")  # the tiers never change: built once
@@ -391,9 +421,21 @@ class Reads:
             self._unhold(entries)
 
 
-def _lease_slot(e: Entry, kept: bool, lt: int | None) -> int:
-    """A fetched hit's slot for its reader: leased at its slot (in the lease tier), read
-    later (DEFERRED: held in the lease elsewhere), or copied already (NO_SLOT)."""
-    if not kept:
-        return NO_SLOT
-    return e.slot if e.tier == lt else DEFERRED
+
+def _defer_past(to_read: list[Entry | None], max_copied: int):
+    """The first `max_copied` blocks to copy take a row each, in order (the k-th copied
+    goes to row k); the ones past them are left to read later. Returns (what to copy now,
+    by position; the row of each position, -1 where nothing is copied; how many positions
+    each entry has left to read later, by id: a batch may name a block twice)."""
+    now, row_at = list(to_read), [-1] * len(to_read)
+    deferred: collections.Counter[int] = collections.Counter()
+    k = 0
+    for i, e in enumerate(now):
+        if e is None:
+            continue
+        if k < max_copied:
+            row_at[i], k = k, k + 1
+        else:
+            deferred[id(e)] += 1
+            now[i] = None
+    return now, row_at, deferred

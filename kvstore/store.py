@@ -137,8 +137,8 @@ class TieredStore(Reads, Grants):
             entries = p.entries
             # the blocks stored already are held: making room never takes them (a batch of
             # fresh blocks, the common case, has none to hold)
-            mine = (self._hold(dict.fromkeys(keys)) if any(h in entries for h in keys)
-                    else [None] * len(keys))
+            unique = dict.fromkeys(keys)
+            mine = self._hold(unique) if any(h in entries for h in keys) else [None] * len(unique)
             if len(p.tiers) == 1 or p.tiers[0].num_free() >= len(keys):
                 # no bytes to move first (room is there, or made by dropping): one visit
                 try:

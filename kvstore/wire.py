@@ -456,13 +456,18 @@ def _named(cls: type, error: str) -> str:
 # ------------------------------------------------------------------------ blocking socket I/O
 
 
+def timeval(seconds: float) -> bytes:
+    """A struct timeval for SO_RCVTIMEO / SO_SNDTIMEO (0: no timeout at all)."""
+    return struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+
+
 def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     """Kernel send/receive timeouts on a blocking socket: MSG_WAITALL then fills a megabyte
     in one call (a socket with a Python timeout is non-blocking underneath: a poll and a
     recv per chunk that arrives), yet no peer holds a thread longer than `seconds` per call.
     A call that times out raises BlockingIOError (EAGAIN), not socket.timeout."""
     sock.settimeout(None)
-    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    tv = timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
@@ -681,10 +686,20 @@ def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=(
     send_views(sock, [memoryview(encode(msg, op, reply, sum(v.nbytes for v in views))), *views])
 
 
-def send_views(sock: socket.socket, bufs: list[memoryview]) -> None:
-    """Send flat byte views in order, gathered by sendmsg (256 at a time), whole."""
+def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | None = None) -> None:
+    """Send flat byte views in order, gathered by sendmsg (256 at a time), whole.
+    `deadline` (time.monotonic(); a blocking socket with kernel timeouts): TimeoutError
+    once past it with bytes still to go. Each call is bounded by the time left (the
+    socket's send timeout is set to it: the caller puts its own back) and the deadline
+    checked between calls: a peer that reads a little now and then, each call making
+    some progress, is bounded by it all the same."""
     at = 0
     while at < len(bufs):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the peer took its data too slowly")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(max(left, 1e-3)))
         sent = sock.sendmsg(bufs[at:at + 256])
         while at < len(bufs) and sent >= len(bufs[at]):
             sent -= len(bufs[at])

@@ -203,6 +203,8 @@ class Drainer:
         ch.drain()
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         os.eventfd_write(self._wake, 1)
         self._thread.join(5)

@@ -27,7 +27,7 @@ from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.metrics import OpTally
 from kvstore.daemon.namespaces import Hosted, Registry, namespace_of
 from kvstore.daemon.putchannel import Drainer, PutChannel
-from kvstore.errors import KVStoreError, ReservationError, StoreClosedError, TierIOError
+from kvstore.errors import ReservationError, StoreClosedError, TierIOError
 from kvstore.events import TierKind
 from kvstore.reads import DEFERRED
 from kvstore.store import PutStatus, Reservation
@@ -38,6 +38,7 @@ STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
 SCRATCH_WINDOW = 16 << 20  # scratch a put's SSD / GPU blocks go through, written as it fills
+SOCKET_BUFFER_BYTES = 4 << 20  # what the data plane's sockets buffer (dataplane._admit)
 MIN_PAYLOAD_RATE = 4 << 20  # bytes/s a put's payload must keep up (see _bound_payload)
 MAX_OPEN_RESERVATIONS = 64  # per connection (a client has one open at a time, or a few)
 MAX_RESERVED_HASHES = 1 << 17  # blocks reserved at once per connection (two full RESERVEs)
@@ -86,7 +87,6 @@ class Session:
         self.staging: ShmSegment | None = None
         self.agent_key = b""
         self._rcvtimeo: bytes | None = None  # the socket's receive timeout, once read
-        self._window: np.ndarray | None = None  # a streamed GET's deferred blocks (_stream)
 
     # ------------------------------------------------------------ plumbing
 
@@ -204,8 +204,9 @@ class Session:
         # midway, its slots went to other blocks while its bytes still arrived); the
         # payload's deadline bounds the request, and the abort below ends it
         res = store.reserve_n(hashes, timeout_s=math.inf)
-        bound = self._bound_payload(payload_bytes)
+        bound = None
         try:
+            bound = self._bound_payload(payload_bytes)
             self._recv_blocks(res, range(len(hashes)))
         except TierIOError as e:  # the payload was read in full: the connection stays in step
             return self._put_reply(store.abort_failed(res, e))
@@ -310,8 +311,7 @@ class Session:
         idle = struct.unpack("ll", before)
         if idle != (0, 0) and allowed >= idle[0] + idle[1] / 1e6:
             return b""  # the idle timeout bounds each read more tightly already
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                             struct.pack("ll", int(allowed), int((allowed % 1) * 1e6)))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, w.timeval(allowed))
         return before
 
     def _unbound_payload(self, before: bytes | None) -> None:
@@ -383,89 +383,113 @@ class Session:
                 kinds, entries = held
                 self.hosted.count_lease_hits(len(entries))
                 tiers, nbytes = tier_bytes(kinds), len(entries) * bb
+                views = [memoryview(_reply_frame(w.Op.GET, tiers, nbytes,
+                                                 lambda: w.GetOk(tiers=tiers))),
+                         *(memoryview(arena[e.slot]) for e in entries)]
                 try:
-                    w.send_views(self.sock, [memoryview(_reply_frame(
-                        w.Op.GET, tiers, nbytes, lambda: w.GetOk(tiers=tiers))),
-                        *(memoryview(arena[e.slot]) for e in entries)])
+                    if nbytes <= SOCKET_BUFFER_BYTES:  # (goes into the socket's buffer)
+                        w.send_views(self.sock, views)
+                    else:
+                        self._send_before(views, self._reply_deadline(nbytes))
                     self.tally.bytes_out += nbytes
                 finally:
                     store.unhold_n(entries)
                 return
-        # blocks to copy past the first window are read window by window as the reply goes
-        # out (_stream): a GET of 1 GiB of SSD blocks held 1 GiB of scratch for as long as
-        # its client took to read it, and a few such clients ran the host out of memory
-        rows = self.scratch_rows(len(hashes), bb)  # (only the first window's rows are used)
-        lease = store.fetch_n(hashes, rows, ttl_s=self.cfg.lease_ttl_s if msg.shm else math.inf,
+        # the blocks to copy go through two windows of scratch: the first window's copied
+        # up front, the rest read part by part as the reply goes out (_stream). A GET of
+        # 1 GiB of SSD blocks held 1 GiB of scratch for as long as its client took to read
+        # it, and a few such clients ran the host out of memory.
+        window = max(1, SCRATCH_WINDOW // bb)
+        k = min(len(hashes), window)
+        scratch = self.scratch_rows(2 * k, bb)
+        # (no TTL while the reply goes out: a same-host client's starts once it is out)
+        lease = store.fetch_n(hashes, scratch[:k], ttl_s=math.inf,
                               lease_tier=TierKind.DRAM if arena is not None else None,
-                              prefix=msg.prefix, max_copied=max(1, SCRATCH_WINDOW // bb))
+                              prefix=msg.prefix, max_copied=window)
         tiers = tier_bytes([None if h is None else h[0] for h in lease.hits])
         slots = [w.NO_SLOT if h is None else h[1] for h in lease.hits]
         hits = [i for i, h in enumerate(lease.hits) if h is not None]
         self.hosted.count_lease_hits(sum(slots[i] >= 0 for i in hits))
-        if msg.shm:  # (a TCP client's lease ends with the request: no TTL needed)
+        if msg.shm:
             if lease.lease_id:
                 self.leases.add(lease.lease_id)
             shown = np.maximum(np.array(slots, "<i8"), w.NO_SLOT)  # deferred: inline too
-            return self._stream(w.GetOk(tiers=tiers, lease_id=lease.lease_id,
-                                        slots=shown.tobytes()),
-                                lease.lease_id, hashes, [i for i in hits if slots[i] < 0],
-                                slots, rows, arena)
+            self._stream(w.GetOk(tiers=tiers, lease_id=lease.lease_id, slots=shown.tobytes()),
+                         lease, hashes, [i for i in hits if slots[i] < 0], slots, scratch, k,
+                         arena)
+            store.renew_lease(lease.lease_id, self.cfg.lease_ttl_s)
+            return
         try:
-            self._stream(w.GetOk(tiers=tiers), lease.lease_id, hashes, hits, slots, rows, arena)
+            self._stream(w.GetOk(tiers=tiers), lease, hashes, hits, slots, scratch, k, arena)
         finally:
             store.release(lease.lease_id)
 
-    def _stream(self, msg: w.GetOk, lease_id: int, hashes: list[bytes], order: list[int],
-                slots: list[int], rows: torch.Tensor, arena: np.ndarray | None) -> None:
+    def _send_before(self, views: list[memoryview], deadline: float) -> None:
+        """Send views whole by `deadline` (TimeoutError past it; see wire.send_views), then
+        put the connection's send timeout (the idle timeout) back."""
+        try:
+            w.send_views(self.sock, views, deadline)
+        finally:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 w.timeval(self.cfg.idle_timeout_s))
+
+    def _reply_deadline(self, nbytes: int) -> float:
+        """By when a reply of `nbytes` must be out: as a put's payload must come in (see
+        _bound_payload), so a client that reads a byte now and then cannot hold the blocks
+        its reply pins, nor this thread, for as long as it likes."""
+        return time.monotonic() + 2 * self.cfg.reservation_timeout_s + nbytes / MIN_PAYLOAD_RATE
+
+    def _stream(self, msg: w.GetOk, lease, hashes: list[bytes], order: list[int],
+                slots: list[int], scratch: torch.Tensor, k: int,
+                arena: np.ndarray | None) -> None:
         """Send a GET reply: `msg`, then the bytes of the blocks `order` names, in order:
-        leased DRAM slots (a TCP client's) from the arena, copied blocks from `rows`, and
-        deferred ones (DEFERRED) read into a window of scratch just before they go, one
-        window at a time. A deferred block found corrupted then cannot be taken out of the
-        reply already promised: the connection is closed (the client retries; the block,
-        dropped, is a miss then)."""
-        bb = rows.shape[1]
-        window = max(1, SCRATCH_WINDOW // bb)
-        self.tally.bytes_out += len(order) * bb
-        bufs = [memoryview(w.encode(msg, w.Op.GET, True, len(order) * bb))]
+        leased DRAM slots (a TCP client's) from the arena, copied blocks from the first k
+        rows of `scratch` (`lease.rows` says which), and deferred ones
+        (DEFERRED) read into its other k rows just before they go, a part at a time. Once
+        the header is out nothing else can be said on the connection: a deferred block
+        found corrupted, a slow or vanished client, any failure, closes it (StreamAborted;
+        the client retries, and a block found corrupted, dropped, is a miss then)."""
+        bb = self.hosted.block_bytes
+        rows, window = scratch[:k], scratch[k:]
+        nbytes = len(order) * bb
+        deadline = self._reply_deadline(nbytes)
+        header = memoryview(w.encode(msg, w.Op.GET, True, nbytes))
+        bufs = [header]
         deferred: list[tuple[int, int]] = []  # (hash index, its place in bufs)
-        for i in order:
-            slot = slots[i]
-            if slot == DEFERRED:
-                if len(deferred) == window:
-                    self._send_part(lease_id, hashes, bufs, deferred)
-                    bufs, deferred = [], []
-                deferred.append((i, len(bufs)))
-                bufs.append(None)
-            else:
-                bufs.append(memoryview(arena[slot] if slot >= 0 else rows[i].numpy()))
-        self._send_part(lease_id, hashes, bufs, deferred)
+        try:
+            for i in order:
+                slot = slots[i]
+                if slot == DEFERRED:
+                    if len(deferred) == len(window):
+                        self._send_part(lease.lease_id, hashes, bufs, deferred, window, deadline)
+                        self.tally.bytes_out += (len(bufs) - (bufs[0] is header)) * bb
+                        bufs, deferred = [], []
+                    deferred.append((i, len(bufs)))
+                    bufs.append(None)
+                else:
+                    bufs.append(memoryview(arena[slot] if slot >= 0 else rows[lease.rows[i]].numpy()))
+            self._send_part(lease.lease_id, hashes, bufs, deferred, window, deadline)
+            self.tally.bytes_out += (len(bufs) - (bufs[0] is header)) * bb
+        except StreamAborted:
+            raise
+        except Exception as e:  # mid-reply: an error frame would be read as block bytes
+            raise StreamAborted(f"a GET reply could not be finished: {e}") from e
 
     def _send_part(self, lease_id: int, hashes: list[bytes], bufs: list,
-                   deferred: list[tuple[int, int]]) -> None:
+                   deferred: list[tuple[int, int]], window: torch.Tensor,
+                   deadline: float) -> None:
         """Read the deferred blocks of one part of a GET reply into the window, then send
         the part."""
         if deferred:
-            bb = self.hosted.block_bytes
-            window = self._window_rows(len(deferred), bb)
-            try:
-                ok = self.store.read_deferred(lease_id, [hashes[i] for i, _ in deferred], window)
-            except KVStoreError as e:  # (the lease ended, the store closed): no error frame
-                raise StreamAborted(f"the reply cannot be finished: {e}") from e  # mid-reply
+            ok = self.store.read_deferred(lease_id, [hashes[i] for i, _ in deferred],
+                                          window[:len(deferred)])
             if not all(ok):
                 log.warning("a GET's block was found corrupted after its reply had promised "
                             "it: connection closed (the client retries; it is a miss now)")
                 raise StreamAborted("a block of the reply was found corrupted")
-            for k, (_, at) in enumerate(deferred):
-                bufs[at] = memoryview(window[k])
-        w.send_views(self.sock, [b.cast("B") for b in bufs])
-
-    def _window_rows(self, n: int, block_bytes: int) -> np.ndarray:
-        """`[n, block_bytes]` of the connection's window scratch (at most SCRATCH_WINDOW
-        and one block): where a streamed GET's deferred blocks are read."""
-        need = n * block_bytes
-        if self._window is None or self._window.nbytes < need:
-            self._window = np.empty(need, np.uint8)
-        return self._window[:need].reshape(n, block_bytes)
+            for j, (_, at) in enumerate(deferred):
+                bufs[at] = memoryview(window[j].numpy())
+        self._send_before([b.cast("B") for b in bufs], deadline)
 
     def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:
         hashes = msg.hash_list
@@ -516,8 +540,9 @@ class Session:
                 self.drain(payload_bytes)
                 raise
             self.check_payload(len(inline), payload_bytes)
-            bound = self._bound_payload(payload_bytes)
+            bound = None
             try:
+                bound = self._bound_payload(payload_bytes)
                 self._recv_blocks(res, inline)
             finally:
                 self._unbound_payload(bound)

@@ -228,6 +228,26 @@ def test_corruption_met_after_a_streamed_reply_began_closes_it_and_the_retry_mis
     assert "found corrupted after its reply had promised it" in d.output()
 
 
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_a_streamed_get_naming_a_block_twice_answers_both_and_holds_nothing(make_daemon,
+                                                                            use_shm):
+    """A GET may name a block twice, once in the window copied up front and once among the
+    blocks read as the reply goes out: both copies come back exact, and no hold is left
+    behind (a block once stayed held for good, and the reply was cut off)."""
+    from kvstore.keys import Namespace
+    ns = Namespace("test-model", num_layers=32, num_kv_heads=8, head_dim=64)  # 1 MiB blocks
+    bb, n = ns.block_bytes, 36
+    d = make_daemon("--dram-size", "0", ssd_size="128MiB")
+    hs = hash_blocks(ns, np.arange(n * 16) + 5151)
+    names = hs + [hs[0], hs[20]]
+    with Client(d.url, namespace=ns, use_shm=use_shm) as c:
+        c.put_n(hs, np.stack([block_of(h, bb) for h in hs]))
+        out = np.zeros((len(names), bb), np.uint8)
+        assert c.get_n(names, out) == [TierKind.SSD] * len(names)
+        assert all(np.array_equal(out[i], block_of(h, bb)) for i, h in enumerate(names))
+        assert c.remove_n(hs) == n, "a reader count was left held"
+
+
 @pytest.mark.parametrize("dram", [0, 4])
 def test_a_full_disk_whose_blocks_can_be_evicted_takes_every_put(small_disk, monkeypatch, dram):
     """The SSD tier may grow past what the disk holds: once the disk refuses to grow it, a

@@ -369,6 +369,38 @@ def test_a_get_of_ssd_blocks_its_client_does_not_read_holds_a_window_not_its_bat
     assert all(np.array_equal(blocks[i], block_of(hs[i], bb)) for i in (0, 63, 64, n - 1))
 
 
+def test_a_get_its_client_reads_too_slowly_is_cut_off_and_holds_nothing(make_daemon):
+    """A streamed GET's reply must go out at 4 MiB/s at least, after twice
+    --reservation-timeout of grace (as a put's payload must come in): a client reading a
+    few bytes now and then kept its blocks held and the connection's thread busy until its
+    idle timeout, however long. Past the deadline the connection is closed and every hold
+    goes back."""
+    from kvstore.keys import Namespace
+    ns = Namespace("test-model", num_layers=8, num_kv_heads=8, head_dim=64)  # 256 KiB blocks
+    bb, n = ns.block_bytes, (20 << 20) // ns.block_bytes
+    d = make_daemon("--dram-size", "0", "--reservation-timeout", "0.1", ssd_size="128MiB")
+    hs = hash_blocks(ns, np.arange(n * ns.block_tokens) + 999)
+    with Client(d.url, namespace=ns, use_shm=False) as c:
+        for i in range(0, n, 32):
+            c.put_n(hs[i:i + 32], np.stack([block_of(h, bb) for h in hs[i:i + 32]]))
+    with raw_conn(d, timeout=60) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        assert call(s, hello_msg(ns)).op is w.Op.HELLO
+        w.send_frame(s, w.Get(hashes=w.pack_hashes(hs)), w.Op.GET, False)
+        started, got = time.monotonic(), 0
+        while True:  # ~2 MiB/s: the 20 MiB reply is due within 0.2 s + 5 s
+            chunk = s.recv(64 << 10)
+            if not chunk:
+                break
+            got += len(chunk)
+            time.sleep(0.03)
+        assert got < n * bb, "the whole reply came"
+        assert time.monotonic() - started < 20
+    with Client(d.url, namespace=ns, use_shm=False) as c:
+        assert wait_for(lambda: c.remove_n(hs[:1]) == 1, 10), "the block was still held"
+        assert c.remove_n(hs[1:]) == n - 1, "a reader count was left held"
+
+
 def _unsent_by_daemon(s: socket.socket) -> int:
     """Bytes the daemon has queued toward `s` that we have not read: its send queue
     (/proc/net/tcp, the daemon's end of this loopback connection)."""

@@ -549,13 +549,14 @@ def test_fetch_copies_a_window_and_defers_the_rest_held_until_read(tmp_path):
         s.put_n(CHAIN[:8], data)  # the 6 oldest demoted to SSD
         where = [s.match_prefix([h]).tiers[0] for h in CHAIN[:8]]
         ssd = [i for i, t in enumerate(where) if t is TierKind.SSD]
-        rows = torch.zeros(8, NS.block_bytes, dtype=torch.uint8)
+        rows = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)  # the k-th copied in row k
         hits_before = s.stats().tier(TierKind.SSD).counters.hits
         lease = s.fetch_n(CHAIN[:8], rows, lease_tier=TierKind.DRAM, max_copied=2)
         slots = [h[1] for h in lease.hits]
         assert [slots[i] for i in ssd] == [NO_SLOT, NO_SLOT] + [DEFERRED] * (len(ssd) - 2)
         assert all(slots[i] >= 0 for i in range(8) if i not in ssd)
-        assert all(torch.equal(rows[i], data[i]) for i in ssd[:2])
+        assert [i for i, c in enumerate(lease.copied) if c] == ssd[:2]
+        assert all(torch.equal(rows[k], data[i]) for k, i in enumerate(ssd[:2]))
         assert s.stats().tier(TierKind.SSD).counters.hits == hits_before + len(ssd)
         later = ssd[2:]
         s.put_n(OTHER[:6], blocks(6, seed=4))  # pressure: held blocks must stay put
@@ -577,7 +578,7 @@ def test_a_deferred_block_found_corrupted_is_dropped_and_a_miss_not_a_hit(tmp_pa
         with open(path, "r+b") as f:
             f.seek(offset + 7)
             f.write(b"\xff\x00")
-        rows = torch.zeros(4, NS.block_bytes, dtype=torch.uint8)
+        rows = torch.zeros(1, NS.block_bytes, dtype=torch.uint8)
         lease = s.fetch_n(CHAIN[:4], rows, lease_tier=None, max_copied=1)
         misses = s.stats().misses
         assert s.stats().tier(TierKind.SSD).counters.hits == 4
@@ -589,3 +590,59 @@ def test_a_deferred_block_found_corrupted_is_dropped_and_a_miss_not_a_hit(tmp_pa
         assert s.contains_n(CHAIN[:4]) == [True, True, True, False]
         s.release(lease.lease_id)
         assert s.remove_n(CHAIN[:3]) == 3, "a reader count was left held"
+
+
+def test_a_batch_naming_a_block_twice_is_read_twice_and_holds_nothing_after(tmp_path):
+    """A GET may name a block twice: streamed, each copy is copied or deferred on its own
+    (both read, both in order), every hold goes back; found corrupted at both places, it is
+    removed once (its slot freed twice would go to two blocks)."""
+    from kvstore.reads import DEFERRED, NO_SLOT
+    with make(tmp_path, dram=0, ssd=6) as s:
+        data = blocks(3, seed=8)
+        s.put_n(CHAIN[:3], data)
+        names = [CHAIN[0], CHAIN[1], CHAIN[2], CHAIN[0]]
+        rows = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)
+        lease = s.fetch_n(names, rows, lease_tier=None, max_copied=2)
+        assert [h[1] for h in lease.hits] == [NO_SLOT, NO_SLOT, DEFERRED, DEFERRED]
+        window = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)
+        assert s.read_deferred(lease.lease_id, names[2:], window) == [True, True]
+        assert torch.equal(window[0], data[2]) and torch.equal(window[1], data[0])
+        s.release(lease.lease_id)
+        assert s.remove_n(CHAIN[:3]) == 3, "a reader count was left held"
+
+        s.put_n(CHAIN[:3], data)
+        free = s.tier(TierKind.SSD).num_free()
+        path, offset = s.tier(TierKind.SSD).locate(CHAIN[0])
+        with open(path, "r+b") as f:
+            f.seek(offset + 3)
+            f.write(b"\x5a\xa5")
+        out = torch.zeros(4, NS.block_bytes, dtype=torch.uint8)
+        assert s.get_n(names, out) == [None, TierKind.SSD, TierKind.SSD, None]
+        assert s.tier(TierKind.SSD).num_free() == free + 1
+        assert s.stats().tier(TierKind.SSD).counters.corrupt == 1
+        s.put_n(CHAIN[3:5], blocks(2, seed=9))  # two fresh blocks, two distinct slots
+        got = torch.zeros(2, NS.block_bytes, dtype=torch.uint8)
+        assert s.get_n(CHAIN[3:5], got) == [TierKind.SSD] * 2
+        assert s.remove_n(CHAIN[1:5]) == 4
+
+
+def test_a_windowed_fetch_says_which_row_each_copied_block_is_in(tmp_path):
+    """With max_copied the k-th block copied goes to row k, a corrupted one included (a
+    miss, its row spent): `lease.rows` names each hit's row, so no block after a corrupted
+    one is answered with its neighbour's bytes."""
+    from kvstore.reads import DEFERRED
+    with make(tmp_path, dram=0, ssd=8) as s:
+        data = blocks(5, seed=11)
+        s.put_n(CHAIN[:5], data)
+        path, offset = s.tier(TierKind.SSD).locate(CHAIN[1])
+        with open(path, "r+b") as f:
+            f.seek(offset + 9)
+            f.write(b"\x0f\xf0")
+        rows = torch.zeros(3, NS.block_bytes, dtype=torch.uint8)
+        lease = s.fetch_n(CHAIN[:5], rows, lease_tier=None, max_copied=3)
+        assert [h is None for h in lease.hits] == [False, True, False, False, False]
+        assert lease.rows == (0, -1, 2, -1, -1)
+        assert [h[1] for h in lease.hits if h is not None][2:] == [DEFERRED, DEFERRED]
+        assert torch.equal(rows[0], data[0]) and torch.equal(rows[2], data[2])
+        s.release(lease.lease_id)
+        assert s.remove_n(CHAIN[:5]) == 4, "a reader count was left held"
