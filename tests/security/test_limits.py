@@ -339,19 +339,27 @@ def test_a_stalled_put_to_ssd_holds_a_window_of_scratch_not_its_whole_batch(make
         assert c.stats().tier(TierKind.SSD).used_blocks == n
 
 
+def _ssd_daemon_holding(make_daemon, nbytes: int, ssd_size: str, seed: int, *args):
+    """A daemon with no DRAM tier holding `nbytes` of 256 KiB blocks on SSD, each block's
+    bytes `block_of` its hash; (daemon, namespace, hashes)."""
+    from kvstore.keys import Namespace
+    ns = Namespace("test-model", num_layers=8, num_kv_heads=8, head_dim=64)  # 256 KiB blocks
+    bb, n = ns.block_bytes, nbytes // ns.block_bytes
+    d = make_daemon("--dram-size", "0", *args, ssd_size=ssd_size)
+    hs = hash_blocks(ns, np.arange(n * ns.block_tokens) + seed)
+    with Client(d.url, namespace=ns, use_shm=False) as c:
+        for i in range(0, n, 32):
+            c.put_n(hs[i:i + 32], np.stack([block_of(h, bb) for h in hs[i:i + 32]]))
+    return d, ns, hs
+
+
 def test_a_get_of_ssd_blocks_its_client_does_not_read_holds_a_window_not_its_batch(make_daemon):
     """A GET's SSD blocks are read into scratch window by window as the reply goes out: a
     client that asked for 96 MiB of them and read nothing left all 96 MiB resident until
     its send timed out (minutes), and a few such clients exhausted the host. The reply,
     read at last, is whole and exact."""
-    from kvstore.keys import Namespace
-    ns = Namespace("test-model", num_layers=8, num_kv_heads=8, head_dim=64)  # 256 KiB blocks
-    bb, n = ns.block_bytes, (96 << 20) // ns.block_bytes
-    d = make_daemon("--dram-size", "0", ssd_size="256MiB")
-    hs = hash_blocks(ns, np.arange(n * ns.block_tokens) + 777)
-    with Client(d.url, namespace=ns, use_shm=False) as c:
-        for i in range(0, n, 64):
-            c.put_n(hs[i:i + 64], np.stack([block_of(h, bb) for h in hs[i:i + 64]]))
+    d, ns, hs = _ssd_daemon_holding(make_daemon, 96 << 20, "256MiB", 777)
+    bb, n = ns.block_bytes, len(hs)
     with raw_conn(d, timeout=60) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         assert call(s, hello_msg(ns)).op is w.Op.HELLO
@@ -375,14 +383,9 @@ def test_a_get_its_client_reads_too_slowly_is_cut_off_and_holds_nothing(make_dae
     few bytes now and then kept its blocks held and the connection's thread busy until its
     idle timeout, however long. Past the deadline the connection is closed and every hold
     goes back."""
-    from kvstore.keys import Namespace
-    ns = Namespace("test-model", num_layers=8, num_kv_heads=8, head_dim=64)  # 256 KiB blocks
-    bb, n = ns.block_bytes, (20 << 20) // ns.block_bytes
-    d = make_daemon("--dram-size", "0", "--reservation-timeout", "0.1", ssd_size="128MiB")
-    hs = hash_blocks(ns, np.arange(n * ns.block_tokens) + 999)
-    with Client(d.url, namespace=ns, use_shm=False) as c:
-        for i in range(0, n, 32):
-            c.put_n(hs[i:i + 32], np.stack([block_of(h, bb) for h in hs[i:i + 32]]))
+    d, ns, hs = _ssd_daemon_holding(make_daemon, 20 << 20, "128MiB", 999,
+                                    "--reservation-timeout", "0.1")
+    bb, n = ns.block_bytes, len(hs)
     with raw_conn(d, timeout=60) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         assert call(s, hello_msg(ns)).op is w.Op.HELLO
