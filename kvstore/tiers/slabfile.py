@@ -7,9 +7,10 @@
 Each byte of a block is written once (a `pwritev` of a run of consecutive slots' payloads,
 then one of their headers) and read back with one `preadv` straight into the caller's
 buffer, checked against the checksum the tier holds for it (a block of 512 KiB or more is
-read in 256 KiB pieces, each hashed next to its own call, while it is still in cache). The headers make every slot
-self-describing: the tier's index is checked against them at open and can always be
-rebuilt from them (recovery reads the header file in windows, not a slot at a time).
+read in 256 KiB pieces, each hashed next to its own call, while it is still in cache). The
+headers make every slot self-describing: the tier's index is checked against them at open
+and can always be rebuilt from them (recovery reads the header file in windows, not a slot
+at a time).
 
 Headers live apart so that a payload starts at a multiple of its own size: the page cache
 then keeps it in large folios. A slot of payload | header | pad (the first layout) is
