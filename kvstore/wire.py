@@ -491,12 +491,18 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
     blocking socket (the daemon's: +10-40% on megabyte payloads). A socket with a Python
     timeout is non-blocking underneath, so there the flag changes nothing and the timeout
     still holds. `deadline` (time.monotonic()): TimeoutError once past it with bytes still
-    to come, checked before each call (the socket's timeout bounds each call)."""
+    to come, checked before each call (the socket's timeout bounds each call: one that times
+    out before the deadline is tried again)."""
     got, n = 0, len(view)
     while got < n:
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError("the payload came too slowly")
-        k = sock.recv_into(view[got:], min(RECV_CHUNK, n - got), socket.MSG_WAITALL)
+        try:
+            k = sock.recv_into(view[got:], min(RECV_CHUNK, n - got), socket.MSG_WAITALL)
+        except TIMED_OUT:
+            if deadline is not None and time.monotonic() <= deadline:
+                continue
+            raise
         if k == 0:
             raise ConnectionError("peer closed the connection mid-frame")
         got += k
@@ -594,7 +600,9 @@ class FrameReader:
     `max_header` starts at the pre-authentication limit and `deadline` (a time.monotonic()
     by which the first frames must have arrived whole: a socket timeout bounds each read
     alone, so a client sending a byte a second would never time out) applies until then;
-    the daemon lifts both once a HELLO has passed (`authenticated`)."""
+    the daemon lifts both once a HELLO has passed (`authenticated`). From then on a frame
+    read that times out is retried until `idle_periods` socket timeouts have passed in a
+    row with no byte (see DaemonConfig.timeout_periods)."""
 
     CHUNK = FrameBuffer.CHUNK
 
@@ -605,10 +613,12 @@ class FrameReader:
         self.deadline = deadline
         self.payload_deadline: float | None = None  # by when a payload must be in (recv_into)
         self.buffered = FrameBuffer()
+        self.idle_periods = 1
 
-    def authenticated(self) -> None:
+    def authenticated(self, idle_periods: int = 1) -> None:
         self.max_header = MAX_HEADER_BYTES
         self.deadline = None
+        self.idle_periods = idle_periods
 
     def _before_read(self) -> None:
         """Bound the next read by what is left of the deadline (TimeoutError once past)."""
@@ -618,14 +628,21 @@ class FrameReader:
         kernel_timeouts(self.sock, max(left, 1e-3))  # (0 s would mean no timeout at all)
 
     def _take(self, n: int) -> bytes:
-        buf = self.buffered
+        buf, silent = self.buffered, 0
         while buf.pending() < n:
             if self.deadline is not None:
                 self._before_read()
-            k = self.sock.recv_into(buf.room(n))
+            try:
+                k = self.sock.recv_into(buf.room(n))
+            except TIMED_OUT:
+                silent += 1
+                if silent < self.idle_periods:
+                    continue
+                raise
             if not k:
                 raise ConnectionError("peer closed the connection mid-frame")
             buf.received(k)
+            silent = 0
         return buf.take(n)
 
     def frame(self, max_payload: int) -> Frame:
@@ -686,23 +703,33 @@ def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=(
     send_views(sock, [memoryview(encode(msg, op, reply, sum(v.nbytes for v in views))), *views])
 
 
-def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | None = None) -> None:
+def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | None = None,
+               standing: float = 0.0) -> bool:
     """Send flat byte views in order, gathered by sendmsg (256 at a time), whole.
     `deadline` (time.monotonic(); a blocking socket with kernel timeouts): TimeoutError
-    once past it with bytes still to go. Each call is bounded by the time left (the
-    socket's send timeout is set to it: the caller puts its own back) and the deadline
-    checked between calls: a peer that reads a little now and then, each call making
-    some progress, is bounded by it all the same."""
-    at = 0
+    once past it with bytes still to go. Each call is bounded by the time left and the
+    deadline checked between calls: a peer that reads a little now and then, each call
+    making some progress, is bounded by it all the same. The socket's send timeout is
+    set to the time left where that is less than `standing` (the timeout it has: 0, none);
+    returns whether it was (the caller puts its own back)."""
+    at, changed = 0, False
     while at < len(bufs):
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the peer took its data too slowly")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(max(left, 1e-3)))
-        sent = sock.sendmsg(bufs[at:at + 256])
+            if not 0 < standing <= left:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(max(left, 1e-3)))
+                changed = True
+        try:
+            sent = sock.sendmsg(bufs[at:at + 256])
+        except TIMED_OUT:
+            if deadline is not None and time.monotonic() <= deadline:
+                continue
+            raise
         while at < len(bufs) and sent >= len(bufs[at]):
             sent -= len(bufs[at])
             at += 1
         if sent:
             bufs[at] = bufs[at][sent:]
+    return changed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 import os
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -131,6 +132,16 @@ class DaemonConfig:
         if min(self.reservation_timeout_s, self.lease_ttl_s, self.hello_timeout_s,
                self.idle_timeout_s) <= 0:
             raise ConfigError("timeouts must be > 0")
+
+    @property
+    def timeout_periods(self) -> tuple[float, int]:
+        """An authenticated connection's kernel socket timeout and how many of them in a
+        row of silence close it: the idle timeout cut into equal periods of at most twice
+        the reservation timeout, the most a payload or a reply may then overrun its
+        deadline by. A put or a GET then sets no timeout of its own (two setsockopt calls
+        each: about 7 us of a 256 KiB TCP put's ~130 us of daemon CPU)."""
+        n = max(1, math.ceil(self.idle_timeout_s / (2 * self.reservation_timeout_s)))
+        return self.idle_timeout_s / n, n
 
     @property
     def auth_required(self) -> bool:

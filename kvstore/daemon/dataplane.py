@@ -15,7 +15,8 @@ cannot lock clients out) and, where tenants share the daemon, three quarters per
 (`max_tenant_connections`); a new
 connection must authenticate within `hello_timeout_s`, and an authenticated one is closed
 after `idle_timeout_s` of silence (kernel socket timeouts, so blocking MSG_WAITALL reads keep
-their speed). Running out of descriptors (EMFILE) pauses accepting, never stops it.
+their speed: a few periods in a row of at most twice the reservation timeout, the one bound
+each payload read and reply send has too, so no request sets a timeout of its own). Running out of descriptors (EMFILE) pauses accepting, never stops it.
 
 Shutdown: stop accepting, wake idle connections, let busy ones finish their op, then return.
 """
@@ -145,8 +146,9 @@ class ServedConnection:
             self.tally.observe(OP_LABELS[frame.op], outcome, time.perf_counter() - t0, n)
             self.session.trim_scratch()
         if not was_authenticated and self.authenticated:
-            self.reader.authenticated()
-            w.kernel_timeouts(self.sock, self.server.cfg.idle_timeout_s)
+            period, periods = self.server.cfg.timeout_periods
+            self.reader.authenticated(periods)
+            w.kernel_timeouts(self.sock, period)
             self.server.authenticated(self)
 
     def _claim_tenant(self, hello: w.Hello) -> None:

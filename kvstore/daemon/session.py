@@ -87,6 +87,7 @@ class Session:
         self.staging: ShmSegment | None = None
         self.agent_key = b""
         self._rcvtimeo: bytes | None = None  # the socket's receive timeout, once read
+        self._rcvtimeo_s = 0.0  # the same in seconds (0: none)
 
     # ------------------------------------------------------------ plumbing
 
@@ -233,7 +234,7 @@ class Session:
         self.drainer.add(self.channel)
         # A put channel is silent by design: no idle timeout (its grants must outlive
         # quiet spells); it ends when the client closes it or dies (the kernel closes it).
-        self._rcvtimeo = struct.pack("ll", 0, 0)
+        self._rcvtimeo, self._rcvtimeo_s = struct.pack("ll", 0, 0), 0.0
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._rcvtimeo)
         fds = self.channel.fds()
         try:
@@ -296,11 +297,13 @@ class Session:
         """A payload that holds reserved slots must come at MIN_PAYLOAD_RATE at least,
         after twice --reservation-timeout of grace: else a client trickling a byte per idle
         timeout held up to 1 GiB of slots for as long as it liked. Past the deadline the
-        put is aborted (nothing stored) and the connection closed. Each read is bounded by
-        the deadline (kernel timeout) and checked against it. Returns what `_unbound_payload`
-        restores (None: nothing was changed). The connection's own receive timeout is read
-        once and kept (this session is the only one to change it later: `puts`), so a put
-        costs no getsockopt, and no setsockopt where its bound is that timeout anyway."""
+        put is aborted (nothing stored) and the connection closed. The deadline is checked
+        between reads, each bounded by the socket's receive timeout (a read that times out
+        before the deadline is tried again): the connection's own, at most twice the
+        reservation timeout once authenticated (DaemonConfig.timeout_periods), so a put
+        sets none. Returns what `_unbound_payload` restores (None: nothing was changed).
+        The connection's receive timeout is read once and kept (this session is the only
+        one to change it later: `puts`)."""
         if not payload_bytes:
             return None
         allowed = 2 * self.cfg.reservation_timeout_s + payload_bytes / MIN_PAYLOAD_RATE
@@ -308,9 +311,10 @@ class Session:
         before = self._rcvtimeo
         if before is None:
             before = self._rcvtimeo = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
-        idle = struct.unpack("ll", before)
-        if idle != (0, 0) and allowed >= idle[0] + idle[1] / 1e6:
-            return b""  # the idle timeout bounds each read more tightly already
+            sec, usec = struct.unpack("ll", before)
+            self._rcvtimeo_s = sec + usec / 1e6
+        if 0 < self._rcvtimeo_s <= allowed:
+            return b""  # the connection's timeout bounds each read more tightly already
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, w.timeval(allowed))
         return before
 
@@ -426,12 +430,14 @@ class Session:
 
     def _send_before(self, views: list[memoryview], deadline: float) -> None:
         """Send views whole by `deadline` (TimeoutError past it; see wire.send_views), then
-        put the connection's send timeout (the idle timeout) back."""
+        put the connection's send timeout back if the deadline took its place."""
+        period = self.cfg.timeout_periods[0]
+        changed = True
         try:
-            w.send_views(self.sock, views, deadline)
+            changed = w.send_views(self.sock, views, deadline, period)
         finally:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                 w.timeval(self.cfg.idle_timeout_s))
+            if changed:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, w.timeval(period))
 
     def _reply_deadline(self, nbytes: int) -> float:
         """By when a reply of `nbytes` must be out: as a put's payload must come in (see

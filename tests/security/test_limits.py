@@ -228,6 +228,36 @@ def test_silent_connections_are_closed(make_daemon, token_file):
         assert c.contains_n([h]) == [True]
 
 
+def test_the_idle_timeout_is_whole_silence_however_the_socket_times_out(make_daemon, token_file):
+    """Once authenticated, a connection's socket timeouts are periods of at most twice
+    --reservation-timeout (3 x 0.5 s of an idle timeout of 1.5 s here), the bound each
+    payload read has too, so no put sets a timeout of its own. A silence past a period but
+    short of the idle timeout keeps the connection; a put whose payload pauses past a
+    period, within its deadline (0.5 s + 4 MiB at 4 MiB/s), is stored; a silence of the
+    whole idle timeout closes it."""
+    d = make_daemon("--token-file", token_file, "--idle-timeout", "1.5",
+                    "--reservation-timeout", "0.25")
+    hs = hash_blocks(NS, np.arange(1024 * 16) + 4242)
+    payload = np.concatenate([block_of(h, NS.block_bytes) for h in hs])
+    with raw_conn(d, timeout=10) as s:
+        call(s, hello_msg(NS, "admin-secret"))
+        time.sleep(1.1)  # two periods
+        assert call(s, w.Stats()).op is w.Op.STATS
+        s.sendall(w.encode(w.Put(hashes=w.pack_hashes(hs)), w.Op.PUT, False, payload.nbytes))
+        s.sendall(payload[:payload.nbytes // 2].tobytes())
+        time.sleep(0.8)  # past a period, not past the deadline
+        s.sendall(payload[payload.nbytes // 2:].tobytes())
+        reply = w.recv_frame(s, 1 << 30)
+        assert reply.op is w.Op.PUT and set(reply.msg.statuses) == {0}, reply.msg
+        t0 = time.monotonic()
+        assert closed(s)
+        assert 1.2 < time.monotonic() - t0 < 5
+    with Client(d.url, "admin-secret", NS, use_shm=False) as c:
+        got = np.empty_like(payload)
+        assert None not in c.get_n(hs[:64], got[:64 * NS.block_bytes])
+        assert np.array_equal(got[:64 * NS.block_bytes], payload[:64 * NS.block_bytes])
+
+
 def test_a_hello_dribbled_a_byte_at_a_time_still_times_out(make_daemon, token_file):
     """--hello-timeout bounds the whole HELLO, not each read: a client sending a byte
     every 0.3 s (each read well within the timeout) is closed, and stops holding one of
