@@ -171,6 +171,28 @@ class Agent:
             raise e.for_transfer(xfer.name) from e
         return xfer
 
+    def transfer(self, op: Op, local: Prepared, local_idx: Any, remote: Prepared,
+                 remote_idx: Any, timeout: float | None = None) -> None:
+        """`post`, `wait(timeout)` and `release` in one call: the bytes have moved when it
+        returns (TransferError if they could not). A backend that can move them on the
+        calling thread does (tcp, on a connection with nothing else in flight), sparing
+        the hand-offs a posted transfer takes to its threads and back."""
+        self._check_open()
+        op = Op(op)
+        job = self._job(op, local, local_idx, remote, remote_idx, None)
+        xfer = Transfer(f"{self.name}#{next(self._counter)} {op.name} {remote.peer}", op,
+                        remote.peer, int(job.lengths.size), int(job.lengths.sum()))
+        backend = self._backends[remote.backend]
+        run = getattr(backend, "run", None)
+        try:
+            if run is None or not run(xfer, job):
+                backend.post(xfer, job)
+        except TransferError as e:
+            xfer._fail(e)
+            raise e.for_transfer(xfer.name) from e
+        xfer.wait(timeout)
+        xfer.release()
+
     def _job(self, op: Op, local: Prepared, local_idx: Any, remote: Prepared,
              remote_idx: Any, notify: bytes | None) -> Job:
         if local.peer is not None or local.agent != self.name:

@@ -58,10 +58,8 @@ class AgentPath:
 
     def _move(self, op: Op, slots: Sequence[int]) -> None:
         try:
-            xfer = self.agent.post(op, self._local, np.arange(len(slots)), self.remote,
-                                   np.asarray(slots, np.int64))
-            xfer.wait(self.timeout_s)
-            xfer.release()
+            self.agent.transfer(op, self._local, np.arange(len(slots)), self.remote,
+                                np.asarray(slots, np.int64), self.timeout_s)
         except TransferError as e:
             self.broken = True  # the daemon restarted or went away: a new HELLO makes a new one
             raise ConnectionError(f"transfer agent {op.name} of {len(slots)} blocks: {e}") from e

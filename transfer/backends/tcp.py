@@ -90,6 +90,14 @@ class TcpBackend:
             conn = self._conn(job.peer)
             conn.submit(self._request(conn.next_seq(), xfer, job, sel))
 
+    def run(self, xfer: Transfer, job: Job) -> bool:
+        """The whole transfer on the calling thread, when it goes as one request and the
+        connection it falls to is idle (see PeerConnection.run_inline); False: post it."""
+        if job.notify is not None or len(self._split(job)) > 1:
+            return False
+        conn = self._conn(job.peer)
+        return conn.run_inline(self._request(conn.next_seq(), xfer, job, slice(None)))
+
     def _split(self, job: Job) -> list[np.ndarray | slice]:
         """One part per connection for big batches (no notification: it must come last)."""
         n = min(self.ctx.config.tcp_num_conns, job.lengths.size)

@@ -2,8 +2,11 @@
 
 Requests are queued by `submit` (never blocking the caller on the network), sent in order by
 the sender, and matched in the same order by the receiver against the server's replies, so
-many transfers are in flight on one connection. Any I/O or protocol failure kills the
-connection and fails every transfer still on it — none of them is ever reported DONE.
+many transfers are in flight on one connection. A caller that waits for its transfer anyway
+(`Agent.transfer`) may instead run it on its own thread when the connection is idle
+(`run_inline`): no hand-off to the sender, to the receiver and back. Any I/O or protocol
+failure kills the connection and fails every transfer still on it — none of them is ever
+reported DONE.
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ class PeerConnection:
         self._queue: queue.SimpleQueue[PendingOp | None] = queue.SimpleQueue()
         self._inflight: deque[PendingOp] = deque()
         self._has_inflight = threading.Condition(self._lock)
+        # held while a request is being sent, and by an inline request until its reply is in
+        self._io = threading.Lock()
         self._seq = 0
         self.sock = self._connect(addr, peer_agent_id, my_name, key)
         for target, role in ((self._send_loop, "send"), (self._recv_loop, "recv")):
@@ -87,23 +92,52 @@ class PeerConnection:
                 raise self._dead
             self._queue.put(req)
 
+    def run_inline(self, req: PendingOp) -> bool:
+        """Send `req` and take its reply on the calling thread, if nothing is queued or in
+        flight on this connection (False, nothing done: `submit` it instead). The sender
+        waits for it (`_io`), and the receiver only takes replies to what the sender put
+        in flight, so neither touches the socket meanwhile. A 256 KiB READ on loopback:
+        the three thread hand-offs it saves were most of its time."""
+        if not self._io.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                if self._dead is not None:
+                    raise self._dead
+                if self._inflight or not self._queue.empty():
+                    return False
+                self.progress.t = time.monotonic()
+            try:
+                send_views(self.sock, [req.head, *req.send], self.progress,
+                           self.config.io_timeout_s, self._is_dead)
+                self._recv_reply(req)
+            except TransferError as e:
+                self._die(e)
+                req.xfer._fail(self._dead)
+                return True
+        finally:
+            self._io.release()
+        self._complete(req)
+        return True
+
     def _send_loop(self) -> None:
         while True:
             req = self._queue.get()
             if req is None:
                 return
-            with self._lock:
-                if self._dead is not None:
-                    req.xfer._fail(self._dead)
-                    continue
-                self._inflight.append(req)
-                self.progress.t = time.monotonic()  # a new request starts a fresh clock
-                self._has_inflight.notify()
-            try:
-                send_views(self.sock, [req.head, *req.send], self.progress,
-                           self.config.io_timeout_s, self._is_dead)
-            except TransferError as e:
-                self._die(e)
+            with self._io:
+                with self._lock:
+                    if self._dead is not None:
+                        req.xfer._fail(self._dead)
+                        continue
+                    self._inflight.append(req)
+                    self.progress.t = time.monotonic()  # a new request starts a fresh clock
+                    self._has_inflight.notify()
+                try:
+                    send_views(self.sock, [req.head, *req.send], self.progress,
+                               self.config.io_timeout_s, self._is_dead)
+                except TransferError as e:
+                    self._die(e)
 
     def _recv_loop(self) -> None:
         try:

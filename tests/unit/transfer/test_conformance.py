@@ -1,6 +1,8 @@
 """One conformance suite, run against every backend (see conftest.BACKENDS)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -56,6 +58,41 @@ def test_many_transfers_in_flight(pair):
     got = p.seg.array[:128 * 16384].reshape(128, 16384)
     want = p.src[:128 * 16384].reshape(128, 16384)
     assert np.array_equal(got[64:], want[:64]) and np.array_equal(got[:64], want[64:])
+
+
+def test_transfer_moves_the_bytes_before_it_returns(pair):
+    """Agent.transfer is post, wait and release in one call, on every backend (tcp runs it
+    on the calling thread when its connection is idle): also beside posted transfers still
+    in flight on the same connection, and from several threads at once."""
+    p = pair
+    n, size = 128, 16384
+    local, remote = _prepare(p, size, n)
+    p.a.transfer(Op.WRITE, local, None, remote, None, 5)
+    assert np.array_equal(p.seg.array[:n * size], p.src[:n * size])
+    dst = np.zeros(n * size, np.uint8)
+    back = p.a.prepare(DescList.uniform(p.a.register(dst), size, n))
+    p.a.transfer(Op.READ, back, None, remote, None, 5)
+    assert np.array_equal(dst, p.src[:n * size])
+    dst[:] = 0
+    errors = []
+
+    def odd_ones(k: int) -> None:
+        try:
+            for i in range(2 * k + 1, n, 8):
+                p.a.transfer(Op.READ, back, [i], remote, [i], 5)
+        except Exception as e:  # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=odd_ones, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    posted = [p.a.post(Op.READ, back, [i], remote, [i]) for i in range(0, n, 2)]
+    for t in threads:
+        t.join(30)
+    for x in posted:
+        x.wait(5)
+    assert not errors, errors
+    assert np.array_equal(dst, p.src[:n * size])
 
 
 def test_notifications_follow_the_data(pair):

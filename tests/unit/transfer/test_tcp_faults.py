@@ -116,6 +116,31 @@ def test_misbehaving_peer_fails_the_transfer(agent, behave, fault, op):
         peer.close()
 
 
+@pytest.mark.parametrize("behave,fault", [(cut, Fault.CONNECTION_LOST), (stall, Fault.TIMEOUT),
+                                          (garbage, Fault.PROTOCOL),
+                                          (wrong_seq, Fault.PROTOCOL)])
+@pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
+def test_misbehaving_peer_fails_a_transfer_run_on_the_callers_thread(agent, behave, fault, op):
+    """Agent.transfer on an idle tcp connection runs on the calling thread: a peer that
+    cuts, stalls or garbles fails it within the io timeout, kills the connection, and a
+    later transfer fails too (the fake never answers a reconnect)."""
+    a, region = agent
+    peer = FakePeer(behave)
+    try:
+        a.add_peer(peer.metadata())
+        local = a.prepare(DescList.uniform(region, 65536, 8))
+        remote = a.prepare(DescList.uniform(1, 65536, 8), peer="fake")
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as e:
+            a.transfer(op, local, None, remote, None, 5)
+        assert e.value.fault in (fault, Fault.CONNECTION_LOST), e.value
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(TransferError):
+            a.transfer(op, local, None, remote, None, 5)
+    finally:
+        peer.close()
+
+
 def test_wait_timeout_while_pending(agent):
     a, region = agent
     peer = FakePeer(stall)
