@@ -31,6 +31,9 @@ Public API
   `deregister(region)`; `metadata() -> bytes`; `add_peer(bytes) -> name`; `remove_peer`;
   `peer_regions(name)`; `prepare(DescList, peer=None, backend=None) -> Prepared`;
   `post(Op, local, local_idx, remote, remote_idx, notify=None) -> Transfer`;
+  `transfer(Op, local, local_idx, remote, remote_idx, timeout=None)` (post, wait and
+  release in one call, for a caller that would wait anyway: tcp then runs it on the
+  calling thread when its connection is idle);
   `send_notification(peer, bytes) -> Transfer`; `notifications(timeout=0) -> [Notification]`;
   `close()` (also a context manager).
 - `DescList(region_ids, offsets, lengths)` (numpy int64 arrays), `.from_tuples`, `.uniform`.
@@ -52,7 +55,8 @@ Public API
   loopback-only `unshare -n` namespace or on a trusted network. Peers can only reach
   exported regions.
 - Threading: post/poll/wait may be called from several threads. Transfers over local/shm
-  complete inside `post`; tcp transfers complete on background threads.
+  complete inside `post`; tcp transfers complete on background threads (or on the caller's,
+  through `transfer`).
 """
 from .agent import Agent
 from .descriptors import DescList, Prepared
