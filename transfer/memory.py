@@ -160,7 +160,9 @@ def check_ranges(sizes: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
     if (region_sizes < 0).any():
         bad = int(ids[region_sizes < 0][0])
         raise TransferError(Fault.UNREGISTERED, f"region {bad} is not registered/exported")
-    bad = (offsets < 0) | (lengths <= 0) | (offsets + lengths > region_sizes)
+    # (offsets + lengths could wrap round int64: a peer's 2**62 + 2**62 passed as in range)
+    bad = (offsets < 0) | (lengths <= 0) | (offsets > region_sizes) | \
+        (lengths > region_sizes - offsets)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise TransferError(Fault.OUT_OF_RANGE,

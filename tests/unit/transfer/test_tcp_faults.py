@@ -237,6 +237,28 @@ def test_out_of_range_write_is_refused_and_drained(target):
     s.close()
 
 
+@pytest.mark.parametrize("region_id,offset,length", [
+    (None, -1, 4), (None, 0, 0), (None, 0, -5), (None, "end", 1), (-1, 0, 4), (1 << 40, 0, 4),
+    (None, 1 << 62, 1 << 62)])
+def test_a_single_descriptor_outside_memory_is_refused_and_the_connection_serves_on(
+        target, region_id, offset, length):
+    """A one-descriptor READ (checked without array reductions: the common case) naming
+    memory outside what was exported gets an ERROR reply, sends not a byte, and the next
+    request on the same connection is served."""
+    b, region, mem = target
+    rid = region.region_id if region_id is None else region_id
+    off = mem.size if offset == "end" else offset
+    s = _raw_conn(b)
+    q = lambda v: struct.pack("<q", v)  # noqa: E731
+    s.sendall(frame(Kind.READ, [1, q(rid), q(off), q(length), None]))
+    assert _reply_kind(s) == Kind.ERROR
+    mem[:3] = np.frombuffer(b"abc", np.uint8)
+    s.sendall(frame(Kind.READ, [2, q(region.region_id), q(0), q(3), None]))
+    assert _reply_kind(s) == Kind.DATA
+    assert s.recv(3, socket.MSG_WAITALL) == b"abc"
+    s.close()
+
+
 def test_cut_mid_write_delivers_no_notification(target):
     b, region, mem = target
     s = _raw_conn(b)
