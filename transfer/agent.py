@@ -205,10 +205,17 @@ class Agent:
         if li.size != ri.size or li.size == 0:
             raise TransferError(Fault.INVALID, f"{li.size} local vs {ri.size} remote indices")
         lengths = local.descs.lengths[li]
-        if not np.array_equal(lengths, remote.descs.lengths[ri]):
-            raise TransferError(Fault.INVALID, "local and remote descriptor lengths differ")
+        remote_lengths = remote.descs.lengths[ri]
         local_ids = local.descs.region_ids[li]
-        if (self.regions.sizes[local_ids] < 0).any():  # deregistered since prepare
+        if li.size == 1:  # one block, the common case: plain ints, no array reductions
+            differ = int(lengths[0]) != int(remote_lengths[0])
+            gone = self.regions.sizes[int(local_ids[0])] < 0
+        else:
+            differ = not np.array_equal(lengths, remote_lengths)
+            gone = (self.regions.sizes[local_ids] < 0).any()
+        if differ:
+            raise TransferError(Fault.INVALID, "local and remote descriptor lengths differ")
+        if gone:  # deregistered since prepare
             raise TransferError(Fault.UNREGISTERED, "a local region was deregistered")
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise TransferError(Fault.INVALID, "notify must be bytes")

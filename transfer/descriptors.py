@@ -80,7 +80,11 @@ def as_index(idx: Any, n: int, what: str) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise TransferError(Fault.INVALID, f"{what} must be an integer index array")
     arr = arr.astype(np.int64, copy=False).reshape(-1)
-    if arr.size and (arr.min() < 0 or arr.max() >= n):
+    if arr.size == 1:  # (one block, the common case: no reductions)
+        outside = not 0 <= int(arr[0]) < n
+    else:
+        outside = bool(arr.size) and (arr.min() < 0 or arr.max() >= n)
+    if outside:
         raise TransferError(Fault.OUT_OF_RANGE,
                             f"{what} indexes outside a prepared list of {n} descriptors")
     return arr

@@ -155,6 +155,11 @@ def check_ranges(sizes: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
     """Raise TransferError unless every (id, offset, length) lies inside a known region."""
     if ids.size == 0:
         return
+    if ids.size == 1:  # one block, the common case: plain ints (the arrays' ten numpy
+        i, o, n = int(ids[0]), int(offsets[0]), int(lengths[0])  # calls took ~10 us)
+        size = int(sizes[i]) if 0 <= i < sizes.size else -1
+        if size >= 0 and o >= 0 and n > 0 and o + n <= size:
+            return
     known = (ids >= 0) & (ids < sizes.size)
     region_sizes = np.where(known, sizes[np.where(known, ids, 0)], -1)
     if (region_sizes < 0).any():

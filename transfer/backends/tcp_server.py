@@ -200,8 +200,8 @@ class _ServerConn:
 
     def _validate(self, ids, offs, lens):
         check_ranges(self.ctx.regions.exported_sizes, ids, offs, lens)
-        regions = {i: self.ctx.regions.get(i) for i in np.unique(ids).tolist()}
-        return regions
+        unique = ids.tolist() if ids.size == 1 else np.unique(ids).tolist()
+        return {i: self.ctx.regions.get(i) for i in unique}
 
     def _write(self, header: list, plen: int) -> None:
         seq, ids, offs, lens, note = desc_arrays(header)

@@ -126,6 +126,8 @@ def test_bad_indices_and_length_mismatch(pair):
     p = pair
     local, remote = _prepare(p, 4096, 4)
     _expect(Fault.OUT_OF_RANGE, lambda: p.a.post(Op.WRITE, local, [4], remote, [0]))
+    _expect(Fault.OUT_OF_RANGE, lambda: p.a.post(Op.WRITE, local, [0], remote, [-1]))
+    _expect(Fault.OUT_OF_RANGE, lambda: p.a.transfer(Op.READ, local, [0], remote, [4], 5))
     _expect(Fault.INVALID, lambda: p.a.post(Op.WRITE, local, [0, 1], remote, [0]))
     other = p.a.prepare(DescList.uniform(p.remote_region.region_id, 100, 4), peer="b",
                         backend=p.kind)
@@ -146,6 +148,8 @@ def test_unregistered_and_unexported_memory(pair):
     local, remote = _prepare(p, 4096, 4)
     p.a.deregister(p.local_region)
     _expect(Fault.UNREGISTERED, lambda: p.a.post(Op.WRITE, local, None, remote, None))
+    _expect(Fault.UNREGISTERED, lambda: p.a.post(Op.WRITE, local, [1], remote, [2]))
+    _expect(Fault.UNREGISTERED, lambda: p.a.transfer(Op.READ, local, [0], remote, [0], 5))
 
 
 def test_remote_deregistered_after_prepare(pair):
