@@ -7,7 +7,10 @@ Payload bytes never pass through msgpack: they are sent with `sendmsg` from, and
 bytes inside the header, so a batch of any size is decoded without a Python loop.
 
 Every blocking call polls at POLL_S and gives up when the connection made no progress for
-`io_timeout_s`, so a silent peer costs a bounded wait, never a hang.
+`io_timeout_s`, so a silent peer costs a bounded wait, never a hang. The sockets block, with
+POLL_S as their kernel timeouts (`tune`): a socket with a Python timeout is non-blocking
+underneath, a poll and a recv for every segment that arrives, and its receives cannot wait
+for a whole chunk (MSG_WAITALL).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ MAX_HEADER_BYTES = 1 << 26
 MAX_HELLO_BYTES = 1 << 10  # a HELLO (before the peer is known) is small
 POLL_S = 0.2
 IOV_MAX = 512
+RECV_CHUNK = 64 << 10  # a big buffer is received this much a call (as kvstore.wire does)
+TIMED_OUT = (socket.timeout, BlockingIOError)  # a kernel timeout raises the second
 
 
 class Kind(enum.IntEnum):
@@ -126,8 +131,11 @@ def recv_views(sock: socket.socket, views: Sequence, progress: Progress, timeout
     i, started = 0, False
     while i < len(bufs):
         try:
-            n = sock.recvmsg_into(bufs[i:i + IOV_MAX])[0]
-        except socket.timeout:
+            if len(bufs[i]) >= RECV_CHUNK:  # the kernel fills a whole chunk per call
+                n = sock.recv_into(bufs[i], RECV_CHUNK, socket.MSG_WAITALL)
+            else:  # small ones gathered, what has arrived
+                n = sock.recvmsg_into(bufs[i:i + IOV_MAX])[0]
+        except TIMED_OUT:
             _wait_or_raise(progress, timeout_s, stopped, idle_ok and not started)
             continue
         except OSError as e:
@@ -146,7 +154,7 @@ def send_views(sock: socket.socket, views: Sequence, progress: Progress, timeout
     while i < len(bufs):
         try:
             n = sock.sendmsg(bufs[i:i + IOV_MAX])
-        except socket.timeout:
+        except TIMED_OUT:
             _wait_or_raise(progress, timeout_s, stopped, False)
             continue
         except OSError as e:
@@ -181,4 +189,7 @@ def tune(sock: socket.socket, buf_bytes: int) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, buf_bytes)
-    sock.settimeout(POLL_S)
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(POLL_S), int(POLL_S % 1 * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
