@@ -159,11 +159,7 @@ class Agent:
         Raises TransferError at once for what can be checked now (bad indices, length
         mismatch, unregistered memory, unknown or departed peer); later failures are raised
         by the returned handle's poll()/wait()."""
-        self._check_open()
-        op = Op(op)
-        job = self._job(op, local, local_idx, remote, remote_idx, notify)
-        xfer = Transfer(f"{self.name}#{next(self._counter)} {op.name} {remote.peer}", op,
-                        remote.peer, int(job.lengths.size), int(job.lengths.sum()))
+        job, xfer = self._start(op, local, local_idx, remote, remote_idx, notify)
         try:
             self._backends[remote.backend].post(xfer, job)
         except TransferError as e:
@@ -177,11 +173,7 @@ class Agent:
         returns (TransferError if they could not). A backend that can move them on the
         calling thread does (tcp, on a connection with nothing else in flight), sparing
         the hand-offs a posted transfer takes to its threads and back."""
-        self._check_open()
-        op = Op(op)
-        job = self._job(op, local, local_idx, remote, remote_idx, None)
-        xfer = Transfer(f"{self.name}#{next(self._counter)} {op.name} {remote.peer}", op,
-                        remote.peer, int(job.lengths.size), int(job.lengths.sum()))
+        job, xfer = self._start(op, local, local_idx, remote, remote_idx, None)
         backend = self._backends[remote.backend]
         run = getattr(backend, "run", None)
         try:
@@ -192,6 +184,16 @@ class Agent:
             raise e.for_transfer(xfer.name) from e
         xfer.wait(timeout)
         xfer.release()
+
+    def _start(self, op: Op, local: Prepared, local_idx: Any, remote: Prepared,
+               remote_idx: Any, notify: bytes | None) -> tuple[Job, Transfer]:
+        """A checked job and its fresh handle (what `post` and `transfer` both begin with)."""
+        self._check_open()
+        op = Op(op)
+        job = self._job(op, local, local_idx, remote, remote_idx, notify)
+        xfer = Transfer(f"{self.name}#{next(self._counter)} {op.name} {remote.peer}", op,
+                        remote.peer, int(job.lengths.size), int(job.lengths.sum()))
+        return job, xfer
 
     def _job(self, op: Op, local: Prepared, local_idx: Any, remote: Prepared,
              remote_idx: Any, notify: bytes | None) -> Job:

@@ -75,6 +75,18 @@ def wrong_seq(peer, conn):
     conn.recv(1)
 
 
+def _lists_to(a, region, peer):
+    """8 x 64 KiB of `region` and of the fake peer's memory, prepared."""
+    a.add_peer(peer.metadata())
+    return (a.prepare(DescList.uniform(region, 65536, 8)),
+            a.prepare(DescList.uniform(1, 65536, 8), peer="fake"))
+
+
+MISBEHAVIOURS = pytest.mark.parametrize("behave,fault", [
+    (cut, Fault.CONNECTION_LOST), (stall, Fault.TIMEOUT), (garbage, Fault.PROTOCOL),
+    (wrong_seq, Fault.PROTOCOL)])
+
+
 @pytest.fixture
 def agent():
     a = Agent("client", TCP)
@@ -84,17 +96,13 @@ def agent():
     a.close()
 
 
-@pytest.mark.parametrize("behave,fault", [(cut, Fault.CONNECTION_LOST), (stall, Fault.TIMEOUT),
-                                          (garbage, Fault.PROTOCOL),
-                                          (wrong_seq, Fault.PROTOCOL)])
+@MISBEHAVIOURS
 @pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
 def test_misbehaving_peer_fails_the_transfer(agent, behave, fault, op):
     a, region = agent
     peer = FakePeer(behave)
     try:
-        a.add_peer(peer.metadata())
-        local = a.prepare(DescList.uniform(region, 65536, 8))
-        remote = a.prepare(DescList.uniform(1, 65536, 8), peer="fake")
+        local, remote = _lists_to(a, region, peer)
         first = a.post(op, local, None, remote, None)
         others = []
         for _ in range(2):
@@ -116,9 +124,7 @@ def test_misbehaving_peer_fails_the_transfer(agent, behave, fault, op):
         peer.close()
 
 
-@pytest.mark.parametrize("behave,fault", [(cut, Fault.CONNECTION_LOST), (stall, Fault.TIMEOUT),
-                                          (garbage, Fault.PROTOCOL),
-                                          (wrong_seq, Fault.PROTOCOL)])
+@MISBEHAVIOURS
 @pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
 def test_misbehaving_peer_fails_a_transfer_run_on_the_callers_thread(agent, behave, fault, op):
     """Agent.transfer on an idle tcp connection runs on the calling thread: a peer that
@@ -127,9 +133,7 @@ def test_misbehaving_peer_fails_a_transfer_run_on_the_callers_thread(agent, beha
     a, region = agent
     peer = FakePeer(behave)
     try:
-        a.add_peer(peer.metadata())
-        local = a.prepare(DescList.uniform(region, 65536, 8))
-        remote = a.prepare(DescList.uniform(1, 65536, 8), peer="fake")
+        local, remote = _lists_to(a, region, peer)
         t0 = time.monotonic()
         with pytest.raises(TransferError) as e:
             a.transfer(op, local, None, remote, None, 5)
