@@ -16,7 +16,8 @@ cannot lock clients out) and, where tenants share the daemon, three quarters per
 connection must authenticate within `hello_timeout_s`, and an authenticated one is closed
 after `idle_timeout_s` of silence (kernel socket timeouts, so blocking MSG_WAITALL reads keep
 their speed: a few periods in a row of at most twice the reservation timeout, the one bound
-each payload read and reply send has too, so no request sets a timeout of its own). Running out of descriptors (EMFILE) pauses accepting, never stops it.
+each payload read and reply send has too, so no request sets a timeout of its own). Running
+out of descriptors (EMFILE) pauses accepting, never stops it.
 
 Shutdown: stop accepting, wake idle connections, let busy ones finish their op, then return.
 """
