@@ -140,11 +140,16 @@ class HashesMessage(Message):
     @property
     def hash_list(self) -> list[bytes]:
         h = self.hashes
+        if len(h) == HASH_BYTES:  # one block, the common request: no comprehension
+            return [h]
         return [h[i:i + HASH_BYTES] for i in range(0, len(h), HASH_BYTES)]
 
 
 def pack_hashes(hashes) -> bytes:
-    out = b"".join(bytes(h) for h in hashes)
+    try:  # bytes, and any other buffer, joined as they are: no generator, no copies
+        out = b"".join(hashes)
+    except TypeError:
+        out = b"".join(bytes(h) for h in hashes)
     if len(out) != HASH_BYTES * len(hashes):
         raise ValueError(f"block hashes are {HASH_BYTES} bytes each")
     return out

@@ -38,3 +38,9 @@ def test_the_cache_keeps_only_short_keys_and_at_most_its_bound(monkeypatch):
         assert _decoded(session._reply_frame(w.Op.PUT, key, 0,
                                              lambda: w.PutOk(statuses=key)))[2].statuses == key
     assert len(session.REPLY_FRAMES) == 8
+
+
+def test_the_all_dram_tiers_are_what_tier_bytes_makes():
+    from kvstore.events import TierKind
+    for n in (0, 1, 16, len(session.ALL_DRAM) - 1):
+        assert session.ALL_DRAM[n] == session.tier_bytes([TierKind.DRAM] * n)

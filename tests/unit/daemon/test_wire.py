@@ -188,3 +188,19 @@ def test_frame_reader_reports_a_peer_that_closes_mid_frame():
         a.close()
         with pytest.raises(ConnectionError, match="mid-frame"):
             w.FrameReader(b).frame(1 << 20)
+
+
+def test_hashes_pack_from_any_buffers_and_unpack_one_or_many():
+    hs = [bytes([i]) * 16 for i in range(3)]
+    forms = [hs, tuple(hs), [bytearray(h) for h in hs], [memoryview(h) for h in hs],
+             [np.frombuffer(h, np.uint8) for h in hs],
+             np.frombuffer(b"".join(hs), np.uint8).reshape(3, 16)]
+    for form in forms:
+        packed = w.pack_hashes(form)
+        assert packed == b"".join(hs) and type(packed) is bytes
+        assert w.Get(hashes=packed).hash_list == hs
+    assert w.Get(hashes=hs[0]).hash_list == [hs[0]]  # one block: the request's own bytes
+    assert w.Get(hashes=b"").hash_list == []
+    for bad in ([b"short"], [hs[0], hs[1][:15]], ["not bytes" * 2]):
+        with pytest.raises((ValueError, TypeError)):
+            w.pack_hashes(bad)
