@@ -117,6 +117,7 @@ test-wheel: $(WHEEL_VENV)/.installed-stamp
 	# the wheel's torch==2.13.0 must resolve to the CPU build, not a CUDA one (GBs)
 	$(WHEEL_VENV)/bin/python -c "from importlib.metadata import version; v = version('torch'); assert v.endswith('+cpu'), v"
 	cd "$$(mktemp -d)" && trap 'rm -rf "$$PWD"' EXIT && \
+	$(WHEEL_BIN)/python -c "import transfer.copy as c; assert c.STREAMING, 'the wheel lacks transfer._stream'" && \
 	$(WHEEL_BIN)/kvtier hash --model m --num-layers 1 --num-kv-heads 1 --head-dim 64 --block-tokens 2 1 2 3 && \
 	KVTIER_CACHE=$(abspath $(WHEEL_VENV))/kvtier-cache $(WHEEL_BIN)/kvtier demo --requests 2 --workload short --configs c
 

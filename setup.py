@@ -1,5 +1,5 @@
 """Distribution `kvtier`: a disaggregated KV-cache storage tier for LLM serving."""
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 # Runtime pins. torch is the CPU build on machines without a GPU; a GPU machine may
 # install its own torch first (pip keeps an already-satisfying install).
@@ -55,6 +55,9 @@ setup(
                                     "kernels*", "bench*"]),
     # the demo workloads, derived from Mooncake's trace
     package_data={"kvtier": ["data/*.jsonl"]},
+    # block copies that bypass the CPU caches (transfer/_stream.c). Optional: without a C
+    # compiler the install goes on and transfer.copy copies through numpy instead
+    ext_modules=[Extension("transfer._stream", ["transfer/_stream.c"], optional=True)],
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={

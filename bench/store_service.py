@@ -7,7 +7,9 @@ over the transfer layer (`use_agent=True`: a tcp transfer Agent reads/writes the
 arena one-sided; what RDMA backends would carry off-host). Baselines: a memcpy of the same
 bytes (shm path; puts also against the same memcpy into shared memory, gets against one
 out of it, the kind of pages an arena has, with the host's huge-page policy for it named in
-the row), a raw loopback socket stream of the same bytes with one round trip per op (TCP
+the row; and against the same copy made as kvtier copies blocks, "kvtier's memcpy", whose
+stores bypass the caches from 256 KiB into slots and from 1 MiB else: transfer.copy, where
+libc's memcpy keeps to the caches below a threshold it sets by the L3 size), a raw loopback socket stream of the same bytes with one round trip per op (TCP
 path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken directly over
 a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
 protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
@@ -56,6 +58,7 @@ from kvstore.store import TieredStore
 from kvstore.tuning import freeze_gc_heap
 
 from kvtier.report import Row, add_common_args, median_rows, report
+from transfer.copy import STREAMING, copy_arrays
 from transfer.shm import ShmSegment
 from bench.mooncake_peer import mooncake_rates
 
@@ -288,13 +291,16 @@ def start_daemon(workdir: str) -> DaemonProcess:
     return DaemonProcess(workdir, cwd=ROOT, dram_size="192MiB", ssd_size="0").start()
 
 
+STREAMED = "kvtier's memcpy"  # the same-host rows' last baseline (_batch_rows)
+
+
 class RotatingCopy:
     """The memcpy a put is held to: the same bytes into a new destination each time, over
     64 MiB of them, as a store writes slots it has not just written (a copy into one hot
     destination runs from cache and is no store's case)."""
 
-    def __init__(self, src: np.ndarray, shared: bool = False) -> None:
-        self.src = src
+    def __init__(self, src: np.ndarray, shared: bool = False, copy=np.copyto) -> None:
+        self.src, self.copy = src, copy
         n = max(2, (64 * MiB) // src.nbytes)
         self.segment = ShmSegment.anonymous(n * src.nbytes, "bench-memcpy") if shared else None
         self.dsts = (self.segment.array.reshape(n, src.nbytes) if shared
@@ -304,7 +310,7 @@ class RotatingCopy:
 
     def __call__(self) -> None:
         self.i = (self.i + 1) % len(self.dsts)
-        np.copyto(self.dsts[self.i], self.src)
+        self.copy(self.dsts[self.i], self.src)
 
 
 BUSY_LOOP = ("import torch; torch.set_num_threads(1); a = torch.randn(384, 384); a @ a\n"
@@ -410,6 +416,11 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
                          lambda: np.copyto(b.numpy(), out_of.array[:total]))]},
         "socket": {"put": [("raw socket", lambda: raw.put(memoryview(a.numpy())))],
                    "get": [("raw socket", lambda: raw.get(view))]}}
+    if STREAMING:  # the copy kvtier's own block copies make (transfer.copy: around the
+        # caches from 256 KiB into slots, from 1 MiB else), where libc's keeps to the caches
+        put_copy = partial(copy_arrays, cold=True)
+        bases["shm"]["put"].append((STREAMED, RotatingCopy(a.numpy(), copy=put_copy)))
+        bases["shm"]["get"].append((STREAMED, lambda: copy_arrays(b.numpy(), a.numpy())))
     copies = {  # the row's first baseline, of n bytes (`_twin_row`)
         "put": lambda n: RotatingCopy(np.resize(a.numpy(), n)),
         "get": lambda n: partial(np.copyto, np.empty(n, np.uint8), np.resize(a.numpy(), n))}

@@ -112,7 +112,7 @@ class DirectPuts:
                         return None
                     slots += got
                     for i, slot in zip(new[len(slots) - len(got):], got):
-                        copy_bytes(self.arena.array[slot], src[i])
+                        copy_bytes(self.arena.array[slot], src[i], cold=True)
                 self.ring.push([bytes(hashes[i]) for i in new], slots)
                 slots = []  # published: the daemon's now
             finally:
@@ -136,7 +136,7 @@ class DirectPuts:
         src = cpu_array(rows)
         slot = self.grants.pop()
         try:
-            copy_bytes(self.arena.array[slot], (rows if src is None else src)[0])
+            copy_bytes(self.arena.array[slot], (rows if src is None else src)[0], cold=True)
             self.ring.push_one(h, slot)
         except BaseException:
             self.grants.append(slot)  # never published: still ours

@@ -56,8 +56,8 @@ class ArenaTier:
         self._check_open()
         host, src = self._host, cpu_array(srcs)
         if host is not None and src is not None:
-            for slot, i, n in _runs(slots):
-                copy_bytes(host[slot:slot + n], src[i:i + n])
+            for slot, i, n in _runs(slots):  # (into slots: nothing reads them here soon)
+                copy_bytes(host[slot:slot + n], src[i:i + n], cold=True)
             return
         for slot, i, n in _runs(slots):
             if isinstance(srcs, torch.Tensor):
