@@ -7,9 +7,9 @@ over the transfer layer (`use_agent=True`: a tcp transfer Agent reads/writes the
 arena one-sided; what RDMA backends would carry off-host). Baselines: a memcpy of the same
 bytes (shm path; puts also against the same memcpy into shared memory, gets against one
 out of it, the kind of pages an arena has, with the host's huge-page policy for it named in
-the row; and against the same copy made as kvtier copies blocks, "kvtier's memcpy", whose
-stores bypass the caches from 256 KiB into slots and from 1 MiB else: transfer.copy, where
-libc's memcpy keeps to the caches below a threshold it sets by the L3 size), a raw loopback socket stream of the same bytes with one round trip per op (TCP
+the row; puts also against the copy kvtier makes into slots, "kvtier's memcpy", whose
+stores bypass the caches from 256 KiB: transfer.copy, where libc's memcpy keeps to the
+caches below a threshold it sets by the L3 size), a raw loopback socket stream of the same bytes with one round trip per op (TCP
 path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken directly over
 a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
 protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
@@ -291,7 +291,7 @@ def start_daemon(workdir: str) -> DaemonProcess:
     return DaemonProcess(workdir, cwd=ROOT, dram_size="192MiB", ssd_size="0").start()
 
 
-STREAMED = "kvtier's memcpy"  # the same-host rows' last baseline (_batch_rows)
+STREAMED = "kvtier's memcpy"  # the same-host puts' last baseline (_batch_rows)
 
 
 class RotatingCopy:
@@ -416,11 +416,10 @@ def _batch_rows(clients, ns, label, nbytes, batch, redis, mooncake, raw, seconds
                          lambda: np.copyto(b.numpy(), out_of.array[:total]))]},
         "socket": {"put": [("raw socket", lambda: raw.put(memoryview(a.numpy())))],
                    "get": [("raw socket", lambda: raw.get(view))]}}
-    if STREAMING:  # the copy kvtier's own block copies make (transfer.copy: around the
-        # caches from 256 KiB into slots, from 1 MiB else), where libc's keeps to the caches
+    if STREAMING:  # the copy a put makes into slots (transfer.copy: around the caches
+        # from 256 KiB), where libc's memcpy keeps to the caches
         put_copy = partial(copy_arrays, cold=True)
         bases["shm"]["put"].append((STREAMED, RotatingCopy(a.numpy(), copy=put_copy)))
-        bases["shm"]["get"].append((STREAMED, lambda: copy_arrays(b.numpy(), a.numpy())))
     copies = {  # the row's first baseline, of n bytes (`_twin_row`)
         "put": lambda n: RotatingCopy(np.resize(a.numpy(), n)),
         "get": lambda n: partial(np.copyto, np.empty(n, np.uint8), np.resize(a.numpy(), n))}

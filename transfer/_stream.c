@@ -6,12 +6,12 @@
  * destination line read from memory before it is overwritten, and the copy evicting the
  * caches the code around it runs from. Measured on a 2-vCPU Xeon VM, 960 MiB in blocks
  * into a destination not just written: 256 KiB 43 -> 30 us, 1 MiB 165 -> 105 us,
- * 4 MiB 655 -> 411 us; into one hot destination 1 MiB 119 -> 101 us, 256 KiB and 4 MiB
- * the same. transfer/copy.py decides which copies go through here; without this module
- * (no C compiler at install) they all go through numpy.
+ * 4 MiB 655 -> 411 us. transfer/copy.py decides which copies go through here (a put's
+ * into the slots it fills); without this module (no C compiler at install) they all go
+ * through numpy.
  *
  * The stores are SSE2's (every x86-64 has them); other CPUs get memcpy. The GIL is
- * released while the bytes move. Neither function may be given overlapping buffers.
+ * released while the bytes move. The two buffers must not overlap.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -83,29 +83,10 @@ static PyObject *copy(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *copy_at(PyObject *self, PyObject *args)
-{
-    unsigned long long dst, src;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "KKn:copy_at", &dst, &src, &n))
-        return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "copy_at of a negative number of bytes");
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    stream_copy((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
      "copy(dst, src): src's bytes into dst (two contiguous buffers of one size), stored "
      "around the caches."},
-    {"copy_at", copy_at, METH_VARARGS,
-     "copy_at(dst_address, src_address, nbytes): the same between two host addresses; the "
-     "caller keeps both buffers alive and in bounds."},
     {NULL, NULL, 0, NULL},
 };
 

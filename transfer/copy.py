@@ -17,26 +17,20 @@ except ImportError:  # built without a C compiler: every copy goes through numpy
     _stream = None
 
 STREAMING = _stream is not None
-# Host copies this big or bigger store around the caches (transfer/_stream.c: glibc does so
-# only above a threshold it derives from the L3 size, 181 MiB on a VM reporting 480 MiB, so
-# a block copy read each destination line from memory first, and evicted the caches the
-# code around it runs from). On that VM, 960 MiB in blocks from memory:
-#   into slots not just written (a put's): 256 KiB 43 -> 30 us, 1 MiB 165 -> 105, 4 MiB
-#     655 -> 411;
-#   into one hot destination (a get's): 1 MiB 119 -> 101 us, 4 MiB the same; but a 256 KiB
-#     get from a slot still in cache into a buffer still in cache, 6.8 -> 16 us.
-STREAM_BYTES = 1 << 20  # any copy
-STREAM_COLD_BYTES = 256 << 10  # a copy whose destination is not read again soon (`cold`)
+# A copy into a slot a put fills (`cold`: nothing reads it again soon) of this many bytes
+# or more stores around the caches (transfer/_stream.c). glibc's memcpy does so only above
+# a threshold it derives from the L3 size (181 MiB on a VM reporting 480 MiB), so a put's
+# block copy read each destination line from memory first and evicted the caches the code
+# around it runs from. On that VM, 960 MiB in blocks into slots not just written: 256 KiB
+# 43 -> 30 us, 1 MiB 165 -> 105, 4 MiB 655 -> 411. Other copies keep to the caches: a get
+# lands where its reader is about to look (bench/store_service.py re-reading one stored
+# 1 MiB block into one buffer: 42 -> 65 us at p50 streamed).
+STREAM_COLD_BYTES = 256 << 10
 
-
-def copy_at(dst_address: int, src_address: int, nbytes: int) -> None:
-    """One single-threaded copy between two host addresses, for callers that hold both as
-    ints (no view of either side made); the caller keeps both buffers alive, in bounds and
-    apart. Streams around the caches from STREAM_BYTES up, as copy_bytes does."""
-    if nbytes >= STREAM_BYTES and _stream is not None:
-        _stream.copy_at(dst_address, src_address, nbytes)
-    else:
-        ctypes.memmove(dst_address, src_address, nbytes)
+memmove = ctypes.memmove
+"""memmove(dst_address, src_address, nbytes): one single-threaded libc memmove between
+two host addresses, for callers that hold both as ints (no view of either side made); the
+caller keeps both buffers alive and in bounds."""
 
 
 def _torch():
@@ -65,11 +59,10 @@ def copy_bytes(dst: Any, src: Any, cold: bool = False) -> None:
 
     Host to host it is one single-threaded copy: torch's CPU `copy_` runs on its
     intra-op thread pool, whose threads spin and wait on a busy host (a 256 KiB copy
-    measured 24 ms with 2 torch threads and 25 us with 1 on a loaded 2-core machine). From
-    STREAM_BYTES up (STREAM_COLD_BYTES when `cold`) its stores bypass the caches
-    (transfer._stream), else it is numpy's memcpy. A device tensor on either side goes
-    through torch (the host side viewed, not copied). Every hot-path host copy in the
-    project goes through here."""
+    measured 24 ms with 2 torch threads and 25 us with 1 on a loaded 2-core machine). A
+    `cold` one of STREAM_COLD_BYTES or more bypasses the caches (transfer._stream), any
+    other is numpy's memcpy. A device tensor on either side goes through torch (the host
+    side viewed, not copied). Every hot-path host copy in the project goes through here."""
     if type(dst) is np.ndarray and type(src) is np.ndarray and dst.shape == src.shape:
         copy_arrays(dst, src, cold)  # two host arrays (the same-host paths): no conversions
         return
@@ -85,8 +78,7 @@ def copy_arrays(d: np.ndarray, s: np.ndarray, cold: bool = False) -> None:
     """d[...] = s for two host arrays of one shape (copy_bytes without the conversions):
     streamed when big and both contiguous, of
     one dtype (numpy's copy when not: it casts nothing either, and says what is wrong)."""
-    if (d.nbytes >= (STREAM_COLD_BYTES if cold else STREAM_BYTES) and _stream is not None
-            and d.dtype == s.dtype):
+    if cold and d.nbytes >= STREAM_COLD_BYTES and _stream is not None and d.dtype == s.dtype:
         try:
             _stream.copy(d, s)
             return

@@ -24,7 +24,7 @@ from kvstore.errors import ConfigError
 from kvstore.events import TierKind
 from kvstore.arena_layout import META_BYTES, arena_meta
 from kvstore.slotdir import DIRECT_READS, SlotDirectoryReader
-from transfer.copy import copy_arrays, copy_at, copy_bytes
+from transfer.copy import copy_bytes, memmove
 from transfer.shm import ShmSegment
 
 log = logging.getLogger("kvtier.client")
@@ -96,9 +96,9 @@ class ArenaMap:
             # by address, no view of either side made: views and a tensor's numpy
             # conversion were ~a fifth of a 1 MiB read
             if at is not None:
-                copy_at(at + i * bb, base + slot * bb, bb)
+                memmove(at + i * bb, base + slot * bb, bb)
             elif dst is not None:
-                copy_arrays(dst[i], arr[slot])
+                np.copyto(dst[i], arr[slot])
             else:
                 copy_bytes(rows[i], self.rows[slot])
             if d.still_valid(slot, gen):

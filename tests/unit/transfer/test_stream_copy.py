@@ -1,6 +1,7 @@
 """The cache-bypassing host copy (transfer/_stream.c) against numpy's: every byte where it
 belongs whatever the alignment and length, nothing written outside the destination, and
-bad arguments refused; copy_bytes and copy_at route through it from STREAM_BYTES up."""
+bad arguments refused; copy_bytes routes a put's copies into slots (`cold`) through it
+from STREAM_COLD_BYTES up, and every other copy through numpy."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,15 +26,6 @@ def test_every_length_and_alignment_lands_exactly_where_it_should():
                 assert not dst[:dst_off].any() and not dst[dst_off + n:].any()
 
 
-def test_by_address_it_copies_the_same_bytes():
-    src = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[:(1 << 20) + 5]
-    dst = np.zeros_like(src)
-    stream.copy_at(dst.ctypes.data, src.ctypes.data, len(src))
-    assert (dst == src).all()
-    with pytest.raises(ValueError, match="negative"):
-        stream.copy_at(dst.ctypes.data, src.ctypes.data, -1)
-
-
 def test_bad_buffers_are_refused_and_nothing_is_written():
     dst = np.zeros(100, np.uint8)
     with pytest.raises(ValueError, match="100"):
@@ -46,12 +38,10 @@ def test_bad_buffers_are_refused_and_nothing_is_written():
 
 
 @pytest.mark.parametrize("cold", [False, True])
-@pytest.mark.parametrize("nbytes", [tc.STREAM_COLD_BYTES - 1, tc.STREAM_COLD_BYTES,
-                                    tc.STREAM_BYTES, 4 << 20])
+@pytest.mark.parametrize("nbytes", [tc.STREAM_COLD_BYTES - 1, tc.STREAM_COLD_BYTES, 4 << 20])
 def test_copy_bytes_moves_host_blocks_exactly_either_way(nbytes, cold):
-    """Below its threshold numpy copies, from it on the streaming copy does; torch and numpy
-    rows, strided views (which cannot stream) and read-only destinations keep their
-    behaviour."""
+    """Streamed or not, torch and numpy rows, strided views (which cannot stream) and
+    read-only destinations keep their behaviour."""
     rng = np.random.default_rng(nbytes)
     src = rng.integers(0, 256, nbytes, dtype=np.uint8)
     for dst in (np.zeros(nbytes, np.uint8), torch.zeros(nbytes, dtype=torch.uint8)):
@@ -80,34 +70,34 @@ class _Counted:
         self.calls += 1
         stream.copy(dst, src)
 
-    def copy_at(self, dst, src, n) -> None:
-        self.calls += 1
-        stream.copy_at(dst, src, n)
 
-
-def test_which_copies_stream(monkeypatch):
-    """Copies into slots (`cold`) stream from STREAM_COLD_BYTES, every other from
-    STREAM_BYTES: a smaller get into a buffer still in cache runs faster in cache."""
+def test_only_big_copies_into_slots_stream(monkeypatch):
+    """A put's copy into the slot it fills streams from STREAM_COLD_BYTES; a get's copy
+    (not `cold`: its reader is about to look) never does."""
+    assert tc.STREAMING and tc._stream is stream
     counted = _Counted()
     monkeypatch.setattr(tc, "_stream", counted)
     for nbytes, cold, streams in ((tc.STREAM_COLD_BYTES, True, True),
                                   (tc.STREAM_COLD_BYTES - 1, True, False),
-                                  (tc.STREAM_COLD_BYTES, False, False),
-                                  (tc.STREAM_BYTES, False, True)):
+                                  (4 << 20, False, False)):
         before = counted.calls
-        tc.copy_bytes(np.zeros(nbytes, np.uint8), np.ones(nbytes, np.uint8), cold)
-        assert (counted.calls > before) == streams, (nbytes, cold)
-    src, dst = np.ones(tc.STREAM_BYTES, np.uint8), np.zeros(tc.STREAM_BYTES, np.uint8)
-    before = counted.calls
-    tc.copy_at(dst.ctypes.data, src.ctypes.data, tc.STREAM_BYTES - 1)
-    assert counted.calls == before and dst[:-1].all() and not dst[-1]
-    tc.copy_at(dst.ctypes.data, src.ctypes.data, tc.STREAM_BYTES)
-    assert counted.calls == before + 1 and dst.all()
+        dst = np.zeros(nbytes, np.uint8)
+        tc.copy_bytes(dst, np.ones(nbytes, np.uint8), cold)
+        assert dst.all() and (counted.calls > before) == streams, (nbytes, cold)
 
 
-def test_the_copy_helpers_use_the_streaming_copy():
-    assert tc.STREAMING and tc._stream is stream
-    src = np.arange(tc.STREAM_BYTES, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    tc.copy_at(dst.ctypes.data, src.ctypes.data, len(src))
-    assert (dst == src).all()
+def test_a_dram_tier_put_streams_and_its_get_does_not(monkeypatch):
+    from kvstore.tiers.dram import DramTier
+    counted = _Counted()
+    monkeypatch.setattr(tc, "_stream", counted)
+    bb = tc.STREAM_COLD_BYTES
+    tier = DramTier(4, bb)
+    try:
+        src = np.random.default_rng(1).integers(0, 256, (2, bb), dtype=np.uint8)
+        tier.write_n([2, 3], [bytes(16), bytes([1]) * 16], torch.from_numpy(src))
+        assert counted.calls == 1  # one run of two slots, one copy
+        out = np.zeros((2, bb), np.uint8)
+        assert tier.read_n([2, 3], [bytes(16), bytes([1]) * 16], out) == [True, True]
+        assert counted.calls == 1 and (out == src).all()
+    finally:
+        tier.close()
