@@ -9,13 +9,14 @@ bytes (shm path; puts also against the same memcpy into shared memory, gets agai
 out of it, the kind of pages an arena has, with the host's huge-page policy for it named in
 the row; puts also against the copy kvtier makes into slots, "kvtier's memcpy", whose
 stores bypass the caches from 256 KiB: transfer.copy, where libc's memcpy keeps to the
-caches below a threshold it sets by the L3 size), a raw loopback socket stream of the same bytes with one round trip per op (TCP
-path), a real redis-server (SET/GET of the same bytes, pipelined, RESP spoken directly over
-a socket) when `redis-server` is on PATH, and Mooncake Store (its TCP
-protocol, master + storage process + client inside a loopback-only `unshare -n` namespace;
-see bench/mooncake_peer.py) when `make bench-deps-mooncake` has installed it; otherwise
-each prints why it was skipped. Each path's put and get is timed in turns with its memcpy or
-raw-socket baselines (`paired`), so a slow spell of a shared host weighs on both alike.
+caches below a threshold it sets by the L3 size), a raw loopback socket stream of the same
+bytes with one round trip per op (TCP path), a real redis-server (SET/GET of the same
+bytes, pipelined, RESP spoken directly over a socket) when `redis-server` is on PATH, and
+Mooncake Store (its TCP protocol, master + storage process + client inside a
+loopback-only `unshare -n` namespace; see bench/mooncake_peer.py) when `make
+bench-deps-mooncake` has installed it; otherwise each prints why it was skipped. Each
+path's put and get is timed in turns with its memcpy or raw-socket baselines (`paired`),
+so a slow spell of a shared host weighs on both alike.
 Single-op rows also give p50 / p99 latency (us) against the baseline's, and same-host ones
 their p99 against a loop of memcpys as long as the op (the floor a busy host's scheduler
 sets for any thread running that long). Metadata:

@@ -76,8 +76,8 @@ def copy_bytes(dst: Any, src: Any, cold: bool = False) -> None:
 
 def copy_arrays(d: np.ndarray, s: np.ndarray, cold: bool = False) -> None:
     """d[...] = s for two host arrays of one shape (copy_bytes without the conversions):
-    streamed when big and both contiguous, of
-    one dtype (numpy's copy when not: it casts nothing either, and says what is wrong)."""
+    streamed when `cold`, big, both contiguous and of one dtype; numpy's copy otherwise
+    (it casts nothing either, and says what is wrong)."""
     if cold and d.nbytes >= STREAM_COLD_BYTES and _stream is not None and d.dtype == s.dtype:
         try:
             _stream.copy(d, s)

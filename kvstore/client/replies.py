@@ -206,10 +206,10 @@ def stage(staging: np.ndarray, rows, n: int, block_bytes: int) -> None:
     staged = staging[:n * block_bytes].reshape(n, block_bytes)
     whole = cpu_array(rows)
     if whole is not None:
-        copy_bytes(staged, whole.reshape(n, block_bytes))
+        np.copyto(staged, whole.reshape(n, block_bytes), casting="no")
         return
     for i, row in enumerate(iter_rows(rows)):
-        copy_bytes(staged[i], as_numpy(row))
+        np.copyto(staged[i], as_numpy(row))
 
 
 copy_row = copy_bytes  # one block between the arena and a caller buffer
