@@ -40,7 +40,9 @@ def test_the_cache_keeps_only_short_keys_and_at_most_its_bound(monkeypatch):
     assert len(session.REPLY_FRAMES) == 8
 
 
-def test_the_all_dram_tiers_are_what_tier_bytes_makes():
+def test_tier_bytes_gives_each_block_its_tier_code_and_misses_theirs():
     from kvstore.events import TierKind
-    for n in (0, 1, 16, len(session.ALL_DRAM) - 1):
-        assert session.ALL_DRAM[n] == session.tier_bytes([TierKind.DRAM] * n)
+    kinds = [TierKind.DRAM, None, TierKind.SSD, TierKind.GPU, None, TierKind.DRAM]
+    assert session.tier_bytes(kinds) == bytes(w.MISS if t is None else int(t) for t in kinds)
+    assert session.tier_bytes([TierKind.DRAM] * 16) == bytes([int(TierKind.DRAM)]) * 16
+    assert session.tier_bytes([]) == b""
