@@ -55,8 +55,9 @@ setup(
                                     "kernels*", "bench*"]),
     # the demo workloads, derived from Mooncake's trace
     package_data={"kvtier": ["data/*.jsonl"]},
-    # block copies that bypass the CPU caches (transfer/_stream.c). Optional: without a C
-    # compiler the install goes on and transfer.copy copies through numpy instead
+    # block copies that bypass the CPU caches and a socket receive loop (transfer/_stream.c).
+    # Optional: without a C compiler the install goes on, and transfer.copy copies through
+    # numpy and the payload receives loop in Python instead
     ext_modules=[Extension("transfer._stream", ["transfer/_stream.c"], optional=True)],
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

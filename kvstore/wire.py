@@ -38,6 +38,11 @@ import msgspec
 from kvstore.errors import KVStoreError
 from kvstore.keys import HASH_BYTES
 
+try:
+    from transfer._stream import recv_into as _recv_loop
+except ImportError:  # built without a C compiler: the loop runs in Python
+    _recv_loop = None
+
 PROTOCOL_VERSION = 6  # 6: STATS carries the error counts (5: TOUCH read counts, FLUSH a
 # batch's want; 4: HELLO, the codec)
 MAGIC = b"KVTW"
@@ -495,15 +500,20 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
     RECV_CHUNK bytes a call. MSG_WAITALL lets the kernel fill each chunk in one call on a
     blocking socket (the daemon's: +10-40% on megabyte payloads). A socket with a Python
     timeout is non-blocking underneath, so there the flag changes nothing and the timeout
-    still holds. `deadline` (time.monotonic()): TimeoutError once past it with bytes still
+    still holds. On a blocking socket the calls loop in C (transfer._stream.recv_into),
+    which hands back whenever one comes back short. `deadline` (time.monotonic()): TimeoutError once past it with bytes still
     to come, checked before each call (the socket's timeout bounds each call: one that times
     out before the deadline is tried again)."""
     got, n = 0, len(view)
+    fd = sock.fileno() if _recv_loop is not None and sock.gettimeout() is None else -1
     while got < n:
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError("the payload came too slowly")
         try:
-            k = sock.recv_into(view[got:], min(RECV_CHUNK, n - got), socket.MSG_WAITALL)
+            if fd >= 0:  # the same calls, looped in C with the GIL released once
+                k = _recv_loop(fd, view[got:] if got else view, RECV_CHUNK)
+            else:
+                k = sock.recv_into(view[got:], min(RECV_CHUNK, n - got), socket.MSG_WAITALL)
         except TIMED_OUT:
             if deadline is not None and time.monotonic() <= deadline:
                 continue

@@ -1,4 +1,5 @@
-/* transfer._stream: a host-to-host copy whose stores bypass the CPU caches.
+/* transfer._stream: a host-to-host copy whose stores bypass the CPU caches, and a socket
+ * receive loop that keeps Python out of the way of big payloads (recv_into, below).
  *
  * glibc's memcpy switches to non-temporal stores only above x86_non_temporal_threshold,
  * which it derives from the L3 size (181 MiB on a VM reporting a 480 MiB L3), so every
@@ -15,8 +16,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -83,10 +87,70 @@ static PyObject *copy(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* recv_into(fd, buffer, chunk): fill `buffer` from a blocking stream socket in calls of
+ * at most `chunk` bytes (MSG_WAITALL), with the GIL released once for the whole loop, not
+ * once per call with Python running in between (4 MiB payloads to 4 threads of one client
+ * or the daemon: gets 4.1 -> 4.8 GB/s, puts 4.4 -> 5.5). Returns the bytes received: all
+ * of them, or fewer once a call came back short (the socket's receive timeout ran out, the
+ * peer closed, a signal, an error after some bytes): the caller checks its own deadline and
+ * calls again, meeting the end or the error then. An error before any byte raises OSError
+ * (BlockingIOError when the receive timeout ran out); an interrupted call is retried after
+ * the signal handlers ran (an exception from one is raised). */
+static PyObject *recv_into(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_buffer buf;
+    Py_ssize_t chunk;
+    if (!PyArg_ParseTuple(args, "iw*n:recv_into", &fd, &buf, &chunk))
+        return NULL;
+    if (chunk <= 0) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "chunk must be positive");
+        return NULL;
+    }
+    char *p = (char *)buf.buf;
+    Py_ssize_t n = buf.len, got = 0;
+    int err = 0;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        while (got < n) {
+            size_t want = (size_t)(n - got < chunk ? n - got : chunk);
+            ssize_t k = recv(fd, p + got, want, MSG_WAITALL);
+            if (k > 0)
+                got += k;
+            if (k == (ssize_t)want)
+                continue;
+            /* short: the socket's receive timeout ran out (the caller checks its deadline
+               before calling again: a peer that sends a little at a time is bounded by it,
+               not kept here), the peer closed, a signal, or an error */
+            err = k < 0 ? errno : 0;
+            break;
+        }
+        Py_END_ALLOW_THREADS
+        if (err != EINTR)
+            break;
+        err = 0;
+        if (PyErr_CheckSignals() < 0) { /* a handler raised: stop, as socket.recv_into does */
+            PyBuffer_Release(&buf);
+            return NULL;
+        }
+    }
+    PyBuffer_Release(&buf);
+    if (err && got == 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(got);
+}
+
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
      "copy(dst, src): src's bytes into dst (two contiguous buffers of one size), stored "
      "around the caches."},
+    {"recv_into", recv_into, METH_VARARGS,
+     "recv_into(fd, buffer, chunk) -> int: fill buffer from a blocking stream socket, "
+     "chunk bytes a call, the GIL released once; the bytes received (fewer: the peer "
+     "closed, or an error after some came)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,6 +25,11 @@ import numpy as np
 
 from ..errors import Fault, TransferError
 
+try:
+    from .._stream import recv_into as _recv_loop
+except ImportError:  # built without a C compiler: the loop runs in Python
+    _recv_loop = None
+
 MAGIC = b"KVTX"
 WIRE_VERSION = 1
 HEAD = struct.Struct("<4sBBHIQ")
@@ -129,9 +134,12 @@ def recv_views(sock: socket.socket, views: Sequence, progress: Progress, timeout
     """Fill every view completely. `idle_ok`: waiting before the first byte is not a stall."""
     bufs = [memoryview(v).cast("B") for v in views if len(v)]
     i, started = 0, False
+    fd = sock.fileno() if _recv_loop is not None and sock.gettimeout() is None else -1
     while i < len(bufs):
         try:
-            if len(bufs[i]) >= RECV_CHUNK:  # the kernel fills a whole chunk per call
+            if len(bufs[i]) >= RECV_CHUNK and fd >= 0:  # the calls below, looped in C
+                n = _recv_loop(fd, bufs[i], RECV_CHUNK)
+            elif len(bufs[i]) >= RECV_CHUNK:  # the kernel fills a whole chunk per call
                 n = sock.recv_into(bufs[i], RECV_CHUNK, socket.MSG_WAITALL)
             else:  # small ones gathered, what has arrived
                 n = sock.recvmsg_into(bufs[i:i + IOV_MAX])[0]

@@ -106,6 +106,39 @@ def test_recv_exact_past_its_first_chunk_raises_when_the_peer_closes():
         assert buf[:w.RECV_CHUNK + 10] == b"y" * (w.RECV_CHUNK + 10)
 
 
+@pytest.mark.parametrize("loop", ["C", "Python"])
+def test_recv_exact_gives_up_at_its_deadline_on_a_peer_that_never_goes_quiet(loop, monkeypatch):
+    """A peer sending a byte every 20 ms never lets one receive time out for long, yet the
+    deadline holds: the loop (in C or not) hands back at each socket timeout to check it."""
+    import threading
+    import time
+    if loop == "Python":
+        monkeypatch.setattr(w, "_recv_loop", None)
+    elif w._recv_loop is None:
+        pytest.fail("transfer._stream is missing: reinstall kvtier with a C compiler")
+    a, b = socket.socketpair()
+    w.kernel_timeouts(b, 0.2)
+    stop, sent = threading.Event(), []
+
+    def trickle():
+        while not stop.is_set():
+            try:
+                sent.append(a.send(b"t"))
+            except OSError:
+                return
+            time.sleep(0.02)
+    t = threading.Thread(target=trickle)
+    with a, b:
+        t.start()
+        try:
+            with pytest.raises(TimeoutError, match="too slowly"):
+                w.recv_exact(b, memoryview(bytearray(1 << 20)), time.monotonic() + 0.5)
+        finally:
+            stop.set()
+            t.join()
+        assert 0 < len(sent) < 1 << 20
+
+
 @given(st.binary(max_size=300))
 def test_fuzz_decoder_any_bytes_decode_or_protocol_error(raw):
     try:
