@@ -298,11 +298,13 @@ class Client:
                     if arena is not None:
                         copy_row(arena.rows[slot], rows[i])
                     else:
-                        moved.append((slot, rows[i]))
+                        moved.append((slot, i))
                 elif status == 0:
                     inline.append(as_numpy(rows[i]))
             if moved:
-                agent.write([m[0] for m in moved], [m[1] for m in moved])
+                idx = [i for _, i in moved]
+                agent.write([slot for slot, _ in moved], [rows[i] for i in idx],
+                            rows if isinstance(rows, np.ndarray) else None, idx)
         except BaseException:
             conn.call(w.Abort(reservation_id=res.reservation_id))
             raise
@@ -419,7 +421,8 @@ class Client:
                     for i in leased:
                         copy_row(rows[i], arena.rows[int(slots[i])])
                 else:
-                    agent.read([int(slots[i]) for i in leased], [rows[i] for i in leased])
+                    agent.read([int(slots[i]) for i in leased], [rows[i] for i in leased],
+                               host, leased)
             finally:
                 conn.pending_release.append(reply.lease_id)
         return tiers

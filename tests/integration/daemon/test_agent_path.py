@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from kvstore import wire as w
 from kvstore.client import Client
@@ -40,6 +41,87 @@ def test_a_restarted_daemon_gets_a_new_agent_and_the_client_follows(make_daemon)
         more = hash_blocks(NS, np.arange(4 * 16) + 10**6)
         c.put_n(more, blocks(more))
         assert c.get_n(more, dst[:4]) == [TierKind.DRAM] * 4 and (dst[:4] == blocks(more)).all()
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    """Counts the transfers that went through the client's staging rows (a tcp transfer of
+    DIRECT_BYTES or more lands in the caller's rows instead); DIRECT_BYTES made 4 blocks,
+    so these 4 KiB blocks show both ways."""
+    from kvstore.client import agentpath
+    monkeypatch.setattr(agentpath, "DIRECT_BYTES", 4 * BB)
+    calls = []
+    real = agentpath.AgentPath._stage
+
+    def stage(self, n):
+        calls.append(n)
+        return real(self, n)
+    monkeypatch.setattr(agentpath.AgentPath, "_stage", stage)
+    return calls
+
+
+def test_big_tcp_transfers_land_in_the_callers_rows_and_small_ones_go_through_staging(
+        make_daemon, staged):
+    d = make_daemon()
+    hs = hash_blocks(NS, np.arange(100 * 16) + 31)  # 64 fit DRAM, the rest go to SSD
+    src = blocks(hs)
+    with agent_client(d.url) as c:
+        assert c.transport == "agent"
+        c.put_n(hs[:60], src[:60])  # written by the agent, straight from src
+        assert staged == []
+        c.put_n(hs[60:62], src[60:62])  # 2 blocks: through staging
+        assert staged == [2]
+        c.put_n(hs[62:], torch.from_numpy(src[62:]))
+        dst = np.zeros((100, BB), np.uint8)
+        tiers = c.get_n(hs, dst)  # DRAM blocks read by the agent (a subset of the rows:
+        assert None not in tiers and TierKind.SSD in tiers  # SSD ones came inline)
+        assert (dst == src).all()
+        leased = sum(t is TierKind.DRAM for t in tiers)
+        assert leased >= 4 and staged == [2], "the DRAM blocks went straight into dst"
+        out = torch.zeros(100, BB, dtype=torch.uint8)
+        assert None not in c.get_n(hs, out) and (out.numpy() == src).all()
+        assert staged == [2]
+        rows = [np.zeros(BB, np.uint8) for _ in hs]  # not one array: staging
+        assert None not in c.get_n(hs, rows)
+        assert all((r == s).all() for r, s in zip(rows, src)) and len(staged) == 2
+        few = np.zeros((2, BB), np.uint8)
+        dram = [h for h, t in zip(hs, tiers) if t is TierKind.DRAM][:2]
+        assert c.get_n(dram, few) == [TierKind.DRAM] * 2 and len(staged) == 3
+        assert (few == blocks(dram)).all()
+
+
+def test_a_direct_read_cut_off_by_the_daemon_fails_cleanly_and_the_agent_ends(make_daemon, staged):
+    """The daemon dies between GET's reply and the agent's read: the get fails (nothing
+    of a failed transfer may land in the caller's rows later, so the agent is closed),
+    and once the daemon is back the client reads through a new agent."""
+    from kvstore.client import agentpath
+    d = make_daemon()
+    hs = hash_blocks(NS, np.arange(8 * 16) + 77)
+    with agent_client(d.url, timeout_s=5.0, connect_timeout_s=2.0) as c:
+        c.put_n(hs, blocks(hs))
+        path = c._agent
+        real = agentpath.AgentPath.read
+
+        stopped = []
+
+        def read_after_stop(self, *a):
+            if not stopped:
+                stopped.append(d.stop())
+            return real(self, *a)
+        agentpath.AgentPath.read = read_after_stop
+        try:
+            with pytest.raises(ConnectionError):
+                c.get_n(hs, np.zeros((8, BB), np.uint8))
+        finally:
+            agentpath.AgentPath.read = real
+        assert path.broken and path.agent._closed
+        d.start()
+        dst = np.zeros((8, BB), np.uint8)
+        assert None not in c.get_n(hs, dst) and (dst == blocks(hs)).all()  # (from SSD)
+        more = hash_blocks(NS, np.arange(8 * 16) + 10**6)
+        c.put_n(more, blocks(more))
+        assert c.get_n(more, dst) == [TierKind.DRAM] * 8 and (dst == blocks(more)).all()
+        assert c._agent is not path and staged == []
 
 
 def test_each_namespace_exports_only_its_own_arena_and_only_after_auth(make_daemon, tmp_path):
