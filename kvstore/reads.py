@@ -86,6 +86,14 @@ class Reads:
         return Lease(lid, hits, tuple(copied),
                      tuple(r if c else -1 for r, c in zip(row_at, copied)) if row_at else ())
 
+    def lease_n(self, hashes: Sequence[bytes], ttl_s: float = 30.0, prefix: bool = False,
+                tier: TierKind = TierKind.DRAM) -> Lease | None:
+        """`fetch_n` of a batch that needs no copy: when every hit lies in `tier`, one
+        locked visit leases them (copy their slots, then `release`), hits and misses
+        counted; None, with nothing held or counted, when some block lies elsewhere (for
+        `fetch_n` to copy)."""
+        return self._lease_all(hashes, ttl_s, prefix, tier)
+
     def read_deferred(self, lease_id: int, hashes: Sequence[bytes], rows) -> list[bool]:
         """Copy blocks a `fetch_n` deferred into `rows` (one per hash, in order; a hash the
         batch named twice, twice); each then leaves the lease. False for a block found

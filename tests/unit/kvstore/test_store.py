@@ -569,6 +569,36 @@ def test_fetch_copies_a_window_and_defers_the_rest_held_until_read(tmp_path):
         assert s.stats().open_leases == 0
 
 
+def test_lease_n_leases_a_dram_batch_in_one_visit_and_leaves_any_other_alone(tmp_path):
+    """lease_n: every hit in DRAM -> leased (slots to copy), hits and misses counted once;
+    a block elsewhere -> None, with nothing held or counted (fetch_n then copies it)."""
+    with make(tmp_path, dram=4, ssd=8, promote_on_hit=False) as s:
+        data = blocks(6, seed=6)
+        s.put_n(CHAIN[:6], data)  # the oldest demoted to SSD
+        before = s.stats()
+        assert s.lease_n(CHAIN[:6]) is None  # some of them are on SSD
+        after = s.stats()
+        assert (after.misses, after.tier(TierKind.DRAM).counters.hits) == \
+            (before.misses, before.tier(TierKind.DRAM).counters.hits)
+        assert after.open_leases == 0 and s.remove_n(CHAIN[:1]) == 1, "nothing left held"
+        where = [s.match_prefix([h]).tiers[0] if s.contains_n([h])[0] else None
+                 for h in CHAIN[:6]]
+        a, b = [i for i, t in enumerate(where) if t is TierKind.DRAM][:2]
+        lease = s.lease_n([CHAIN[a], OTHER[0], CHAIN[b]], ttl_s=60)
+        assert lease is not None and lease.lease_id and lease.hits[1] is None
+        dram = s.tier(TierKind.DRAM)
+        for i, h in ((a, lease.hits[0]), (b, lease.hits[2])):
+            assert h[0] is TierKind.DRAM and torch.equal(dram.slot_view(h[1]), data[i])
+        st = s.stats()
+        assert st.tier(TierKind.DRAM).counters.hits == after.tier(TierKind.DRAM).counters.hits + 2
+        assert st.misses == after.misses + 1 and st.open_leases == 1
+        s.put_n(OTHER[1:5], blocks(4, seed=7))  # pressure: leased blocks stay put
+        assert torch.equal(dram.slot_view(lease.hits[0][1]), data[a])
+        s.release(lease.lease_id)
+        assert s.stats().open_leases == 0
+        assert s.lease_n([OTHER[9]]).lease_id == 0  # only misses: nothing to lease
+
+
 def test_a_deferred_block_found_corrupted_is_dropped_and_a_miss_not_a_hit(tmp_path):
     with make(tmp_path, dram=0, ssd=6) as s:
         data = blocks(4, seed=5)
