@@ -4,7 +4,8 @@ A real daemon runs in another process (DRAM tier only, so fresh puts evict inste
 writing SSD). For 256 KiB, 1 MiB and 4 MiB blocks, single and batched (16): put and get
 GB/s over the same-host shared-memory path, over TCP (bytes inline in the frames) and
 over the transfer layer (`use_agent=True`: a tcp transfer Agent reads/writes the daemon's
-arena one-sided; what RDMA backends would carry off-host). Baselines: a memcpy of the same
+arena one-sided; what RDMA backends would carry off-host; with no put or get left inline,
+as small puts and tcp gets are by default). Baselines: a memcpy of the same
 bytes (shm path; puts also against the same memcpy into shared memory, gets against one
 out of it, the kind of pages an arena has, with the host's huge-page policy for it named in
 the row; puts also against the copy kvtier makes into slots, "kvtier's memcpy", whose
@@ -385,9 +386,10 @@ def data_rows(url: str, redis: RedisPeer | None, mooncake: dict | None, raw: Raw
         ns = namespace_for(nbytes)
         clients = {"shm": Client(url, namespace=ns),
                    "tcp": Client(url, namespace=ns, use_shm=False),
-                   # the transfer-agent path itself (puts never fall back to inline bytes)
+                   # the transfer-agent path itself (no put or get falls back to inline
+                   # bytes, as small ones do by default)
                    "agent": Client(url, namespace=ns, use_shm=False, use_agent=True,
-                                   inline_put_bytes=0)}
+                                   inline_put_bytes=0, inline_get_bytes=0)}
         assert clients["shm"].uses_shm, "the bench runs on the daemon's host"
         assert clients["agent"].transport == "agent", "the daemon exports its arena (tcp)"
         for batch in (1, 16):

@@ -51,6 +51,11 @@ class AgentPath:
         self._region = None
         self._local = None
 
+    @property
+    def over_tcp(self) -> bool:
+        """The daemon's arena is reached through the tcp backend (not RDMA)."""
+        return self.remote.backend is BackendKind.TCP
+
     def _stage(self, n: int) -> np.ndarray:
         """The staging rows for n blocks, registered once and regrown by powers of two."""
         if self._staging is None or len(self._staging) < n:
@@ -79,7 +84,7 @@ class AgentPath:
         """`op` straight between the slots and rows `idx` of `host` (the caller's rows as
         one `[n, block_bytes]` host array), when it is a tcp transfer of DIRECT_BYTES or
         more; False: it goes through staging."""
-        if (host is None or idx is None or self.remote.backend is not BackendKind.TCP
+        if (host is None or idx is None or not self.over_tcp
                 or len(slots) * self.block_bytes < DIRECT_BYTES):
             return False
         region = self.agent.register(host, export=False)

@@ -23,6 +23,13 @@ PUT_STATUSES = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.NO_SPACE)
 # Off the daemon's host a put moving bytes by transfer agent costs three requests; up to
 # this many bytes one request carrying them inline is faster.
 INLINE_PUT_BYTES = 512 << 10
+# Off its host a get of up to this many bytes comes inline in GET's reply (one request)
+# rather than leased and read by the transfer agent (two requests, the second the agent's):
+# where the agent's backend is RDMA (nixl, ucx). Over its tcp backend every get comes
+# inline: the agent's read is one more stream of the same bytes over loopback-class TCP,
+# and lost at every size measured (bench/store_service.py, p50: 256 KiB 427 vs 134 us,
+# 1 MiB 681 vs 336, 4 MiB 1160 vs 787; 16 x 1 MiB 4.5 vs 5.3 GB/s).
+INLINE_GET_BYTES = 512 << 10
 # On the daemon's host a put of up to this many bytes is copied into the connection's
 # staging segment and stored with one request (the daemon copies it into its slots);
 # bigger ones reserve slots, are copied there directly and committed (two requests, one

@@ -21,7 +21,8 @@ from kvstore.client.conn import Connection, LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
 from kvstore.client.putpath import DirectPuts
-from kvstore.client.replies import (INLINE_PUT_BYTES, MAX_STAGE_BYTES, STAGED_PUT_BYTES,
+from kvstore.client.replies import (INLINE_GET_BYTES, INLINE_PUT_BYTES, MAX_STAGE_BYTES,
+                                    STAGED_PUT_BYTES,
                                     TouchLog, as_numpy, copy_row, flags_of, get_layout,
                                     match_of, payload_views, put_statuses, stage,
                                     raise_unless_retryable, reusable_after, row_view, stats_of)
@@ -38,12 +39,16 @@ class Client:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
                  use_shm: bool = True, inline_put_bytes: int = INLINE_PUT_BYTES,
+                 inline_get_bytes: int | None = None,
                  staged_put_bytes: int = STAGED_PUT_BYTES, use_agent: bool = False,
                  agent_backends: Sequence[BackendKind | str] = (BackendKind.TCP,),
                  direct_puts: bool = True) -> None:
         """`use_agent`: off the daemon's host, move block bytes with a transfer Agent
         (one-sided READ/WRITE of the daemon's arena through `agent_backends`, e.g. nixl for
-        RDMA) instead of inline in the frames. On the daemon's host shared memory wins."""
+        RDMA) instead of inline in the frames; puts and gets of at most `inline_put_bytes` /
+        `inline_get_bytes` still go inline (one request: cheaper than the agent's two;
+        `inline_get_bytes` None: INLINE_GET_BYTES, every get where the agent's backend is
+        tcp). On the daemon's host shared memory wins."""
         if namespace is None:
             raise ValueError("Client needs namespace=Namespace(model, num_layers, num_kv_heads, "
                              "head_dim, ...): the model whose KV blocks it stores")
@@ -51,6 +56,7 @@ class Client:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.pool_size, self.use_shm = pool_size, use_shm
         self.inline_put_bytes = inline_put_bytes  # off-host agent puts this small go inline
+        self.inline_get_bytes = inline_get_bytes  # and gets (None: see _inline_get)
         self.staged_put_bytes = staged_put_bytes  # same-host puts this small go staged
         self.use_agent = use_agent
         self.agent_backends = tuple(BackendKind(b) for b in agent_backends)
@@ -402,6 +408,8 @@ class Client:
         """One GET: leased DRAM slots are copied here (arena or transfer agent), the other
         hits arrive inline after the reply."""
         arena, agent = self._movers(conn)
+        if arena is None and agent is not None and self._inline_get(agent, len(packed) // 16):
+            agent = None
         release, conn.pending_release = tuple(conn.pending_release), []
         conn.send(w.Get(hashes=packed, release=release, prefix=prefix,
                         shm=arena is not None or agent is not None))
@@ -426,6 +434,14 @@ class Client:
             finally:
                 conn.pending_release.append(reply.lease_id)
         return tiers
+
+    def _inline_get(self, agent: AgentPath, n: int) -> bool:
+        """Whether a get of n blocks off the daemon's host comes inline in GET's reply
+        rather than by the transfer agent (see INLINE_GET_BYTES)."""
+        limit = self.inline_get_bytes
+        if limit is None:
+            return agent.over_tcp or n * self.block_bytes <= INLINE_GET_BYTES
+        return n * self.block_bytes <= limit
 
     def get_prefix_n(self, hashes: Sequence[bytes], dsts) -> MatchResult:
         """`match_prefix` and `get_n` in one round trip (none at all for a prefix the slot

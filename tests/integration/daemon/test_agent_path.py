@@ -23,7 +23,8 @@ def blocks(hs):
 
 
 def agent_client(url: str, **kw) -> Client:
-    return Client(url, namespace=NS, use_shm=False, use_agent=True, inline_put_bytes=0, **kw)
+    return Client(url, namespace=NS, use_shm=False, use_agent=True, inline_put_bytes=0,
+                  inline_get_bytes=0, **kw)
 
 
 def test_a_restarted_daemon_gets_a_new_agent_and_the_client_follows(make_daemon):
@@ -122,6 +123,38 @@ def test_a_direct_read_cut_off_by_the_daemon_fails_cleanly_and_the_agent_ends(ma
         c.put_n(more, blocks(more))
         assert c.get_n(more, dst) == [TierKind.DRAM] * 8 and (dst == blocks(more)).all()
         assert c._agent is not path and staged == []
+
+
+def test_by_default_small_puts_and_every_tcp_get_go_inline(make_daemon, monkeypatch):
+    """One request carrying the bytes beats the agent's two: puts up to inline_put_bytes
+    (512 KiB) go inline, and gets too over the agent's tcp backend whatever their size
+    (the default inline_get_bytes=None); set, inline_get_bytes bounds them as it says."""
+    from kvstore.client import agentpath
+    moved = []
+    for name in ("read", "write"):
+        real = getattr(agentpath.AgentPath, name)
+
+        def spy(self, slots, *a, _real=real, _name=name):
+            moved.append((_name, len(slots)))
+            return _real(self, slots, *a)
+        monkeypatch.setattr(agentpath.AgentPath, name, spy)
+    d = make_daemon()
+    hs = hash_blocks(NS, np.arange(40 * 16) + 55)
+    with Client(d.url, namespace=NS, use_shm=False, use_agent=True) as c:
+        assert c.transport == "agent" and c._agent.over_tcp
+        c.put_n(hs[:4], blocks(hs[:4]))
+        assert moved == []
+        c.inline_put_bytes = 8 * BB
+        c.put_n(hs[4:40], blocks(hs[4:40]))
+        assert moved == [("write", 36)]
+        dst = np.zeros((40, BB), np.uint8)
+        assert c.get_n(hs, dst) == [TierKind.DRAM] * 40 and moved == [("write", 36)]
+        assert (dst == blocks(hs)).all()
+        c.inline_get_bytes = 8 * BB
+        dst[:] = 0
+        assert c.get_n(hs[:8], dst[:8]) == [TierKind.DRAM] * 8 and len(moved) == 1
+        assert None not in c.get_n(hs[8:40], dst[8:40]) and moved[1:] == [("read", 32)]
+        assert (dst == blocks(hs)).all()
 
 
 def test_each_namespace_exports_only_its_own_arena_and_only_after_auth(make_daemon, tmp_path):

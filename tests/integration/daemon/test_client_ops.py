@@ -30,6 +30,7 @@ def client(request, daemon):
     # same-host puts copied into the connection's staging segment, one request each
     path = request.param
     c = Client(daemon.url, namespace=NS, use_shm=path in ("shm", "staged"), inline_put_bytes=0,
+               inline_get_bytes=0,
                staged_put_bytes=0 if path == "shm" else 1 << 20, use_agent=path == "agent")
     assert c.transport == ("shm" if path == "staged" else path)  # same host: shm negotiated
     c.test_path = path
