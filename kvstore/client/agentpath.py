@@ -87,7 +87,11 @@ class AgentPath:
         if (host is None or idx is None or not self.over_tcp
                 or len(slots) * self.block_bytes < DIRECT_BYTES):
             return False
-        region = self.agent.register(host, export=False)
+        try:
+            region = self.agent.register(host, export=False)
+        except TransferError as e:  # closed by another thread's failed transfer
+            self.broken = True
+            raise ConnectionError(f"transfer agent {op.name}: {e}") from e
         try:
             local = self.agent.prepare(DescList.uniform(region, self.block_bytes, len(host)))
             self._move(op, slots, local, np.asarray(idx, np.int64))
