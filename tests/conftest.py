@@ -9,7 +9,11 @@ beside their tests.
   missing, and a silent skip would hide a broken install.
 """
 import os
+import socket
 import sys
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -31,3 +35,32 @@ def pytest_runtest_makereport(item, call):
         if any(word in reason for word in MISSING):
             report.outcome = "failed"
             report.longrepr = f"KVTIER_STRICT: skipped for a missing component: {reason}"
+
+
+@pytest.fixture
+def trickling_peer():
+    """`with trickling_peer(sock) as gave_up:` a thread sends a byte on `sock` every 20 ms
+    (never quiet for a whole receive timeout) for 20 s at most, then shuts its side and sets
+    `gave_up`: a receive loop that never hands back to its caller returns only then."""
+    @contextmanager
+    def trickle(sock: socket.socket):
+        stop, gave_up = threading.Event(), threading.Event()
+
+        def run():
+            end = time.monotonic() + 20
+            while not stop.is_set() and time.monotonic() < end:
+                try:
+                    sock.send(b"t")
+                except OSError:
+                    return
+                time.sleep(0.02)
+            gave_up.set()
+            sock.shutdown(socket.SHUT_WR)
+        t = threading.Thread(target=run)
+        t.start()
+        try:
+            yield gave_up
+        finally:
+            stop.set()
+            t.join()
+    return trickle

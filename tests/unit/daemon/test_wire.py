@@ -107,13 +107,13 @@ def test_recv_exact_past_its_first_chunk_raises_when_the_peer_closes():
 
 
 @pytest.mark.parametrize("loop", ["C", "Python"])
-def test_recv_exact_gives_up_at_its_deadline_on_a_peer_that_never_goes_quiet(loop, monkeypatch):
+def test_recv_exact_gives_up_at_its_deadline_on_a_peer_that_never_goes_quiet(
+        loop, monkeypatch, trickling_peer):
     """A peer sending a byte every 20 ms never lets one receive time out for long, yet the
     deadline holds: the loop (in C or not) hands back at each socket timeout to check it.
     (Should a busy host stall the sender past the socket's timeout at the deadline, that
     call's own timeout ends it instead: BlockingIOError. Either way it does not wait for
     the megabyte.)"""
-    import threading
     import time
     if loop == "Python":
         monkeypatch.setattr(w, "_recv_loop", None)
@@ -121,28 +121,10 @@ def test_recv_exact_gives_up_at_its_deadline_on_a_peer_that_never_goes_quiet(loo
         pytest.fail("transfer._stream is missing: reinstall kvtier with a C compiler")
     a, b = socket.socketpair()
     w.kernel_timeouts(b, 0.2)
-    stop, gave_up = threading.Event(), threading.Event()
-
-    def trickle():  # for 20 s at most, then the peer closes (a loop that never handed
-        end = time.monotonic() + 20  # back would return only then)
-        while not stop.is_set() and time.monotonic() < end:
-            try:
-                a.send(b"t")
-            except OSError:
-                return
-            time.sleep(0.02)
-        gave_up.set()
-        a.shutdown(socket.SHUT_WR)
-    t = threading.Thread(target=trickle)
-    with a, b:
-        t.start()
-        try:
-            with pytest.raises((TimeoutError, BlockingIOError)):
-                w.recv_exact(b, memoryview(bytearray(1 << 20)), time.monotonic() + 0.5)
-            assert not gave_up.is_set(), "it waited for the peer to give up"
-        finally:
-            stop.set()
-            t.join()
+    with a, b, trickling_peer(a) as gave_up:
+        with pytest.raises((TimeoutError, BlockingIOError)):
+            w.recv_exact(b, memoryview(bytearray(1 << 20)), time.monotonic() + 0.5)
+        assert not gave_up.is_set(), "it waited for the peer to give up"
 
 
 @given(st.binary(max_size=300))

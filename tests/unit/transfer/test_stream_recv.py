@@ -74,32 +74,15 @@ def test_a_receive_timeout_with_nothing_raises_and_with_some_bytes_returns_them(
         assert out[:30] == b"q" * 30
 
 
-def test_a_peer_trickling_bytes_hands_control_back_at_each_timeout():
+def test_a_peer_trickling_bytes_hands_control_back_at_each_timeout(trickling_peer):
     """A peer that never goes quiet for a whole receive timeout must not keep the loop for
     as long as it likes: every timeout comes back to the caller (who checks a deadline)."""
     a, b = _pair(timeout_s=0.2)
     with a, b:
-        stop, gave_up = threading.Event(), threading.Event()
-
-        def trickle():  # for 20 s at most, then the peer closes (a loop that never
-            end = time.monotonic() + 20  # handed back would return only then)
-            while not stop.is_set() and time.monotonic() < end:
-                try:
-                    a.send(b"t")
-                except OSError:
-                    return
-                time.sleep(0.02)
-            gave_up.set()
-            a.shutdown(socket.SHUT_WR)
         a.send(b"t")  # (one byte in before the first timeout, however late the thread)
-        t = threading.Thread(target=trickle)
-        t.start()
-        try:
+        with trickling_peer(a) as gave_up:
             got = stream.recv_into(b.fileno(), bytearray(1 << 20), CHUNK)
             assert not gave_up.is_set(), "it waited for the peer to give up"
-        finally:
-            stop.set()
-            t.join()
         assert 0 < got < 1 << 20
 
 
