@@ -501,9 +501,10 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
     blocking socket (the daemon's: +10-40% on megabyte payloads). A socket with a Python
     timeout is non-blocking underneath, so there the flag changes nothing and the timeout
     still holds. On a blocking socket the calls loop in C (transfer._stream.recv_into),
-    which hands back whenever one comes back short. `deadline` (time.monotonic()): TimeoutError once past it with bytes still
-    to come, checked before each call (the socket's timeout bounds each call: one that times
-    out before the deadline is tried again)."""
+    which hands back whenever one comes back short. `deadline` (time.monotonic()):
+    TimeoutError once past it with bytes still to come, checked before each call (the
+    socket's timeout bounds each call: one that times out before the deadline is tried
+    again)."""
     got, n = 0, len(view)
     fd = sock.fileno() if _recv_loop is not None and sock.gettimeout() is None else -1
     while got < n:

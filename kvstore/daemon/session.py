@@ -411,22 +411,24 @@ class Session:
                 finally:
                     store.unhold_n(entries)
                 return
-        if msg.shm and arena is not None:  # a batch that needs no copy: leased in one visit
-            lease = store.lease_n(hashes, self.cfg.lease_ttl_s, msg.prefix)  # and answered
-            if lease is not None:  # with no payload (no scratch, no stream: ~40 us of
-                self._leased(lease)  # Python less a GET, by py-spy)
-                return
-        # the blocks to copy go through two windows of scratch: the first window's copied
-        # up front, the rest read part by part as the reply goes out (_stream). A GET of
-        # 1 GiB of SSD blocks held 1 GiB of scratch for as long as its client took to read
-        # it, and a few such clients ran the host out of memory.
-        window = max(1, SCRATCH_WINDOW // bb)
-        k = min(len(hashes), window)
-        scratch = self.scratch_rows(2 * k, bb)
-        # (no TTL while the reply goes out: a same-host client's starts once it is out)
-        lease = store.fetch_n(hashes, scratch[:k], ttl_s=math.inf,
-                              lease_tier=TierKind.DRAM if arena is not None else None,
-                              prefix=msg.prefix, max_copied=window)
+        # a reader that copies DRAM slots itself, of a batch all in DRAM: leased in one
+        # visit and answered with no payload (no scratch, no stream: ~40 us of Python less a
+        # GET, by py-spy)
+        lease = (store.lease_n(hashes, self.cfg.lease_ttl_s, msg.prefix)
+                 if msg.shm and arena is not None else None)
+        scratch, k = None, 0
+        if lease is None:
+            # the blocks to copy go through two windows of scratch: the first window's
+            # copied up front, the rest read part by part as the reply goes out (_stream).
+            # A GET of 1 GiB of SSD blocks held 1 GiB of scratch for as long as its client
+            # took to read it, and a few such clients ran the host out of memory.
+            window = max(1, SCRATCH_WINDOW // bb)
+            k = min(len(hashes), window)
+            scratch = self.scratch_rows(2 * k, bb)
+            # (no TTL while the reply goes out: a same-host client's starts once it is out)
+            lease = store.fetch_n(hashes, scratch[:k], ttl_s=math.inf,
+                                  lease_tier=TierKind.DRAM if arena is not None else None,
+                                  prefix=msg.prefix, max_copied=window)
         tiers = tier_bytes([None if h is None else h[0] for h in lease.hits])
         slots = [w.NO_SLOT if h is None else h[1] for h in lease.hits]
         hits = [i for i, h in enumerate(lease.hits) if h is not None]
@@ -435,25 +437,17 @@ class Session:
             if lease.lease_id:
                 self.leases.add(lease.lease_id)
             shown = np.maximum(np.array(slots, "<i8"), w.NO_SLOT)  # deferred: inline too
-            self._stream(w.GetOk(tiers=tiers, lease_id=lease.lease_id, slots=shown.tobytes()),
-                         lease, hashes, [i for i in hits if slots[i] < 0], slots, scratch, k,
-                         arena)
+            reply = w.GetOk(tiers=tiers, lease_id=lease.lease_id, slots=shown.tobytes())
+            if scratch is None:  # every hit leased (its TTL set already)
+                return self.reply(w.Op.GET, reply)
+            self._stream(reply, lease, hashes, [i for i in hits if slots[i] < 0], slots,
+                         scratch, k, arena)
             store.renew_lease(lease.lease_id, self.cfg.lease_ttl_s)
             return
         try:
             self._stream(w.GetOk(tiers=tiers), lease, hashes, hits, slots, scratch, k, arena)
         finally:
             store.release(lease.lease_id)
-
-    def _leased(self, lease) -> None:
-        """GET's reply to a reader that maps or reads the arena itself, every hit leased."""
-        kinds = [None if h is None else h[0] for h in lease.hits]
-        slots = [w.NO_SLOT if h is None else h[1] for h in lease.hits]
-        if lease.lease_id:
-            self.leases.add(lease.lease_id)
-        self.hosted.count_lease_hits(len(slots) - slots.count(w.NO_SLOT))
-        self.reply(w.Op.GET, w.GetOk(tiers=tier_bytes(kinds), lease_id=lease.lease_id,
-                                     slots=np.array(slots, "<i8").tobytes()))
 
     def _send_before(self, views: list[memoryview], deadline: float) -> None:
         """Send views whole by `deadline` (TimeoutError past it; see wire.send_views), then
