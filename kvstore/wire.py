@@ -37,11 +37,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import HASH_BYTES
-
-try:
-    from transfer._stream import recv_into as _recv_loop
-except ImportError:  # built without a C compiler: the loop runs in Python
-    _recv_loop = None
+from transfer import sockio
 
 PROTOCOL_VERSION = 6  # 6: STATS carries the error counts (5: TOUCH read counts, FLUSH a
 # batch's want; 4: HELLO, the codec)
@@ -506,13 +502,13 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
     socket's timeout bounds each call: one that times out before the deadline is tried
     again)."""
     got, n = 0, len(view)
-    fd = sock.fileno() if _recv_loop is not None and sock.gettimeout() is None else -1
+    fd = sockio.loop_fd(sock)
     while got < n:
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError("the payload came too slowly")
         try:
             if fd >= 0:  # the same calls, looped in C with the GIL released once
-                k = _recv_loop(fd, view[got:] if got else view, RECV_CHUNK)
+                k = sockio.recv_loop(fd, view[got:] if got else view, RECV_CHUNK)
             else:
                 k = sock.recv_into(view[got:], min(RECV_CHUNK, n - got), socket.MSG_WAITALL)
         except TIMED_OUT:

@@ -23,12 +23,8 @@ from typing import Callable, Sequence
 import msgpack
 import numpy as np
 
+from .. import sockio
 from ..errors import Fault, TransferError
-
-try:
-    from .._stream import recv_into as _recv_loop
-except ImportError:  # built without a C compiler: the loop runs in Python
-    _recv_loop = None
 
 MAGIC = b"KVTX"
 WIRE_VERSION = 1
@@ -134,11 +130,11 @@ def recv_views(sock: socket.socket, views: Sequence, progress: Progress, timeout
     """Fill every view completely. `idle_ok`: waiting before the first byte is not a stall."""
     bufs = [memoryview(v).cast("B") for v in views if len(v)]
     i, started = 0, False
-    fd = sock.fileno() if _recv_loop is not None and sock.gettimeout() is None else -1
+    fd = sockio.loop_fd(sock)
     while i < len(bufs):
         try:
             if len(bufs[i]) >= RECV_CHUNK and fd >= 0:  # the calls below, looped in C
-                n = _recv_loop(fd, bufs[i], RECV_CHUNK)
+                n = sockio.recv_loop(fd, bufs[i], RECV_CHUNK)
             elif len(bufs[i]) >= RECV_CHUNK:  # the kernel fills a whole chunk per call
                 n = sock.recv_into(bufs[i], RECV_CHUNK, socket.MSG_WAITALL)
             else:  # small ones gathered, what has arrived

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvstore import wire as w
+from transfer import sockio
 
 MESSAGES = [w.Hello(token="t", model="m", num_layers=1, num_kv_heads=1, head_dim=64,
                     dtype="float16", block_tokens=16, revision="main", tenant="a"),
@@ -116,8 +117,8 @@ def test_recv_exact_gives_up_at_its_deadline_on_a_peer_that_never_goes_quiet(
     the megabyte.)"""
     import time
     if loop == "Python":
-        monkeypatch.setattr(w, "_recv_loop", None)
-    elif w._recv_loop is None:
+        monkeypatch.setattr(sockio, "recv_loop", None)
+    elif sockio.recv_loop is None:
         pytest.fail("transfer._stream is missing: reinstall kvtier with a C compiler")
     a, b = socket.socketpair()
     w.kernel_timeouts(b, 0.2)

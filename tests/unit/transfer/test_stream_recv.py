@@ -130,3 +130,24 @@ def test_a_signal_runs_its_handler_and_the_receive_goes_on_or_stops_if_it_raises
             timer.join()
     finally:
         signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("loop", ["C", "Python"])
+def test_the_tcp_backend_fills_big_and_small_views_with_either_loop(loop, monkeypatch):
+    """The tcp transfer backend's receive (transfer.sockio picks the loop): views bigger
+    than a chunk, straddling chunks, and small ones gathered, filled in order from bytes
+    that come in odd pieces."""
+    from transfer import sockio
+    from transfer.backends import tcp_wire
+    if loop == "Python":
+        monkeypatch.setattr(sockio, "recv_loop", None)
+    a, b = _pair()
+    with a, b:
+        assert (sockio.loop_fd(b) >= 0) == (loop == "C")
+        sizes = [3 * CHUNK + 7, 10, 5, CHUNK, 1, 2 * CHUNK - 3]
+        data = np.random.default_rng(1).integers(0, 256, sum(sizes), np.uint8).tobytes()
+        views = [bytearray(n) for n in sizes]
+        sender = _send_in_pieces(a, data, 50_003)
+        tcp_wire.recv_views(b, views, tcp_wire.Progress(), 5.0, lambda: False)
+        sender.join()
+        assert b"".join(views) == data
