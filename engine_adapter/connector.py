@@ -1,10 +1,13 @@
 """The bridge between the paged KV cache and a KV store (in-process `TieredStore` or a
 remote `kvstore.Client`): look up a prompt's prefix, load hit blocks, save new blocks.
 
-Loads are synchronous (the request waits for its prefix anyway) and batched: one `get_n`
+Loads are synchronous (the request waits for its prefix anyway) and batched: one read
 straight into the request's fresh cache blocks on CPU (elsewhere into one staging tensor,
-then one `scatter_blocks`). A miss or a corrupt block ends the usable prefix there; the
-blocks after it are recomputed, so wrong KV never reaches the model. Saves copy the blocks
+then one `scatter_blocks`). With a store that has `get_prefix_n` the lookup and the read
+are one round trip (`load_prefix`: the longest stored prefix and its bytes); with another,
+`num_prefix_blocks` (MATCH), then `load` (`get_n`). A miss or a corrupt block ends the
+usable prefix there; the blocks after it are recomputed, so wrong KV never reaches the
+model. Saves copy the blocks
 out of the cache on the step thread (one numpy gather on CPU, `gather_blocks` on a device,
 so a block may be reused right after) and `put_n` them on a background thread through a
 bounded queue: a full queue or a failing store drops the save and counts it; the engine
@@ -38,6 +41,8 @@ class KVStoreLike(Protocol):
     def get_n(self, hashes: Sequence[bytes], dsts: Any) -> list: ...    # None per miss
     def match_prefix(self, hashes: Sequence[bytes]) -> Any: ...          # has .num_blocks
     def contains_n(self, hashes: Sequence[bytes]) -> list[bool]: ...
+    # and, where the store has it (TieredStore and Client do): get_prefix_n(hashes, dsts),
+    # the longest stored prefix read (.num_blocks of it)
 
 
 @dataclass
@@ -63,6 +68,8 @@ class StoreConnector:
             raise ValueError(f"the store's namespace holds {store_codec} blocks but the engine "
                              f"codes them {codec}: set EngineConfig(kv_codec={store_codec!r})")
         self.store, self.kv_cache = store, kv_cache
+        # a prefix and its bytes in one round trip (load_prefix), or MATCH then GET
+        self.reads_prefix = callable(getattr(store, "get_prefix_n", None))
         self.codec = BlockCodec.for_cache(codec, kv_cache)
         self.stats = ConnectorStats()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
@@ -83,12 +90,26 @@ class StoreConnector:
             return 0
 
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
-        """Load blocks into cache blocks `block_ids`; returns the length of the loaded prefix."""
+        """Load blocks the store matched into cache blocks `block_ids`; returns the length of
+        the loaded prefix (a block missing or corrupt on read ends it: a load miss)."""
+        return self._load(hashes, block_ids, prefix=False)
+
+    def load_prefix(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        """`num_prefix_blocks` and `load` in one round trip (the store's `get_prefix_n`,
+        `reads_prefix`): the longest stored prefix of `hashes` read into the first of
+        `block_ids`; its length. The cache blocks past it hold nothing usable. 0 when the
+        store fails (a lookup error)."""
+        if not hashes:
+            return 0
+        self.stats.lookups += 1
+        return self._load(hashes, block_ids, prefix=True)
+
+    def _load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int], prefix: bool) -> int:
         n = len(hashes)
         if n == 0:
             return 0
         if not self.codec.is_raw:
-            return self._load_encoded(hashes, block_ids)
+            return self._load_encoded(hashes, block_ids, prefix)
         if self.kv_cache.device.type == "cpu":
             # straight into the cache blocks (each one contiguous): no staging copy. The
             # blocks are this request's fresh ones; any past the first miss get recomputed.
@@ -97,36 +118,41 @@ class StoreConnector:
             if self._staging.shape[0] < n:
                 self._staging = self.kv_cache.new_empty((n, *self.kv_cache.shape[1:]))
             dsts = staging = self._staging[:n]  # [n, L, 2, bt, Hkv, D], contiguous
-        good = self._get_prefix(hashes, dsts)
+        good = self._get_prefix(hashes, dsts, prefix)
         if good and staging is not None:
             kernels.scatter_blocks(staging[:good], self.kv_cache, self._ids(block_ids[:good]),
                                    check_values=False)
-        return self._counted(good, n)
+        return self._counted(good, n, prefix)
 
-    def _load_encoded(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
-        """`load` of a compressed namespace: get_n into an encoded staging buffer, then decode
+    def _load_encoded(self, hashes: Sequence[BlockHash], block_ids: Sequence[int],
+                      prefix: bool) -> int:
+        """`load` of a compressed namespace: read into an encoded staging buffer, then decode
         the hit prefix straight into the cache blocks."""
         n = len(hashes)
         staging = self.codec.staging(n, self.kv_cache.device)
-        good = self._get_prefix(hashes, staging)
+        good = self._get_prefix(hashes, staging, prefix)
         if good:
             good = self.codec.decode(staging[:good], self.kv_cache, self._ids(block_ids[:good]))
-        return self._counted(good, n)
+        return self._counted(good, n, prefix)
 
-    def _get_prefix(self, hashes: Sequence[BlockHash], dsts) -> int | None:
-        """get_n into `dsts`: how many leading blocks hit (None when the store failed,
-        counted as a lookup error, not as misses)."""
+    def _get_prefix(self, hashes: Sequence[BlockHash], dsts, prefix: bool) -> int | None:
+        """Read into `dsts`: how many leading blocks hit (None when the store failed,
+        counted as a lookup error, not as misses). `prefix`: the store stops at the first
+        miss (get_prefix_n), else it reads them all (get_n)."""
         try:
+            if prefix:
+                return int(self.store.get_prefix_n(hashes, dsts).num_blocks)
             return leading_hits(self.store.get_n(hashes, dsts))
         except Exception:
             self.stats.lookup_errors += 1
             return None
 
-    def _counted(self, good: int | None, n: int) -> int:
+    def _counted(self, good: int | None, n: int, prefix: bool) -> int:
         if good is None:
             return 0
         self.stats.loaded_blocks += good
-        self.stats.load_misses += n - good
+        if not prefix:  # matched, then missing or corrupt (a prefix read matched nothing
+            self.stats.load_misses += n - good  # past what it loaded)
         return good
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:

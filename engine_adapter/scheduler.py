@@ -3,7 +3,8 @@
 Each step every running request gets its next tokens (one for a decode, a chunk for a
 prefill), then waiting requests are admitted while the token budget, the sequence limit and
 free blocks allow. Admission finds the longest cached prefix: first in the engine's own
-paged cache, then in the store (loaded into fresh blocks).
+paged cache, then in the store (loaded into fresh blocks; with a store that reads a prefix
+and its bytes at once, in one round trip: `_admit_reading`).
 
 Why every path ends (no input can hang the loop):
 - A request never needs more blocks than the cache has: the engine refuses one whose
@@ -155,11 +156,59 @@ class Scheduler:
             out.append(ScheduledRequest(req, n))
             budget -= n
 
+    def _admit_reading(self, req: Request, budget: int, local: list, max_hit: int) -> int | None:
+        """`_admit` with the store's part of the prefix looked up and read in one round trip
+        (`StoreConnector.load_prefix`) instead of MATCH, then GET: blocks are taken first,
+        as many as a miss would take for the first chunk anyway, and the longest stored
+        prefix is read into them; the ones past it serve the chunk or go back. Only when
+        all of them hit does a second read take the rest of the prefix (the store holds a
+        long one). When the blocks for a read or for the chunk are not free, nothing is
+        admitted: what was loaded stays in the paged cache, a local hit the next time."""
+        bt, hashes, pool = self.bt, req.block_hashes, self.pool
+        first = len(local)
+        pool.touch(local)
+        loaded: list = []
+        spare: list = []
+        size = cdiv(min(req.num_tokens - first * bt, budget), bt)  # what a miss takes anyway
+        while first + len(loaded) < max_hit:
+            start = first + len(loaded)
+            fresh = pool.allocate_n(min(max_hit - start, size))
+            if fresh is None:
+                pool.free_n(local + loaded)
+                return None
+            got = self.connector.load_prefix(hashes[start:start + len(fresh)],
+                                             [b.block_id for b in fresh])
+            pool.cache_n(fresh[:got], hashes[start:start + got])
+            loaded += fresh[:got]
+            spare = fresh[got:]
+            if spare:
+                break
+            size = max_hit - first - len(loaded)  # all hit: the rest of the prefix at once
+        cached = first + len(loaded)
+        need = cdiv(min(req.num_tokens - cached * bt, budget), bt)
+        if need > len(spare):
+            more = pool.allocate_n(need - len(spare))
+            if more is None:
+                pool.free_n(local + loaded + spare)
+                return None
+            spare += more
+        else:
+            pool.free_n(spare[need:])
+            spare = spare[:need]
+        req.blocks = local + loaded + spare
+        req.num_cached_blocks = cached
+        req.num_computed_tokens = cached * bt
+        req.num_local_hit_tokens = first * bt
+        req.num_loaded_tokens = len(loaded) * bt
+        return min(req.num_tokens - req.num_computed_tokens, budget)
+
     def _admit(self, req: Request, budget: int) -> int | None:
         """Give `req` its cached prefix and blocks for its first chunk; the chunk's size, or
         None when the blocks are not free now."""
         max_hit = (req.num_tokens - 1) // self.bt  # compute at least one token (for logits)
         local = self.pool.get_cached_prefix(req.block_hashes[:max_hit])
+        if self.connector is not None and self.connector.reads_prefix and len(local) < max_hit:
+            return self._admit_reading(req, budget, local, max_hit)
         remote = 0
         if self.connector is not None and len(local) < max_hit:
             remote = self.connector.num_prefix_blocks(req.block_hashes[len(local):max_hit])

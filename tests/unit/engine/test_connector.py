@@ -64,7 +64,9 @@ def test_a_corrupt_block_ends_the_loaded_prefix_and_the_rest_is_recomputed(tiny_
     with open_store(e.ns, tmp_path) as store:
         flip_ssd_byte(store, hashes[3])
         out, logits, engine = run(tiny_model, prompts[2], store)
-    assert out.num_loaded_tokens == 12 and engine.connector.stats.load_misses == 6
+        ssd = next(t for t in store.stats().tiers if t.kind is TierKind.SSD)
+        assert ssd.counters.corrupt == 1  # found by the read, which ended the prefix there
+    assert out.num_loaded_tokens == 12 and engine.connector.stats.loaded_blocks == 3
     assert_same((out, logits), (base, base_logits))
 
 
@@ -126,3 +128,67 @@ def test_saves_never_stall_the_loop_a_full_queue_drops_them(tiny_model, prompts)
     store.release.set()
     engine.close()
     assert store.puts >= 1 and engine.connector.stats.saved_blocks > 0
+
+
+class CountingStore:
+    """A real TieredStore, its reads counted by name."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+        if name in ("get_n", "get_prefix_n", "match_prefix", "contains_n"):
+            def counted(*args, **kw):
+                self.calls.append(name)
+                return attr(*args, **kw)
+            return counted
+        return attr
+
+
+def test_a_stored_prefix_is_looked_up_and_read_in_one_round_trip(tiny_model, prompts):
+    base, base_logits, e = run(tiny_model, prompts[2])
+    with open_store(e.ns) as store:
+        run(tiny_model, prompts[2], store)
+        counting = CountingStore(store)
+        out, logits, engine = run(tiny_model, prompts[2], counting)
+        assert counting.calls == ["get_prefix_n"]  # no MATCH before it
+        assert out.num_loaded_tokens == 36 and engine.connector.stats.lookups == 1
+        # a prompt the store holds a part of: the read ends at the first block it lacks
+        counting.calls.clear()
+        part, _, _ = run(tiny_model, prompts[2][:21] + prompts[3], counting)
+        assert counting.calls == ["get_prefix_n"] and part.num_loaded_tokens == 20
+    assert_same((out, logits), (base, base_logits))
+
+
+def test_a_prefix_longer_than_a_chunk_is_read_in_a_second_trip_for_the_rest(tiny_model, prompts):
+    """The first read takes the blocks a miss would take for the first chunk (4 here); when
+    they all hit, one more read takes the rest of the prefix (5)."""
+    cfg = EngineConfig(num_blocks=64, block_tokens=4, max_num_batched_tokens=16)
+    base, base_logits, e = run(tiny_model, prompts[2], config=cfg)
+    with open_store(e.ns) as store:
+        run(tiny_model, prompts[2], store, cfg)
+        counting = CountingStore(store)
+        out, logits, engine = run(tiny_model, prompts[2], counting, cfg)
+        assert counting.calls == ["get_prefix_n", "get_prefix_n"]
+        assert out.num_loaded_tokens == 36 and engine.connector.stats.loaded_blocks == 9
+    assert_same((out, logits), (base, base_logits))
+
+
+def test_without_free_blocks_for_its_chunk_a_request_waits_and_keeps_what_it_loaded(
+        tiny_model, prompts):
+    """A cache with room for one request at a time: the second is not admitted while the
+    first runs, whatever its read loaded stays in the paged cache, and both finish with
+    the output they have alone."""
+    cfg = EngineConfig(num_blocks=14, block_tokens=4, max_num_batched_tokens=16)
+    firsts = [prompts[2], prompts[3][:9], prompts[3]]  # the store holds 2 blocks of the 3rd
+    alone = [run(tiny_model, p, config=cfg)[0].token_ids for p in firsts]
+    with open_store(LLMEngine(tiny_model, cfg).ns) as store:
+        for p in firsts[:2]:
+            run(tiny_model, p, store, cfg)
+        for batch in ([firsts[0], firsts[2]], [firsts[2], firsts[0]]):
+            engine = LLMEngine(tiny_model, cfg, store=store)
+            outs = engine.generate(batch, GREEDY)
+            engine.close()
+            assert [o.token_ids for o in outs] == [alone[firsts.index(p)] for p in batch]
+            assert all(o.num_loaded_tokens + o.num_local_hit_tokens > 0 for o in outs)
