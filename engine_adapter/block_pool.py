@@ -30,7 +30,7 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with a sentinel; O(1) popleft / append / remove."""
+    """Doubly linked list of free blocks with a sentinel; O(1) popleft / append[left] / remove."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)
@@ -43,6 +43,12 @@ class FreeBlockQueue:
         last = self._head.prev_free
         block.prev_free, block.next_free = last, self._head
         last.next_free = self._head.prev_free = block
+        self.num_free += 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free
+        block.prev_free, block.next_free = self._head, first
+        first.prev_free = self._head.next_free = block
         self.num_free += 1
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -115,6 +121,15 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
+
+    def free_unused(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Give back blocks just allocated and never filled (no hash): to the head of the
+        free queue, the first reallocated, so that they push no cached block out of the
+        prefix cache before their turn."""
+        for b in blocks:
+            assert b.ref_cnt == 1 and b.block_hash is None, f"{b} is in use"
+            b.ref_cnt = 0
+            self.free_queue.appendleft(b)
 
     def cache_n(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash]) -> None:
         """Register full blocks under their hashes (a hash already cached keeps its block)."""

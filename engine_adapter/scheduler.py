@@ -189,11 +189,12 @@ class Scheduler:
         if need > len(spare):
             more = pool.allocate_n(need - len(spare))
             if more is None:
-                pool.free_n(local + loaded + spare)
+                pool.free_n(local + loaded)
+                pool.free_unused(spare)
                 return None
             spare += more
         else:
-            pool.free_n(spare[need:])
+            pool.free_unused(spare[need:])
             spare = spare[:need]
         req.blocks = local + loaded + spare
         req.num_cached_blocks = cached

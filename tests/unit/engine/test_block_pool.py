@@ -59,3 +59,20 @@ def test_caching_disabled_never_hits():
     a = pool.allocate_n(1)
     pool.cache_n(a, H[:1])
     assert pool.get_cached_prefix(H[:1]) == []
+
+
+def test_unused_blocks_go_back_first_in_line_and_evict_no_cached_block():
+    pool = BlockPool(4)
+    a = pool.allocate_n(2)
+    pool.cache_n(a, H[:2])
+    pool.free_n(a)  # cached, free: next in line after the never-used blocks
+    spare = pool.allocate_n(4)  # a speculative read's blocks, taken up front...
+    assert H[0] not in pool.cached  # (taking a cached block drops its hash, as ever)
+    pool.free_unused(spare[2:])  # ...the two it filled kept, two never filled given back
+    check_invariants(pool)
+    assert list(pool.free_queue) == spare[2:][::-1]
+    pool.cache_n(spare[:2], H[2:4])
+    pool.free_n(spare[:2])
+    again = pool.allocate_n(2)  # the unfilled ones are reallocated before any cached one
+    assert set(again) == set(spare[2:]) and pool.get_cached_prefix(H[2:4]) == spare[:2]
+    check_invariants(pool)
