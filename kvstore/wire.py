@@ -626,6 +626,7 @@ class FrameReader:
         self.payload_deadline: float | None = None  # by when a payload must be in (recv_into)
         self.buffered = FrameBuffer()
         self.idle_periods = 1
+        self.spin: sockio.Spin | None = None  # poll before blocking for a frame (set by the owner)
 
     def authenticated(self, idle_periods: int = 1) -> None:
         self.max_header = MAX_HEADER_BYTES
@@ -640,12 +641,23 @@ class FrameReader:
         kernel_timeouts(self.sock, max(left, 1e-3))  # (0 s would mean no timeout at all)
 
     def _take(self, n: int) -> bytes:
-        buf, silent = self.buffered, 0
+        buf, silent, spin = self.buffered, 0, self.spin
         while buf.pending() < n:
+            polled = False
             if self.deadline is not None:
                 self._before_read()
+            elif spin is not None:
+                k = spin.poll(self.sock, buf.room(n))
+                if k is not None:
+                    if not k:
+                        raise ConnectionError("peer closed the connection mid-frame")
+                    buf.received(k)
+                    continue
+                polled = True
             try:
                 k = self.sock.recv_into(buf.room(n))
+                if polled:
+                    spin.blocked()
             except TIMED_OUT:
                 silent += 1
                 if silent < self.idle_periods:

@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -143,6 +144,56 @@ static PyObject *recv_into(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(got);
 }
 
+/* spin_recv(fd, buffer, spin_ns) -> int: poll a stream socket for up to spin_ns
+ * nanoseconds (non-blocking receives, the GIL released) and receive what arrives into
+ * buffer: the bytes received, 0 when the peer closed, -1 when nothing came in time. A
+ * thread that blocks at once pays the CPU's wake-up when the bytes come: on a 2-vCPU VM
+ * whose idle vCPUs halt (no guest halt-polling), a 256 KiB request/reply ping-pong between
+ * two processes took 95 us at p50 blocking and 33 us with both sides polling first. */
+static PyObject *spin_recv(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_buffer buf;
+    long long spin_ns;
+    if (!PyArg_ParseTuple(args, "iw*L:spin_recv", &fd, &buf, &spin_ns))
+        return NULL;
+    ssize_t k = -1;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec now, end;
+    clock_gettime(CLOCK_MONOTONIC, &end);
+    end.tv_sec += spin_ns / 1000000000LL;
+    end.tv_nsec += spin_ns % 1000000000LL;
+    if (end.tv_nsec >= 1000000000L) {
+        end.tv_sec++;
+        end.tv_nsec -= 1000000000L;
+    }
+    for (;;) {
+        k = recv(fd, buf.buf, (size_t)buf.len, MSG_DONTWAIT);
+        if (k >= 0)
+            break;
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            err = errno;
+            break;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (now.tv_sec > end.tv_sec || (now.tv_sec == end.tv_sec && now.tv_nsec >= end.tv_nsec)) {
+            k = -1;
+            break;
+        }
+#if defined(__x86_64__) || defined(_M_X64)
+        _mm_pause();
+#endif
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(k);
+}
+
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
      "copy(dst, src): src's bytes into dst (two contiguous buffers of one size), stored "
@@ -151,6 +202,9 @@ static PyMethodDef methods[] = {
      "recv_into(fd, buffer, chunk) -> int: fill buffer from a blocking stream socket, "
      "chunk bytes a call, the GIL released once; the bytes received (fewer: the peer "
      "closed, or an error after some came)."},
+    {"spin_recv", spin_recv, METH_VARARGS,
+     "spin_recv(fd, buffer, spin_ns) -> int: poll the socket for up to spin_ns, the GIL "
+     "released; the bytes received into buffer, 0 when the peer closed, -1 when none came."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,6 +16,7 @@ from kvstore.client import replies
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.keys import Namespace
 from transfer.shm import ShmSegment
+from transfer.sockio import Spin
 
 DEFAULT_PORT = 7481
 
@@ -57,7 +58,7 @@ def parse_url(url: str) -> Address:
 class Connection:
     def __init__(self, addr: Address | LocalAddress, token: str, ns: Namespace,
                  timeout_s: float, connect_timeout_s: float, want_agent: bool = False,
-                 agent_key: bytes = b"") -> None:
+                 agent_key: bytes = b"", spin_us: float = 0.0) -> None:
         self.addr, self.timeout_s = addr, timeout_s
         self.local = isinstance(addr, LocalAddress)
         self.pending_release: list[int] = []
@@ -75,6 +76,7 @@ class Connection:
             self.sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
         w.kernel_timeouts(self.sock, timeout_s)
         self.reader = w.FrameReader(self.sock)
+        self.reader.spin = Spin(spin_us * 1e-6)
         hello = replies.hello(ns, token, want_agent, agent_key)
         try:
             self.info: w.HelloOk = self.call(hello)[0]

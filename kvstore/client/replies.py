@@ -36,6 +36,9 @@ INLINE_GET_BYTES = 512 << 10
 # copy), which wins once a copy costs more than a round trip.
 STAGED_PUT_BYTES = 2 << 20
 MAX_STAGE_BYTES = 64 << 20  # the daemon's limit for one connection's staging segment
+# A connection polls this long for a reply before it sleeps (transfer.sockio.Spin; the
+# daemon's --spin-us polls for requests likewise)
+SPIN_US = 100.0
 # Direct (no-request) reads are reported to the daemon in TOUCH requests: one at most
 # every TOUCH_EVERY_S, or sooner once TOUCH_BATCH distinct blocks wait. A TOUCH every 256
 # reads (the first rule) cost a same-host 1 MiB read loop 1-6 us a read on average: each

@@ -39,6 +39,7 @@ from kvstore.daemon.putchannel import Drainer
 from kvstore.daemon.session import HANDLERS, Session
 from kvstore.errors import KVStoreError, StoreClosedError
 from transfer.errors import OUT_OF_RESOURCES
+from transfer.sockio import Spin
 
 log = logging.getLogger("kvtier.dataplane")
 ACCEPT_BACKOFF_S = (0.01, 1.0)  # first and longest pause when the process is out of fds
@@ -69,6 +70,7 @@ class ServedConnection:
         self.tenant: str | None = None  # whose token this connection holds (counted per tenant)
         self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES,
                                     time.monotonic() + server.cfg.hello_timeout_s)
+        self.reader.spin = Spin(server.cfg.spin_us * 1e-6)  # (polls once authenticated)
         self.tally = server.metrics.tally()  # this connection's requests (given back in _close)
         self.session = Session(sock, self.reader, server.registry, server.cfg,
                                server.instance, server.local_name, local, self.tally,

@@ -151,3 +151,26 @@ def test_the_tcp_backend_fills_big_and_small_views_with_either_loop(loop, monkey
         tcp_wire.recv_views(b, views, tcp_wire.Progress(), 5.0, lambda: False)
         sender.join()
         assert b"".join(views) == data
+
+
+def test_spin_polls_within_its_window_then_leaves_the_wait_to_the_caller():
+    """transfer.sockio.Spin: bytes that come while it polls are received (the window then
+    stays at its most), none in time gives None (the caller blocks) and a long wait after
+    that halves the window; the peer closing reads as 0; max_s 0 never polls."""
+    from transfer import sockio
+    a, b = _pair()
+    with a, b:
+        spin = sockio.Spin(0.05)
+        buf = bytearray(8)
+        threading.Timer(0.005, a.send, args=(b"abc",)).start()
+        assert spin.poll(b, buf) == 3 and buf[:3] == b"abc" and spin.window_s == 0.05
+        assert spin.poll(b, buf) is None  # nothing comes: back after the window
+        time.sleep(0.06)
+        spin.blocked()  # the data came long after: an idle connection polls less
+        assert spin.window_s == 0.025
+        assert spin.poll(b, buf) is None
+        spin.blocked()  # came right after giving up: worth polling longer
+        assert spin.window_s == 0.05
+        assert sockio.Spin(0).poll(b, buf) is None
+        a.close()
+        assert spin.poll(b, buf) == 0
