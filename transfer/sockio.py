@@ -1,6 +1,7 @@
-"""Socket receives looped in C where they can be (`recv_into` of transfer/_stream.c): the
-one place kvstore's frames (kvstore.wire) and the tcp transfer backend ask whether a
-socket's payload loop runs in C or in Python."""
+"""Socket receives in C where they can be (transfer/_stream.c): the one place kvstore's
+frames (kvstore.wire) and the tcp transfer backend ask whether a socket's payload loop runs
+in C or in Python (`loop_fd`, `recv_loop`), and how a connection polls before it sleeps
+(`Spin`)."""
 from __future__ import annotations
 
 import socket
