@@ -197,11 +197,7 @@ class Scheduler:
             pool.free_unused(spare[need:])
             spare = spare[:need]
         req.blocks = local + loaded + spare
-        req.num_cached_blocks = cached
-        req.num_computed_tokens = cached * bt
-        req.num_local_hit_tokens = first * bt
-        req.num_loaded_tokens = len(loaded) * bt
-        return min(req.num_tokens - req.num_computed_tokens, budget)
+        return self._started(req, first, len(loaded), budget)
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Give `req` its cached prefix and blocks for its first chunk; the chunk's size, or
@@ -227,8 +223,13 @@ class Scheduler:
                                          [b.block_id for b in req.blocks[len(local):len(local) + remote]])
             self.pool.cache_n(req.blocks[len(local):len(local) + loaded],
                               req.block_hashes[len(local):len(local) + loaded])
-        req.num_cached_blocks = len(local) + loaded
+        return self._started(req, len(local), loaded, budget)
+
+    def _started(self, req: Request, num_local: int, num_loaded: int, budget: int) -> int:
+        """Record what an admitted `req` starts from (its local hits, then the blocks loaded
+        from the store); its first chunk's size."""
+        req.num_cached_blocks = num_local + num_loaded
         req.num_computed_tokens = req.num_cached_blocks * self.bt
-        req.num_local_hit_tokens = len(local) * self.bt
-        req.num_loaded_tokens = loaded * self.bt
+        req.num_local_hit_tokens = num_local * self.bt
+        req.num_loaded_tokens = num_loaded * self.bt
         return min(req.num_tokens - req.num_computed_tokens, budget)
