@@ -19,6 +19,7 @@ from kvstore.client.conn import Address, LocalAddress
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.keys import Namespace
 from transfer.shm import ShmSegment
+from transfer.sockio import Spin
 
 CHUNK = w.FrameBuffer.CHUNK  # one recv for a frame's prefix and header in the common case
 
@@ -44,6 +45,7 @@ class AsyncConnection:
         self.info: w.HelloOk | None = None
         self.buffered = w.FrameBuffer()  # bytes read past the last header (a payload's start)
         self._staging: ShmSegment | None = None
+        self.spin: Spin | None = None  # set by the client while this is its only call (_take)
 
     @classmethod
     async def open(cls, addr: Address | LocalAddress, token: str, ns: Namespace,
@@ -174,7 +176,12 @@ class AsyncConnection:
             try:  # what has arrived, with no trip round the loop
                 got = self.sock.recv_into(buf.room(n))
             except (BlockingIOError, InterruptedError):
-                got = await self.loop.sock_recv_into(self.sock, buf.room(n))
+                spin = self.spin  # polled on the loop, which nothing else needs meanwhile
+                got = spin.poll(self.sock, buf.room(n)) if spin is not None else None
+                if got is None:
+                    got = await self.loop.sock_recv_into(self.sock, buf.room(n))
+                    if spin is not None:
+                        spin.blocked()
             if not got:
                 raise ConnectionError("peer closed the connection mid-frame")
             buf.received(got)

@@ -24,11 +24,12 @@ from kvstore.client.aconn import AsyncConnection
 from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.putpath import DirectPuts
-from kvstore.client.replies import (MAX_STAGE_BYTES, STAGED_PUT_BYTES, TouchLog, as_numpy,
+from kvstore.client.replies import (MAX_STAGE_BYTES, SPIN_US, STAGED_PUT_BYTES, TouchLog, as_numpy,
                                     copy_row, flags_of, get_layout, payload_views, row_view,
                                     match_of, put_statuses, raise_unless_retryable, reusable_after,
                                     stage, stats_of)
 from kvstore.client.shm import VECTOR_READS, ArenaMap, open_arena
+from transfer.sockio import Spin
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.putring import DIRECT_PUTS
@@ -42,10 +43,15 @@ class AsyncClient:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  timeout_s: float = 30.0, connect_timeout_s: float = 5.0, pool_size: int = 8,
                  use_shm: bool = True, staged_put_bytes: int = STAGED_PUT_BYTES,
-                 direct_puts: bool = True) -> None:
+                 direct_puts: bool = True, spin_us: float = SPIN_US) -> None:
         """Connects lazily: the first call (or `await connect()`, or `async with`) opens the
         first connection. `pool_size` idle connections are kept; concurrent calls open
-        more as they need them."""
+        more as they need them.
+
+        `spin_us`: while a call is this client's only one, its connection polls for the
+        reply's header for up to this long before it waits on the loop (as `Client`'s
+        does): it holds the event loop meanwhile, at most `spin_us` per wait, and the
+        window halves after each long wait. 0: never."""
         if namespace is None:
             raise ValueError("AsyncClient needs namespace=Namespace(model, num_layers, "
                              "num_kv_heads, head_dim, ...): the model whose KV blocks it stores")
@@ -56,6 +62,8 @@ class AsyncClient:
         self.direct_puts = use_shm and direct_puts and DIRECT_PUTS
         self.block_bytes = namespace.block_bytes
         self._idle: list[AsyncConnection] = []
+        self._spin = Spin(spin_us * 1e-6) if spin_us > 0 else None  # shared: one call at a time
+        self._busy: set[AsyncConnection] = set()  # connections handed out (`_conn`)
         self._arena: ArenaMap | None = None
         self._local: LocalAddress | None = None
         self._puts: DirectPuts | None = None
@@ -129,6 +137,7 @@ class AsyncClient:
         if self._closed:
             raise ConnectError("this AsyncClient is closed")
         conn = self._idle.pop() if self._idle else await self._new_conn()
+        self._hand_out(conn)
         try:
             yield conn
         except BaseException as e:
@@ -139,6 +148,21 @@ class AsyncClient:
             raise
         else:
             self._give_back(conn)
+        finally:
+            self._take_back(conn)
+
+    def _hand_out(self, conn: AsyncConnection) -> None:
+        """A connection polls (`spin_us`) only while its call is this client's only one:
+        polling holds the loop, which the others' replies would wait for."""
+        self._busy.add(conn)
+        for c in self._busy:
+            c.spin = self._spin if len(self._busy) == 1 else None
+
+    def _take_back(self, conn: AsyncConnection) -> None:
+        self._busy.discard(conn)
+        conn.spin = None
+        if len(self._busy) == 1:
+            next(iter(self._busy)).spin = self._spin
 
     def _give_back(self, conn: AsyncConnection) -> None:
         if len(self._idle) < self.pool_size and not self._closed:

@@ -132,6 +132,35 @@ def test_many_concurrent_calls_on_a_small_pool(make_daemon, path, run):
     run(main())
 
 
+def test_only_a_lone_call_polls_for_its_reply(make_daemon, run, monkeypatch):
+    """Polling holds the event loop: a connection polls (spin_us) while its call is the
+    client's only one, and never while others are in flight."""
+    from transfer import sockio
+    d = make_daemon()
+    hs = chain(7, 16)
+    polls: list[int] = []
+    client: list[AsyncClient] = []
+    real = sockio.Spin.poll
+
+    def poll(self, sock, view):
+        polls.append(len(client[0]._busy))
+        return real(self, sock, view)
+    monkeypatch.setattr(sockio.Spin, "poll", poll)
+
+    async def main():
+        async with AsyncClient(d.url, namespace=NS, use_shm=False) as c:
+            client.append(c)
+            await c.put_n(hs, blocks(hs))
+            alone = len(polls)
+            out = np.zeros((16, BB), np.uint8)
+            await asyncio.gather(*(c.get_n(hs[k:k + 1], out[k:k + 1]) for k in range(16)))
+            assert np.array_equal(out, blocks(hs))
+            return alone
+
+    assert run(main()) > 0  # the lone put polled
+    assert polls and set(polls) == {1}  # and no call polled beside another
+
+
 def test_payloads_bigger_than_the_socket_buffers(make_daemon, run):
     """Megabytes inline over TCP: many partial sends and receives on the loop."""
     d = make_daemon("--dram-size", "64MiB")
