@@ -24,17 +24,17 @@ from kvstore.client.aconn import AsyncConnection
 from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.putpath import DirectPuts
-from kvstore.client.replies import (MAX_STAGE_BYTES, SPIN_US, STAGED_PUT_BYTES, TouchLog, as_numpy,
-                                    copy_row, flags_of, get_layout, payload_views, row_view,
-                                    match_of, put_statuses, raise_unless_retryable, reusable_after,
-                                    stage, stats_of)
+from kvstore.client.replies import (MAX_STAGE_BYTES, SPIN_US, STAGED_PUT_BYTES, TouchLog,
+                                    as_numpy, copy_row, flags_of, get_layout, payload_views,
+                                    row_view, match_of, put_statuses, raise_unless_retryable,
+                                    reusable_after, stage, stats_of)
 from kvstore.client.shm import VECTOR_READS, ArenaMap, open_arena
-from transfer.sockio import Spin
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.putring import DIRECT_PUTS
 from kvstore.stats import StoreStats
 from kvstore.api import MatchResult, PutStatus, leading_hits
+from transfer.sockio import Spin
 
 # failures after which a call is retried once on a fresh connection (daemon restarted)
 
@@ -62,7 +62,7 @@ class AsyncClient:
         self.direct_puts = use_shm and direct_puts and DIRECT_PUTS
         self.block_bytes = namespace.block_bytes
         self._idle: list[AsyncConnection] = []
-        self._spin = Spin(spin_us * 1e-6) if spin_us > 0 else None  # shared: one call at a time
+        self._spin = Spin(spin_us * 1e-6)  # shared by the calls, one at a time (_hand_out)
         self._busy: set[AsyncConnection] = set()  # connections handed out (`_conn`)
         self._arena: ArenaMap | None = None
         self._local: LocalAddress | None = None

@@ -22,9 +22,10 @@ from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (INLINE_GET_BYTES, INLINE_PUT_BYTES, MAX_STAGE_BYTES,
-                                    SPIN_US, STAGED_PUT_BYTES, TouchLog, as_numpy, copy_row, flags_of,
-                                    get_layout, match_of, payload_views, put_statuses, stage,
-                                    raise_unless_retryable, reusable_after, row_view, stats_of)
+                                    SPIN_US, STAGED_PUT_BYTES, TouchLog, as_numpy, copy_row,
+                                    flags_of, get_layout, match_of, payload_views,
+                                    put_statuses, stage, raise_unless_retryable,
+                                    reusable_after, row_view, stats_of)
 from kvstore.client.shm import VECTOR_READS, ArenaMap, map_arena
 from kvstore.putring import DIRECT_PUTS
 from kvstore.events import TierKind
