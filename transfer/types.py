@@ -53,6 +53,11 @@ class AgentConfig:
     # Only peers presenting a key this agent granted (`Agent.grant`) may connect to its tcp
     # port; without it, any peer that knows the agent id may (trusted networks only).
     require_grant: bool = False
+    # Microseconds a tcp connection polls its socket before it sleeps in a receive: a
+    # sleeping thread pays the CPU's wake-up when the bytes come (tens of us on a VM whose
+    # idle vCPUs halt). Adaptive (transfer.sockio.Spin); 0 never polls; a connection not
+    # admitted yet never polls.
+    spin_us: float = 100.0
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -64,6 +69,8 @@ class AgentConfig:
             raise ValueError("AgentConfig.tcp_num_conns must be >= 1")
         if self.io_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("AgentConfig timeouts must be > 0")
+        if not 0 <= self.spin_us <= 1e6:
+            raise ValueError(f"AgentConfig.spin_us {self.spin_us} must be within 0..1e6")
         if not 0 <= self.tcp_port < 65536:
             raise ValueError(f"AgentConfig.tcp_port {self.tcp_port} out of range")
 

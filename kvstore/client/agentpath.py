@@ -32,11 +32,12 @@ DIRECT_BYTES = 512 << 10  # tcp transfers this big or bigger skip the staging co
 
 class AgentPath:
     def __init__(self, info: w.HelloOk, backends: Sequence[BackendKind],
-                 timeout_s: float) -> None:
+                 timeout_s: float, spin_us: float = 0.0) -> None:
         self.meta, self.access_key = info.agent_meta, info.agent_key
         self.block_bytes, self.timeout_s = info.block_bytes, timeout_s
         self.agent = Agent(f"kvtier-client-{uuid.uuid4().hex[:12]}",
-                           AgentConfig(backends=tuple(backends), io_timeout_s=timeout_s))
+                           AgentConfig(backends=tuple(backends), io_timeout_s=timeout_s,
+                                       spin_us=spin_us))
         try:
             self.peer = self.agent.add_peer(info.agent_meta, key=info.agent_key)
             self.remote = self.agent.prepare(

@@ -50,10 +50,11 @@ class Client:
         `inline_get_bytes` None: INLINE_GET_BYTES, every get where the agent's backend is
         tcp). On the daemon's host shared memory wins.
 
-        `spin_us`: microseconds a connection polls for a reply before it sleeps (0: sleep
-        at once). A reply that comes meanwhile is read without the CPU's wake-up (tens of
-        us on VMs: a 256 KiB TCP get 146 -> 50 us at p50 with the daemon polling too); at
-        most that much CPU per request, and an idle connection soon stops polling."""
+        `spin_us`: microseconds a connection (the agent's too) polls for a reply before
+        it sleeps (0: sleep at once). A reply that comes meanwhile is read without the
+        CPU's wake-up (tens of us on VMs: a 256 KiB TCP get 146 -> 50 us at p50 with the
+        daemon polling too); at most that much CPU per request, and an idle connection
+        soon stops polling."""
         if namespace is None:
             raise ValueError("Client needs namespace=Namespace(model, num_layers, num_kv_heads, "
                              "head_dim, ...): the model whose KV blocks it stores")
@@ -158,7 +159,7 @@ class Client:
         if old is not None:
             old.close()
         try:
-            path = AgentPath(info, self.agent_backends, self.timeout_s)
+            path = AgentPath(info, self.agent_backends, self.timeout_s, self.spin_us)
         except TransferError as e:
             raise ConnectError(f"cannot reach the daemon's transfer agent through "
                                f"{[b.value for b in self.agent_backends]}: {e}") from e

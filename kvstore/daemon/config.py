@@ -81,8 +81,9 @@ class DaemonConfig:
                                        "COMMIT before it is reclaimed (a PUT request holds "
                                        "its slots for as long as it lasts)",
                                        flag="--reservation-timeout")
-    spin_us: float = opt(100.0, "microseconds an authenticated connection polls for its "
-                         "next request before it sleeps (0 = sleep at once): a request that "
+    spin_us: float = opt(100.0, "microseconds an authenticated connection (the transfer "
+                         "agent's too) polls for its next request before it sleeps (0 = "
+                         "sleep at once): a request that "
                          "comes meanwhile is served without the CPU's wake-up (tens of us on "
                          "VMs); adaptive, an idle connection soon stops polling",
                          flag="--spin-us")

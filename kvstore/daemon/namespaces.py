@@ -243,7 +243,8 @@ class Registry:
             return None
         kinds = tuple(BackendKind(b) for b in self.cfg.agent_backends)
         agent = Agent(f"kvtier-{self.cfg.node_id}-{ns.ns_id:016x}",
-                      AgentConfig(backends=kinds, tcp_host=self.cfg.host, require_grant=True))
+                      AgentConfig(backends=kinds, tcp_host=self.cfg.host, require_grant=True,
+                                  spin_us=self.cfg.spin_us))
         try:
             region = agent.register(store.tier(TierKind.DRAM).arena)
             return AgentInfo(agent, agent.metadata(), region.region_id)

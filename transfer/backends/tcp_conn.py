@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..errors import Fault, TransferError
 from ..handle import Transfer
 from ..memory import finish_staged
+from ..sockio import Spin
 from ..types import AgentConfig
 from .tcp_wire import Kind, Progress, frame, recv_frame, recv_views, send_views, tune
 
@@ -52,6 +53,8 @@ class PeerConnection:
         # held while a request is being sent, and by an inline request until its reply is in
         self._io = threading.Lock()
         self._seq = 0
+        # polls for a reply before sleeping (whichever thread takes it: one at a time)
+        self.spin = Spin(config.spin_us * 1e-6)
         self.sock = self._connect(addr, peer_agent_id, my_name, key)
         for target, role in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             threading.Thread(target=target, daemon=True, name=f"kvt-tcp-{role}").start()
@@ -157,7 +160,8 @@ class PeerConnection:
 
     def _recv_reply(self, req: PendingOp) -> None:
         kind, header, plen = recv_frame(self.sock, self.progress, self.config.io_timeout_s,
-                                        self._is_dead, req.recv_bytes, idle_ok=False)
+                                        self._is_dead, req.recv_bytes, idle_ok=False,
+                                        spin=self.spin)
         if not header or header[0] != req.seq:
             if kind is Kind.ERROR:  # connection-level refusal (seq 0)
                 raise _reply_error(header, "peer closed the connection")

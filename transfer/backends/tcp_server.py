@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import OUT_OF_RESOURCES, Fault, TransferError
 from ..memory import check_ranges, finish_staged, host_views
+from ..sockio import Spin
 from ..types import Notification
 from .base import AgentContext
 from .tcp_wire import (MAX_HELLO_BYTES, Kind, Progress, desc_arrays, drain, frame,
@@ -153,10 +154,12 @@ class _ServerConn:
         self.admitted = admitted
         self.progress = Progress()
         self.peer = "?"
+        self.spin = Spin(0.0)  # polls once the peer is admitted (AgentConfig.spin_us)
 
     def _recv(self, idle_ok: bool):
         return recv_frame(self.sock, self.progress, self.ctx.config.io_timeout_s,
-                          self.stopped, self.ctx.config.max_frame_bytes, idle_ok)
+                          self.stopped, self.ctx.config.max_frame_bytes, idle_ok,
+                          spin=self.spin)
 
     def _send(self, views) -> None:
         send_views(self.sock, views, self.progress, self.ctx.config.io_timeout_s,
@@ -184,6 +187,7 @@ class _ServerConn:
             raise TransferError(Fault.REFUSED, "refused")
         self.peer = str(peer)
         self.admitted()
+        self.spin = Spin(self.ctx.config.spin_us * 1e-6)
         self._send([frame(Kind.ACK, [0])])
         while True:
             kind, header, plen = self._recv(idle_ok=True)

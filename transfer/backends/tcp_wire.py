@@ -169,10 +169,24 @@ def send_views(sock: socket.socket, views: Sequence, progress: Progress, timeout
 
 def recv_frame(sock: socket.socket, progress: Progress, timeout_s: float,
                stopped: Callable[[], bool], max_payload: int, idle_ok: bool,
-               max_header: int = MAX_HEADER_BYTES) -> tuple[Kind, list, int]:
-    """Read one frame's head and header; the caller reads `payload_len` bytes after it."""
+               max_header: int = MAX_HEADER_BYTES,
+               spin: sockio.Spin | None = None) -> tuple[Kind, list, int]:
+    """Read one frame's head and header; the caller reads `payload_len` bytes after it.
+    `spin`: poll for the head before sleeping in the receive (an admitted peer's only)."""
     head = bytearray(HEAD.size)
-    recv_views(sock, [head], progress, timeout_s, stopped, idle_ok)
+    try:
+        got = spin.poll(sock, head) if spin is not None else None
+    except OSError as e:
+        raise TransferError(Fault.CONNECTION_LOST, f"receive failed: {e}") from e
+    if got is None:
+        recv_views(sock, [head], progress, timeout_s, stopped, idle_ok)
+        if spin is not None:
+            spin.blocked()
+    elif got == 0:
+        raise TransferError(Fault.CONNECTION_LOST, "peer closed the connection")
+    else:
+        progress.t = time.monotonic()
+        recv_views(sock, [memoryview(head)[got:]], progress, timeout_s, stopped)
     kind, hlen, plen = parse_head(bytes(head), max_payload, max_header)
     body = bytearray(hlen)
     recv_views(sock, [body], progress, timeout_s, stopped)
