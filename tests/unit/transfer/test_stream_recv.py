@@ -4,6 +4,7 @@ comes back short (for its caller to check a deadline, or meet the error) wheneve
 does: the peer closed, the socket's receive timeout ran out, a signal arrived."""
 from __future__ import annotations
 
+import select
 import signal
 import socket
 import struct
@@ -153,25 +154,128 @@ def test_the_tcp_backend_fills_big_and_small_views_with_either_loop(loop, monkey
         assert b"".join(views) == data
 
 
-def test_spin_polls_within_its_window_then_leaves_the_wait_to_the_caller():
-    """transfer.sockio.Spin: bytes that come while it polls are received (the window then
-    stays at its most), none in time gives None (the caller blocks) and a long wait after
-    that halves the window; the peer closing reads as 0; max_s 0 never polls."""
-    from transfer import sockio
+def test_spin_recv_receives_what_arrives_while_it_polls():
+    """transfer._stream.spin_recv: bytes that come while it polls are received; none in
+    its window gives -1; a closed peer 0."""
     a, b = _pair()
     with a, b:
-        spin = sockio.Spin(5.0)  # a window no scheduling delay of the timer outlasts
         buf = bytearray(8)
-        threading.Timer(0.005, a.send, args=(b"abc",)).start()
-        assert spin.poll(b, buf) == 3 and buf[:3] == b"abc" and spin.window_s == 5.0
-        spin = sockio.Spin(0.2)
-        assert spin.poll(b, buf) is None  # nothing comes: back after the window
-        time.sleep(0.25)
-        spin.blocked()  # the data came long after: an idle connection polls less
-        assert spin.window_s == 0.1
-        assert spin.poll(b, buf) is None
-        spin.blocked()  # came right after giving up: worth polling longer
-        assert spin.window_s == 0.2
-        assert sockio.Spin(0).poll(b, buf) is None
+        for _ in range(20):
+            sender = threading.Timer(0.005, a.send, args=(b"abc",))
+            sender.start()
+            got = stream.spin_recv(b.fileno(), buf, 5 * 10**9)
+            sender.join()
+            if got != -2:
+                break
+            assert b.recv(8) == b"abc"  # descheduled while polling (a busy host): again
+        assert got == 3 and buf[:3] == b"abc"
+        assert stream.spin_recv(b.fileno(), buf, 10**6) == -1
         a.close()
-        assert spin.poll(b, buf) == 0
+        assert stream.spin_recv(b.fileno(), buf, 10**6) == 0
+
+
+SPINNER = """
+import socket, sys
+from transfer import _stream
+a, b = socket.socketpair()
+print("polling", flush=True)
+print(_stream.spin_recv(b.fileno(), bytearray(8), 30 * 10**9), flush=True)
+"""
+
+
+def test_spin_recv_says_when_its_thread_was_descheduled():
+    """A poller stopped for a while (here by SIGSTOP; on a busy host by the scheduler)
+    comes back at once with -2, not at the end of its window."""
+    import os
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", SPINNER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "polling"
+        for _ in range(20):  # until a stop lands inside spin_recv (its window is 30 s)
+            time.sleep(0.1)
+            os.kill(p.pid, signal.SIGSTOP)
+            time.sleep(0.05)
+            os.kill(p.pid, signal.SIGCONT)
+            if select.select([p.stdout], [], [], 1.0)[0]:
+                break
+        assert p.stdout.readline().strip() == "-2"
+        assert p.wait(10) == 0
+    finally:
+        p.kill()
+        p.wait()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_spin_window_adapts_and_rests_when_the_cpus_are_oversubscribed(monkeypatch):
+    """transfer.sockio.Spin's policy, against scripted spin_recv results and a scripted
+    clock: the window doubles after a served poll or a wait that ended soon after it
+    gave up, halves after a long one; after a poll that was descheduled nothing polls for
+    REST_S, then one poll tries again; max_s 0 never polls."""
+    from transfer import sockio
+    clock, results, windows = _Clock(), [], []
+
+    def scripted(fd, view, window_ns):
+        windows.append(window_ns)
+        return results.pop(0)
+    monkeypatch.setattr(sockio, "spin_recv", scripted)
+    monkeypatch.setattr(sockio, "time", clock)
+    monkeypatch.setattr(sockio, "oversubscribed", lambda: False)
+    a, b = _pair()
+    with a, b:
+        buf = bytearray(8)
+        spin = sockio.Spin(0.001)
+        results[:] = [-1]
+        assert spin.poll(b, buf) is None
+        clock.now += 0.01  # the bytes came long after it gave up: poll less
+        spin.blocked()
+        assert spin.window_s == 0.0005
+        results[:] = [-1]
+        assert spin.poll(b, buf) is None
+        clock.now += 0.0001  # came right after: worth polling longer
+        spin.blocked()
+        assert spin.window_s == 0.001
+        results[:] = [3]
+        assert spin.poll(b, buf) == 3 and spin.window_s == 0.001
+        results[:] = [-2]  # descheduled while polling
+        assert spin.poll(b, buf) is None
+        spin.blocked()  # a wait after a cut poll teaches the window nothing
+        assert spin.window_s == 0.001
+        clock.now += sockio.REST_S / 2
+        assert spin.poll(b, buf) is None and not results  # resting: spin_recv not called
+        clock.now += sockio.REST_S
+        results[:] = [5]
+        assert spin.poll(b, buf) == 5  # polls again
+        assert windows == [10**6, 5 * 10**5, 10**6, 10**6, 10**6]
+        assert sockio.Spin(0).poll(b, buf) is None and not results
+        monkeypatch.setattr(sockio, "oversubscribed", lambda: True)
+        assert spin.poll(b, buf) is None and not results  # more runnable than CPUs: no poll
+        spin.blocked()
+        assert spin.window_s == 0.001
+
+
+@pytest.mark.parametrize("text,cpus,over", [
+    (b"0.91 1.54 2.13 3/87 14746\n", 2, True), (b"0.91 1.54 2.13 2/87 14746\n", 2, False),
+    (b"0.91 1.54 2.13 1/87 14746\n", 1, False), (b"garbage", 2, False), (b"", 2, False)])
+def test_oversubscribed_reads_the_running_count(monkeypatch, tmp_path, text, cpus, over):
+    """More threads runnable than this process has CPUs (the caller counts itself)."""
+    import os
+    from transfer import sockio
+    path = tmp_path / "loadavg"
+    path.write_bytes(text)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        monkeypatch.setattr(sockio, "_LOADAVG", fd)
+        monkeypatch.setattr(sockio, "_CPUS", cpus)
+        assert sockio.oversubscribed() is over
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(sockio, "_LOADAVG", -1)
+    assert sockio.oversubscribed() is False
