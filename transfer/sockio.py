@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 try:
@@ -25,6 +26,71 @@ def loop_fd(sock: socket.socket) -> int:
     return sock.fileno() if recv_loop is not None and sock.gettimeout() is None else -1
 
 
+WAITED_NS = 10_000  # a thread that waited this long for a CPU since its last look
+
+
+class _SchedStat:
+    """The calling thread's /proc/thread-self/schedstat, kept open (a pread is ~0.4 us):
+    its run_delay, the nanoseconds it has spent runnable but waiting for a CPU."""
+
+    __slots__ = ("fd", "last")
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.last = self.run_delay()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def run_delay(self) -> int:
+        return int(os.pread(self.fd, 96, 0).split()[1])
+
+    def __del__(self) -> None:  # the thread ended (threading.local lets go of it)
+        try:
+            os.close(self.fd)
+        except (OSError, TypeError):  # (at interpreter exit)
+            pass
+
+
+_mine = threading.local()
+
+
+def _forget_parents_threads() -> None:
+    """A forked child's threads are not the parent's: each looks at its own afresh."""
+    global _mine
+    _mine = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parents_threads)
+
+
+def waited_for_cpu() -> bool:
+    """Whether the calling thread waited WAITED_NS or more for a CPU since its last look
+    (its run_delay, ~0.4 us a look): the CPUs have more work than they can run, and a
+    poller would hold one that another thread, maybe the very peer it waits for, needs.
+    Measured on a 2-vCPU VM, per 256 KiB TCP op of a client thread that does not poll:
+    0.1-0.3 us quiet, 33-99 us beside 2 busy processes (where both ends polling took a
+    get from 74-96 us on average to 221-254). False where schedstat cannot be read."""
+    stat = getattr(_mine, "stat", None)
+    if stat is _UNKNOWN:
+        return False
+    try:
+        if stat is None:
+            _mine.stat = _SchedStat()  # the first look: nothing to compare yet
+            return False
+        now = stat.run_delay()
+    except (OSError, ValueError, IndexError):  # no schedstats here: never counted
+        _mine.stat = _UNKNOWN
+        return False
+    waited, stat.last = now - stat.last, now
+    return waited >= WAITED_NS
+
+
+_UNKNOWN = object()  # the look of a thread whose schedstat cannot be read
+
+
 def _open_loadavg() -> int:
     try:
         return os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
@@ -38,11 +104,12 @@ _CPUS = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") els
 
 
 def oversubscribed() -> bool:
-    """Whether the host has more threads runnable right now than this process has CPUs
-    (the running count of /proc/loadavg, the caller included; ~0.5 us): a poller would
-    then hold a CPU that another thread, maybe the very peer it waits for, needs. On a
-    2-vCPU VM beside 2 busy processes a 256 KiB TCP get took 221-254 us on average with
-    both ends polling, 74-96 with neither. False where it cannot be read."""
+    """Whether the host has more threads running or runnable right now than this process
+    has CPUs (the running count of /proc/loadavg, the caller included; ~0.5 us a look).
+    What a poller's own run_delay cannot show: a thread that polls does not wait for a
+    CPU, the peer it keeps from one does (beside 2 busy processes, a client polling for
+    a 256 KiB put's reply took it from 130 to 223 us at p50). False where it cannot be
+    read."""
     if _LOADAVG < 0:
         return False
     try:
@@ -52,7 +119,6 @@ def oversubscribed() -> bool:
 
 
 GROW_START_S = 10e-6  # a window grown back from nothing starts here
-REST_S = 0.05  # after a poll that was descheduled, no polling for this long
 
 
 class Spin:
@@ -62,37 +128,33 @@ class Spin:
     processes took 95 us at p50 blocking, 33 us with both polling first). The window
     doubles, up to `max_s`, after a wait that polling served or that ended soon after it
     gave up, and halves after a longer one, so an idle connection soon polls for nothing
-    (at most `max_s` of CPU per receive in any case). A poll during which the thread was
-    descheduled says the CPUs are oversubscribed: then a poller holds a CPU its peer may
-    need, and nothing polls for REST_S (then one poll tries again); nor does it poll while
-    more threads are runnable than there are CPUs (`oversubscribed`). Without
+    (at most `max_s` of CPU per receive in any case). Nothing polls while the CPUs have
+    more work than they can run, where a poller would hold one its peer may need: not
+    while more threads are runnable than there are CPUs (`oversubscribed`), nor in a
+    thread that waited for a CPU since its last look (`waited_for_cpu`); a poll during
+    which the thread was descheduled ends at once (that wait shows at its next look).
+    Without
     transfer._stream, or with `max_s` 0, it never polls."""
 
-    __slots__ = ("max_s", "window_s", "_gave_up", "_rest_until")
+    __slots__ = ("max_s", "window_s", "_gave_up")
 
     def __init__(self, max_s: float) -> None:
         self.max_s = max_s if spin_recv is not None else 0.0
         self.window_s = self.max_s
         self._gave_up = 0.0  # when the last poll gave up (0: it did not poll, or was cut)
-        self._rest_until = 0.0
 
     def poll(self, sock: socket.socket, view) -> int | None:
         """Bytes received into `view` within the window (0: the peer closed), or None when
         none came: then the caller blocks in its receive and calls `blocked` after it."""
         self._gave_up = 0.0
-        if (not self.max_s or (self._rest_until and time.perf_counter() < self._rest_until)
-                or oversubscribed()):
+        if not self.max_s or waited_for_cpu() or oversubscribed():
             return None
         k = spin_recv(sock.fileno(), view, int(self.window_s * 1e9))
         if k >= 0:
             self.window_s = min(self.max_s, max(2 * self.window_s, GROW_START_S))
             return k
-        now = time.perf_counter()
-        if k == -2:  # descheduled while polling: the CPUs have more work than they can run
-            self._rest_until = now + REST_S
-            return None
-        self._rest_until = 0.0
-        self._gave_up = now
+        if k == -1:  # (-2: descheduled while polling; the wait that follows says nothing
+            self._gave_up = time.perf_counter()  # of the window)
         return None
 
     def blocked(self) -> None:

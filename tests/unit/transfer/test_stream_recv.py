@@ -214,19 +214,21 @@ class _Clock:
         return self.now
 
 
-def test_spin_window_adapts_and_rests_when_the_cpus_are_oversubscribed(monkeypatch):
+def test_spin_window_adapts_and_stands_down_when_the_cpus_are_oversubscribed(monkeypatch):
     """transfer.sockio.Spin's policy, against scripted spin_recv results and a scripted
     clock: the window doubles after a served poll or a wait that ended soon after it
-    gave up, halves after a long one; after a poll that was descheduled nothing polls for
-    REST_S, then one poll tries again; max_s 0 never polls."""
+    gave up, halves after a long one; a poll cut short because the thread was descheduled
+    teaches the window nothing; a thread that waited for a CPU does not poll; max_s 0
+    never polls."""
     from transfer import sockio
-    clock, results, windows = _Clock(), [], []
+    clock, results, windows, waited = _Clock(), [], [], [False]
 
     def scripted(fd, view, window_ns):
         windows.append(window_ns)
         return results.pop(0)
     monkeypatch.setattr(sockio, "spin_recv", scripted)
     monkeypatch.setattr(sockio, "time", clock)
+    monkeypatch.setattr(sockio, "waited_for_cpu", lambda: waited[0])
     monkeypatch.setattr(sockio, "oversubscribed", lambda: False)
     a, b = _pair()
     with a, b:
@@ -246,19 +248,73 @@ def test_spin_window_adapts_and_rests_when_the_cpus_are_oversubscribed(monkeypat
         assert spin.poll(b, buf) == 3 and spin.window_s == 0.001
         results[:] = [-2]  # descheduled while polling
         assert spin.poll(b, buf) is None
+        clock.now += 0.01
         spin.blocked()  # a wait after a cut poll teaches the window nothing
         assert spin.window_s == 0.001
-        clock.now += sockio.REST_S / 2
-        assert spin.poll(b, buf) is None and not results  # resting: spin_recv not called
-        clock.now += sockio.REST_S
+        waited[0] = True  # the thread waited for a CPU since its last look
+        assert spin.poll(b, buf) is None and not results  # spin_recv not called
+        spin.blocked()
+        assert spin.window_s == 0.001
+        waited[0] = False
+        monkeypatch.setattr(sockio, "oversubscribed", lambda: True)  # more runnable than CPUs
+        assert spin.poll(b, buf) is None and not results
+        monkeypatch.setattr(sockio, "oversubscribed", lambda: False)
         results[:] = [5]
         assert spin.poll(b, buf) == 5  # polls again
         assert windows == [10**6, 5 * 10**5, 10**6, 10**6, 10**6]
         assert sockio.Spin(0).poll(b, buf) is None and not results
-        monkeypatch.setattr(sockio, "oversubscribed", lambda: True)
-        assert spin.poll(b, buf) is None and not results  # more runnable than CPUs: no poll
-        spin.blocked()
-        assert spin.window_s == 0.001
+
+
+def _scripted_schedstat(tmp_path, monkeypatch):
+    """This thread's schedstat look, reading a file the test writes (run_delay second)."""
+    import os
+    from transfer import sockio
+    path = tmp_path / "schedstat"
+    path.write_text("5000 0 1\n")
+    stat = sockio._SchedStat.__new__(sockio._SchedStat)
+    stat.fd = os.open(path, os.O_RDONLY)
+    stat.last = 0
+    monkeypatch.setattr(sockio, "_mine", type("Mine", (), {"stat": stat})())
+    return path
+
+
+def test_waited_for_cpu_compares_run_delay_since_the_last_look(monkeypatch, tmp_path):
+    from transfer import sockio
+    path = _scripted_schedstat(tmp_path, monkeypatch)
+    assert sockio.waited_for_cpu() is False
+    path.write_text(f"9000 {sockio.WAITED_NS - 1} 2\n")  # less than WAITED_NS since
+    assert sockio.waited_for_cpu() is False
+    path.write_text(f"9000 {2 * sockio.WAITED_NS} 3\n")
+    assert sockio.waited_for_cpu() is True
+    assert sockio.waited_for_cpu() is False  # nothing more since that look
+    path.write_text("garbage\n")  # unreadable: never counted, and not looked at again
+    assert sockio.waited_for_cpu() is False and sockio._mine.stat is sockio._UNKNOWN
+    path.write_text(f"9000 {10 * sockio.WAITED_NS} 3\n")
+    assert sockio.waited_for_cpu() is False
+
+
+def test_each_thread_looks_at_its_own_schedstat_and_lets_it_go_when_it_ends():
+    import gc
+    import os
+    from transfer import sockio
+    seen = {}
+
+    def look():
+        seen["first"] = sockio.waited_for_cpu()  # opens this thread's schedstat
+        seen["second"] = sockio.waited_for_cpu()
+        stat = sockio._mine.stat
+        seen["fd"], seen["tid"] = stat.fd, threading.get_native_id()
+        seen["link"] = os.readlink(f"/proc/self/fd/{stat.fd}")
+    t = threading.Thread(target=look)
+    t.start()
+    t.join()
+    gc.collect()
+    assert seen["first"] is False and seen["second"] in (False, True)
+    assert seen["link"].endswith(f"/task/{seen['tid']}/schedstat"), seen
+    try:  # the thread ended: its descriptor is closed (or already another file's)
+        assert os.readlink(f"/proc/self/fd/{seen['fd']}") != seen["link"]
+    except FileNotFoundError:
+        pass
 
 
 @pytest.mark.parametrize("text,cpus,over", [

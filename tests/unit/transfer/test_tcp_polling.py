@@ -21,7 +21,8 @@ def polls(monkeypatch) -> list[int]:
     """The descriptors every poll of this process is made on, in order."""
     calls: list[int] = []
     real = sockio.spin_recv
-    monkeypatch.setattr(sockio, "oversubscribed", lambda: False)  # polls on a busy host too
+    monkeypatch.setattr(sockio, "waited_for_cpu", lambda: False)  # polls on a busy host too
+    monkeypatch.setattr(sockio, "oversubscribed", lambda: False)
 
     def recording(fd, view, window_ns):
         calls.append(fd)
