@@ -135,8 +135,13 @@ class AsyncConnection:
         try:
             async with asyncio.timeout(self.timeout_s):
                 while k < view.nbytes:
-                    got = await self.loop.sock_recv_into(self.sock,
-                                                         view[k:k + w.RECV_CHUNK])
+                    piece = view[k:k + w.RECV_CHUNK]
+                    spin = self.spin  # a lone call's (see _take)
+                    got = spin.poll(self.sock, piece) if spin is not None else None
+                    if got is None:
+                        got = await self.loop.sock_recv_into(self.sock, piece)
+                        if spin is not None:
+                            spin.blocked()
                     if not got:
                         raise ConnectionError("peer closed the connection mid-frame")
                     k += got
