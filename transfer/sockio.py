@@ -133,8 +133,7 @@ class Spin:
     while more threads are runnable than there are CPUs (`oversubscribed`), nor in a
     thread that waited for a CPU since its last look (`waited_for_cpu`); a poll during
     which the thread was descheduled ends at once (that wait shows at its next look).
-    Without
-    transfer._stream, or with `max_s` 0, it never polls."""
+    Without transfer._stream, or with `max_s` 0, it never polls."""
 
     __slots__ = ("max_s", "window_s", "_gave_up")
 

@@ -83,9 +83,10 @@ class DaemonConfig:
                                        flag="--reservation-timeout")
     spin_us: float = opt(100.0, "microseconds an authenticated connection (the transfer "
                          "agent's too) polls for its next request before it sleeps (0 = "
-                         "sleep at once): a request that "
-                         "comes meanwhile is served without the CPU's wake-up (tens of us on "
-                         "VMs); adaptive, an idle connection soon stops polling",
+                         "sleep at once): a request that comes meanwhile is served without "
+                         "the CPU's wake-up (tens of us on VMs); adaptive, an idle "
+                         "connection soon stops polling, and none polls while the CPUs are "
+                         "oversubscribed",
                          flag="--spin-us")
     lease_ttl_s: float = 30.0
     max_payload_bytes: int = 1 << 30
