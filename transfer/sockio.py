@@ -4,6 +4,7 @@ in C or in Python (`loop_fd`, `recv_loop`), and how a connection polls before it
 (`Spin`)."""
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -29,6 +30,20 @@ def loop_fd(sock: socket.socket) -> int:
 WAITED_NS = 10_000  # a thread that waited this long for a CPU since its last look
 
 
+def _fd_room() -> int:
+    """Descriptors below this number may hold a thread's schedstat: half the process's
+    limit, so that one per connection thread never takes what its sockets need."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 1 << 20
+    return (1 << 20) if soft == resource.RLIM_INFINITY else soft // 2
+
+
+_FD_ROOM = _fd_room()
+
+
 class _SchedStat:
     """The calling thread's /proc/thread-self/schedstat, kept open (a pread is ~0.4 us):
     its run_delay, the nanoseconds it has spent runnable but waiting for a CPU."""
@@ -36,21 +51,26 @@ class _SchedStat:
     __slots__ = ("fd", "last")
 
     def __init__(self) -> None:
-        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            self.last = self.run_delay()
+            if fd >= _FD_ROOM:  # the process is using many: its sockets come first
+                raise OSError(errno.EMFILE, "no room for a schedstat descriptor")
+            self.last = int(os.pread(fd, 96, 0).split()[1])
         except BaseException:
-            os.close(self.fd)
-            raise
+            os.close(fd)  # (never kept: `__del__` must not close the number again, which
+            raise  # may be another file's by then)
+        self.fd = fd
 
     def run_delay(self) -> int:
         return int(os.pread(self.fd, 96, 0).split()[1])
 
     def __del__(self) -> None:  # the thread ended (threading.local lets go of it)
-        try:
-            os.close(self.fd)
-        except (OSError, TypeError):  # (at interpreter exit)
-            pass
+        fd = getattr(self, "fd", -1)  # (unset when __init__ failed: nothing to close)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except (OSError, TypeError):  # (at interpreter exit)
+                pass
 
 
 _mine = threading.local()
@@ -72,7 +92,8 @@ def waited_for_cpu() -> bool:
     poller would hold one that another thread, maybe the very peer it waits for, needs.
     Measured on a 2-vCPU VM, per 256 KiB TCP op of a client thread that does not poll:
     0.1-0.3 us quiet, 33-99 us beside 2 busy processes (where both ends polling took a
-    get from 74-96 us on average to 221-254). False where schedstat cannot be read."""
+    get from 74-96 us on average to 221-254). False where schedstat cannot be read, and in
+    a thread that found the process's descriptors past half its limit (`_FD_ROOM`)."""
     stat = getattr(_mine, "stat", None)
     if stat is _UNKNOWN:
         return False

@@ -293,6 +293,57 @@ def test_waited_for_cpu_compares_run_delay_since_the_last_look(monkeypatch, tmp_
     assert sockio.waited_for_cpu() is False
 
 
+def test_a_thread_keeps_no_schedstat_descriptor_past_half_the_limit(monkeypatch):
+    """With the process's descriptors past half its limit, a new thread goes without the
+    look (and without the descriptor) rather than take one its sockets may need."""
+    import os
+    from transfer import sockio
+    monkeypatch.setattr(sockio, "_FD_ROOM", 0)
+    before, seen = len(os.listdir("/proc/self/fd")), {}
+
+    def look():
+        seen["looks"] = [sockio.waited_for_cpu() for _ in range(3)]
+        seen["stat"] = sockio._mine.stat
+        seen["fds"] = len(os.listdir("/proc/self/fd"))
+    t = threading.Thread(target=look)
+    t.start()
+    t.join()
+    assert seen["looks"] == [False] * 3 and seen["stat"] is sockio._UNKNOWN
+    assert seen["fds"] == before
+
+
+def test_a_failed_look_closes_its_descriptor_once(monkeypatch):
+    """Closed where the look failed, and never again when the half-made object goes: by
+    then the number may be a socket another thread just accepted (a daemon out of
+    descriptors lost connections to exactly that)."""
+    import gc
+    import os
+    from transfer import sockio
+    monkeypatch.setattr(sockio, "_FD_ROOM", 0)
+    real, closed = os.close, []
+
+    def recording(fd):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            link = "(closed already)"
+        if "/task/" in link or link == "(closed already)":  # (not another test's garbage)
+            closed.append((fd, link))
+        real(fd)
+
+    def look():
+        monkeypatch.setattr(os, "close", recording)
+        try:
+            assert sockio.waited_for_cpu() is False
+            gc.collect()
+        finally:
+            monkeypatch.setattr(os, "close", real)
+    t = threading.Thread(target=look)
+    t.start()
+    t.join()
+    assert len(closed) == 1, closed
+
+
 def test_each_thread_looks_at_its_own_schedstat_and_lets_it_go_when_it_ends():
     import gc
     import os
