@@ -169,7 +169,8 @@ def test_spin_recv_receives_what_arrives_while_it_polls():
                 break
             assert b.recv(8) == b"abc"  # descheduled while polling (a busy host): again
         assert got == 3 and buf[:3] == b"abc"
-        assert stream.spin_recv(b.fileno(), buf, 10**6) == -1
+        idle = [stream.spin_recv(b.fileno(), buf, 10**6) for _ in range(20)]
+        assert -1 in idle and set(idle) <= {-1, -2}  # nothing came (-2: descheduled meanwhile)
         a.close()
         assert stream.spin_recv(b.fileno(), buf, 10**6) == 0
 
