@@ -300,17 +300,27 @@ def test_a_thread_keeps_no_schedstat_descriptor_past_half_the_limit(monkeypatch)
     import os
     from transfer import sockio
     monkeypatch.setattr(sockio, "_FD_ROOM", 0)
-    before, seen = len(os.listdir("/proc/self/fd")), {}
+    seen = {}
 
     def look():
         seen["looks"] = [sockio.waited_for_cpu() for _ in range(3)]
         seen["stat"] = sockio._mine.stat
-        seen["fds"] = len(os.listdir("/proc/self/fd"))
+        mine = f"/task/{threading.get_native_id()}/schedstat"
+        seen["kept"] = [fd for fd in os.listdir("/proc/self/fd")
+                        if _link(f"/proc/self/fd/{fd}").endswith(mine)]
     t = threading.Thread(target=look)
     t.start()
     t.join()
     assert seen["looks"] == [False] * 3 and seen["stat"] is sockio._UNKNOWN
-    assert seen["fds"] == before
+    assert seen["kept"] == []
+
+
+def _link(path: str) -> str:
+    import os
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 def test_a_failed_look_closes_its_descriptor_once(monkeypatch):
@@ -321,28 +331,32 @@ def test_a_failed_look_closes_its_descriptor_once(monkeypatch):
     import os
     from transfer import sockio
     monkeypatch.setattr(sockio, "_FD_ROOM", 0)
-    real, closed = os.close, []
+    real_open, real_close, opened, closed = os.open, os.close, [], []
 
-    def recording(fd):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            link = "(closed already)"
-        if "/task/" in link or link == "(closed already)":  # (not another test's garbage)
-            closed.append((fd, link))
-        real(fd)
+    def recording_open(path, *args, **kwargs):
+        fd = real_open(path, *args, **kwargs)
+        if str(path).endswith("thread-self/schedstat"):
+            opened.append(fd)
+        return fd
+
+    def recording_close(fd):
+        if fd in opened:
+            closed.append(fd)
+        real_close(fd)
 
     def look():
-        monkeypatch.setattr(os, "close", recording)
+        monkeypatch.setattr(os, "open", recording_open)
+        monkeypatch.setattr(os, "close", recording_close)
         try:
             assert sockio.waited_for_cpu() is False
             gc.collect()
         finally:
-            monkeypatch.setattr(os, "close", real)
+            monkeypatch.setattr(os, "close", real_close)
+            monkeypatch.setattr(os, "open", real_open)
     t = threading.Thread(target=look)
     t.start()
     t.join()
-    assert len(closed) == 1, closed
+    assert len(opened) == 1 and closed == opened, (opened, closed)
 
 
 def test_each_thread_looks_at_its_own_schedstat_and_lets_it_go_when_it_ends():
