@@ -44,6 +44,11 @@ def _fd_room() -> int:
 _FD_ROOM = _fd_room()
 
 
+def _run_delay(fd: int) -> int:
+    """The run_delay field (the second) of an open schedstat file."""
+    return int(os.pread(fd, 96, 0).split()[1])
+
+
 class _SchedStat:
     """The calling thread's /proc/thread-self/schedstat, kept open (a pread is ~0.4 us):
     its run_delay, the nanoseconds it has spent runnable but waiting for a CPU."""
@@ -55,14 +60,14 @@ class _SchedStat:
         try:
             if fd >= _FD_ROOM:  # the process is using many: its sockets come first
                 raise OSError(errno.EMFILE, "no room for a schedstat descriptor")
-            self.last = int(os.pread(fd, 96, 0).split()[1])
+            self.last = _run_delay(fd)
         except BaseException:
             os.close(fd)  # (never kept: `__del__` must not close the number again, which
             raise  # may be another file's by then)
         self.fd = fd
 
     def run_delay(self) -> int:
-        return int(os.pread(self.fd, 96, 0).split()[1])
+        return _run_delay(self.fd)
 
     def __del__(self) -> None:  # the thread ended (threading.local lets go of it)
         fd = getattr(self, "fd", -1)  # (unset when __init__ failed: nothing to close)

@@ -135,13 +135,7 @@ class AsyncConnection:
         try:
             async with asyncio.timeout(self.timeout_s):
                 while k < view.nbytes:
-                    piece = view[k:k + w.RECV_CHUNK]
-                    spin = self.spin  # a lone call's (see _take)
-                    got = spin.poll(self.sock, piece) if spin is not None else None
-                    if got is None:
-                        got = await self.loop.sock_recv_into(self.sock, piece)
-                        if spin is not None:
-                            spin.blocked()
+                    got = await self._recv_waiting(view[k:k + w.RECV_CHUNK])
                     if not got:
                         raise ConnectionError("peer closed the connection mid-frame")
                     k += got
@@ -181,16 +175,23 @@ class AsyncConnection:
             try:  # what has arrived, with no trip round the loop
                 got = self.sock.recv_into(buf.room(n))
             except (BlockingIOError, InterruptedError):
-                spin = self.spin  # polled on the loop, which nothing else needs meanwhile
-                got = spin.poll(self.sock, buf.room(n)) if spin is not None else None
-                if got is None:
-                    got = await self.loop.sock_recv_into(self.sock, buf.room(n))
-                    if spin is not None:
-                        spin.blocked()
+                got = await self._recv_waiting(buf.room(n))
             if not got:
                 raise ConnectionError("peer closed the connection mid-frame")
             buf.received(got)
         return buf.take(n)
+
+    async def _recv_waiting(self, view) -> int:
+        """Bytes received into `view` once some come (0: the peer closed): polled for first
+        while this is the client's only call (`spin`: the loop has nothing else to run
+        meanwhile), else, or after, awaited on the loop."""
+        spin = self.spin
+        got = spin.poll(self.sock, view) if spin is not None else None
+        if got is None:
+            got = await self.loop.sock_recv_into(self.sock, view)
+            if spin is not None:
+                spin.blocked()
+        return got
 
     def _recv_ready(self, view: memoryview) -> int:
         """Receive into `view` what has arrived already, RECV_CHUNK bytes a call, with no

@@ -49,9 +49,9 @@ class AsyncClient:
         more as they need them.
 
         `spin_us`: while a call is this client's only one, its connection polls for the
-        reply's header for up to this long before it waits on the loop (as `Client`'s
-        does): it holds the event loop meanwhile, at most `spin_us` per wait, and the
-        window halves after each long wait. 0: never."""
+        reply (header and payload) for up to this long before it waits on the loop (as
+        `Client`'s does): it holds the event loop meanwhile, at most `spin_us` per wait,
+        and the window halves after each long wait. 0: never."""
         if namespace is None:
             raise ValueError("AsyncClient needs namespace=Namespace(model, num_layers, "
                              "num_kv_heads, head_dim, ...): the model whose KV blocks it stores")
