@@ -718,13 +718,21 @@ def send_frame_fds(sock: socket.socket, msg: Message, op: Op, fds: list[int]) ->
         sock.sendall(data[sent:])
 
 
-def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=()) -> None:
-    """One frame with its payload buffers, gathered by sendmsg (no join of the payload)."""
-    if not payload:
+def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=(),
+               deadline: float | None = None, standing: float = 0.0) -> bool:
+    """One frame with its payload buffers, gathered by sendmsg (no join of the payload).
+    `deadline` and `standing`: as send_views, whose answer this returns."""
+    if not payload and deadline is None:
         sock.sendall(encode(msg, op, reply))
-        return
+        return False
     views = [memoryview(b).cast("B") for b in payload]
-    send_views(sock, [memoryview(encode(msg, op, reply, sum(v.nbytes for v in views))), *views])
+    head = memoryview(encode(msg, op, reply, sum(v.nbytes for v in views)))
+    return send_views(sock, [head, *views], deadline, standing)
+
+
+SEND_SLACK_S = 0.01  # how far one sendmsg may run past send_views' deadline: within it,
+# the socket's standing timeout is left as it is (no setsockopt per call where the deadline
+# is the standing timeout from now, as a client's request has it)
 
 
 def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | None = None,
@@ -734,15 +742,16 @@ def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | No
     once past it with bytes still to go. Each call is bounded by the time left and the
     deadline checked between calls: a peer that reads a little now and then, each call
     making some progress, is bounded by it all the same. The socket's send timeout is
-    set to the time left where that is less than `standing` (the timeout it has: 0, none);
-    returns whether it was (the caller puts its own back)."""
+    set to the time left where `standing` (the timeout it has: 0, none) would run more
+    than SEND_SLACK_S past the deadline; returns whether it was (the caller puts its own
+    back)."""
     at, changed = 0, False
     while at < len(bufs):
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the peer took its data too slowly")
-            if not 0 < standing <= left:
+            if not 0 < standing <= left + SEND_SLACK_S:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(max(left, 1e-3)))
                 changed = True
         try:

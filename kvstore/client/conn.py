@@ -6,6 +6,7 @@ carry shared memory as file descriptors."""
 from __future__ import annotations
 
 import socket
+import time
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -85,11 +86,22 @@ class Connection:
             raise
 
     def send(self, msg: w.Message, payload=()) -> None:
+        """A request and its payload, whole within timeout_s: a daemon that takes a little
+        now and then cannot stretch it (each sendmsg is bounded by the time left)."""
+        changed = True  # (an exception midway may leave the socket's timeout changed)
         try:
-            w.send_frame(self.sock, msg, msg.OP, False, payload)
+            changed = w.send_frame(self.sock, msg, msg.OP, False, payload,
+                                   time.monotonic() + self.timeout_s, self.timeout_s)
         except w.TIMED_OUT as e:
             raise RequestTimeout(f"sending {msg.OP.name} to {self.addr} "
                                  f"stalled for {self.timeout_s}s") from e
+        finally:
+            if changed:
+                try:
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                         w.timeval(self.timeout_s))
+                except OSError:
+                    pass  # closed under us: the error above says why
 
     def receive(self, op: w.Op) -> tuple[w.Message, int]:
         """The reply to `op` (its payload, if any, is still to be read); raises RemoteError."""

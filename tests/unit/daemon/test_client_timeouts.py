@@ -21,11 +21,11 @@ NS = Namespace("timeout-test", num_layers=1, num_kv_heads=1, head_dim=64)  # 4 K
 
 
 @contextlib.contextmanager
-def fake_daemon(answer_get: Callable[[socket.socket, threading.Event], None]
-                ) -> Iterator[str]:
-    """A daemon on a loopback port that speaks HELLO and then answers the first GET of
-    every connection with `answer_get(conn, stop)` (the client retries some failures once
-    on a fresh connection). Yields its url."""
+def fake_daemon(answer_get: Callable[[socket.socket, threading.Event], None],
+                max_payload_bytes: int = 0) -> Iterator[str]:
+    """A daemon on a loopback port that speaks HELLO and then answers the first request
+    of every connection with `answer_get(conn, stop)` (the client retries some failures
+    once on a fresh connection). Yields its url."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
     stop = threading.Event()
@@ -39,8 +39,10 @@ def fake_daemon(answer_get: Callable[[socket.socket, threading.Event], None]
             with conn:
                 reader = w.FrameReader(conn)
                 reader.frame(1 << 20)
-                w.send_frame(conn, w.HelloOk(block_bytes=NS.block_bytes), w.Op.HELLO, True)
-                reader.frame(1 << 20)
+                w.send_frame(conn, w.HelloOk(block_bytes=NS.block_bytes,
+                                             max_payload_bytes=max_payload_bytes),
+                             w.Op.HELLO, True)
+                reader.frame(max(1 << 20, max_payload_bytes))
                 answer_get(conn, stop)
 
     server = threading.Thread(target=serve, daemon=True)
@@ -75,6 +77,33 @@ def test_a_payload_that_stops_midway_times_out():
         with pytest.raises(RequestTimeout, match="stalled"):
             get_one(c)
         assert time.monotonic() - t0 < 5
+
+
+def read_slowly(conn: socket.socket, stop: threading.Event) -> None:
+    """Take a request's payload 256 KiB every 50 ms (about 5 MiB/s, so each of the
+    client's sendmsg calls makes some progress well within its timeout), for up to 30 s."""
+    buf = bytearray(256 << 10)
+    until = time.monotonic() + 30
+    while not stop.is_set() and time.monotonic() < until:
+        try:
+            if not conn.recv_into(buf):
+                return
+        except OSError:
+            return
+        stop.wait(0.05)
+
+
+def test_a_daemon_taking_a_put_slowly_cannot_stretch_the_timeout():
+    """The request goes out whole within timeout_s, or the call ends: SO_SNDTIMEO alone
+    times each sendmsg, and a peer that takes a little now and then restarted it at every
+    call (64 MiB at ~5 MiB/s: ~13 s, then "no reply", against a 0.5 s timeout)."""
+    payload = np.zeros((1024, NS.block_bytes * 16), np.uint8)  # 64 MiB
+    with fake_daemon(read_slowly, max_payload_bytes=payload.nbytes) as url, \
+            Client(url, namespace=NS, timeout_s=0.5, use_shm=False) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeout, match="stalled"):
+            c.put_n(hash_blocks(NS, np.arange(16 * 1024 * 16)), payload.reshape(-1, NS.block_bytes))
+        assert time.monotonic() - t0 < 10
 
 
 def test_a_reply_naming_an_unknown_tier_is_a_protocol_error():
