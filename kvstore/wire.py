@@ -489,9 +489,13 @@ TIMED_OUT = (socket.timeout, BlockingIOError)  # what a timed-out call raises, e
 # puts (the daemon receiving) 2.6 -> 3.1-3.4 (4 MiB), 2.2 -> 2.8-3.1 (16 x 1 MiB). 32 KiB
 # measured the same, 16 KiB cost a 256 KiB get 10%, 512 KiB kept half the gain.
 RECV_CHUNK = 64 << 10
+DEADLINE_SLACK_S = 0.01  # how far one call may run past a send's or receive's deadline:
+# within it, the socket's standing timeout is left as it is (no setsockopt per call where
+# the deadline is the standing timeout from now, as a client's request has it)
 
 
-def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None,
+               standing: float | None = None) -> bool:
     """Fill `view` from the socket (recv_into straight into the destination, no copies),
     RECV_CHUNK bytes a call. MSG_WAITALL lets the kernel fill each chunk in one call on a
     blocking socket (the daemon's: +10-40% on megabyte payloads). A socket with a Python
@@ -500,24 +504,43 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
     which hands back whenever one comes back short. `deadline` (time.monotonic()):
     TimeoutError once past it with bytes still to come, checked before each call (the
     socket's timeout bounds each call: one that times out before the deadline is tried
-    again)."""
-    got, n = 0, len(view)
+    again). With `standing` (the socket's receive timeout), a call is also bounded by the
+    time left, as send_views bounds its own; returns whether the socket's timeout was
+    changed for it (the caller puts its own back)."""
+    got, n, changed = 0, len(view), False
     fd = sockio.loop_fd(sock)
     while got < n:
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError("the payload came too slowly")
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left < 0:
+                raise TimeoutError("the payload came too slowly")
+            if standing is not None and _bound_call(sock, socket.SO_RCVTIMEO, left, standing):
+                changed = True
         try:
             if fd >= 0:  # the same calls, looped in C with the GIL released once
                 k = sockio.recv_loop(fd, view[got:] if got else view, RECV_CHUNK)
             else:
                 k = sock.recv_into(view[got:], min(RECV_CHUNK, n - got), socket.MSG_WAITALL)
-        except TIMED_OUT:
-            if deadline is not None and time.monotonic() <= deadline:
+        except TIMED_OUT as e:
+            if deadline is None:
+                raise
+            if time.monotonic() <= deadline:
                 continue
-            raise
+            raise TimeoutError("the payload came too slowly") from e
         if k == 0:
             raise ConnectionError("peer closed the connection mid-frame")
         got += k
+    return changed
+
+
+def _bound_call(sock: socket.socket, option: int, left: float, standing: float) -> bool:
+    """Set the socket's `option` timeout (SO_SNDTIMEO, SO_RCVTIMEO) to the `left` seconds
+    of a deadline where its `standing` timeout (0: none) would run more than DEADLINE_SLACK_S
+    past it; whether it did."""
+    if 0 < standing <= left + DEADLINE_SLACK_S:
+        return False
+    sock.setsockopt(socket.SOL_SOCKET, option, timeval(max(left, 1e-3)))
+    return True
 
 
 def recv_frame(sock: socket.socket, max_payload: int) -> Frame:
@@ -624,6 +647,12 @@ class FrameReader:
         self.max_header = max_header
         self.deadline = deadline
         self.payload_deadline: float | None = None  # by when a payload must be in (recv_into)
+        # a client's: by when the frame it waits for must be in (`_take`), and the receive
+        # timeout its socket stands at, which each read is then bounded by the time left
+        # within (see recv_exact); None: the socket's own timeout bounds each read alone
+        self.reply_deadline: float | None = None
+        self.standing: float | None = None
+        self.rebound = False  # a read changed the socket's timeout: its owner puts it back
         self.buffered = FrameBuffer()
         self.idle_periods = 1
         self.spin: sockio.Spin | None = None  # poll before blocking for a frame (set by the owner)
@@ -646,7 +675,15 @@ class FrameReader:
             polled = False
             if self.deadline is not None:
                 self._before_read()
-            elif spin is not None:
+                spin = None
+            elif self.reply_deadline is not None:
+                left = self.reply_deadline - time.monotonic()
+                if left < 0:
+                    raise TimeoutError("the reply came too slowly")
+                if self.standing is not None and _bound_call(self.sock, socket.SO_RCVTIMEO,
+                                                             left, self.standing):
+                    self.rebound = True
+            if spin is not None:
                 k = spin.poll(self.sock, buf.room(n))
                 if k is not None:
                     if not k:
@@ -698,8 +735,9 @@ class FrameReader:
         with one MSG_WAITALL read (per block: a gathered recvmsg_into of several blocks
         measured slower on loopback, 0.80x vs 0.84x a raw socket for 16 x 1 MiB)."""
         k = self.buffered.take_into(view)
-        if k < view.nbytes:
-            recv_exact(self.sock, view[k:], self.payload_deadline)
+        if k < view.nbytes and recv_exact(self.sock, view[k:], self.payload_deadline,
+                                          self.standing):
+            self.rebound = True
 
 
 def close_fds(fds) -> None:
@@ -730,11 +768,6 @@ def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=(
     return send_views(sock, [head, *views], deadline, standing)
 
 
-SEND_SLACK_S = 0.01  # how far one sendmsg may run past send_views' deadline: within it,
-# the socket's standing timeout is left as it is (no setsockopt per call where the deadline
-# is the standing timeout from now, as a client's request has it)
-
-
 def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | None = None,
                standing: float = 0.0) -> bool:
     """Send flat byte views in order, gathered by sendmsg (256 at a time), whole.
@@ -743,7 +776,7 @@ def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | No
     deadline checked between calls: a peer that reads a little now and then, each call
     making some progress, is bounded by it all the same. The socket's send timeout is
     set to the time left where `standing` (the timeout it has: 0, none) would run more
-    than SEND_SLACK_S past the deadline; returns whether it was (the caller puts its own
+    than DEADLINE_SLACK_S past the deadline; returns whether it was (the caller puts its own
     back)."""
     at, changed = 0, False
     while at < len(bufs):
@@ -751,15 +784,16 @@ def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | No
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the peer took its data too slowly")
-            if not 0 < standing <= left + SEND_SLACK_S:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(max(left, 1e-3)))
+            if _bound_call(sock, socket.SO_SNDTIMEO, left, standing):
                 changed = True
         try:
             sent = sock.sendmsg(bufs[at:at + 256])
-        except TIMED_OUT:
-            if deadline is not None and time.monotonic() <= deadline:
+        except TIMED_OUT as e:
+            if deadline is None:
+                raise
+            if time.monotonic() <= deadline:
                 continue
-            raise
+            raise TimeoutError("the peer took its data too slowly") from e
         while at < len(bufs) and sent >= len(bufs[at]):
             sent -= len(bufs[at])
             at += 1

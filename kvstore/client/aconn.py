@@ -157,6 +157,10 @@ class AsyncConnection:
             self._staging = ShmSegment.from_fd(fd, writable=True, size=reply.nbytes)
         return self._staging.array
 
+    @property
+    def closed(self) -> bool:
+        return self.sock.fileno() < 0
+
     def close(self) -> None:
         self._drop_staging()
         self.sock.close()

@@ -165,6 +165,8 @@ class AsyncClient:
             next(iter(self._busy)).spin = self._spin
 
     def _give_back(self, conn: AsyncConnection) -> None:
+        if conn.closed:
+            return
         if len(self._idle) < self.pool_size and not self._closed:
             self._idle.append(conn)
         else:
@@ -285,7 +287,10 @@ class AsyncClient:
                 elif status == 0:
                     inline.append(as_numpy(rows[i]))
         except BaseException:
-            await conn.call(w.Abort(reservation_id=res.reservation_id))
+            try:
+                await conn.call(w.Abort(reservation_id=res.reservation_id))
+            except Exception:  # its own failure must not hide why the put failed: the
+                conn.close()  # connection's end gives the reservation back all the same
             raise
         try:
             await conn.call(w.Commit(reservation_id=res.reservation_id), inline)

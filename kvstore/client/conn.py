@@ -78,6 +78,8 @@ class Connection:
         w.kernel_timeouts(self.sock, timeout_s)
         self.reader = w.FrameReader(self.sock)
         self.reader.spin = Spin(spin_us * 1e-6)
+        self.reader.standing = timeout_s
+        self._deadline = 0.0  # the current request's (see send)
         hello = replies.hello(ns, token, want_agent, agent_key)
         try:
             self.info: w.HelloOk = self.call(hello)[0]
@@ -86,30 +88,35 @@ class Connection:
             raise
 
     def send(self, msg: w.Message, payload=()) -> None:
-        """A request and its payload, whole within timeout_s: a daemon that takes a little
-        now and then cannot stretch it (each sendmsg is bounded by the time left)."""
+        """A request and its payload. The request's time starts here: the request goes out
+        and its reply's header comes back (`receive`) within timeout_s, however the daemon
+        paces its bytes (each call is bounded by the time left, not by the socket's timeout
+        alone, which any progress restarted)."""
+        self._deadline = deadline = time.monotonic() + self.timeout_s
         changed = True  # (an exception midway may leave the socket's timeout changed)
         try:
-            changed = w.send_frame(self.sock, msg, msg.OP, False, payload,
-                                   time.monotonic() + self.timeout_s, self.timeout_s)
+            changed = w.send_frame(self.sock, msg, msg.OP, False, payload, deadline,
+                                   self.timeout_s)
         except w.TIMED_OUT as e:
             raise RequestTimeout(f"sending {msg.OP.name} to {self.addr} "
                                  f"stalled for {self.timeout_s}s") from e
         finally:
             if changed:
-                try:
-                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                         w.timeval(self.timeout_s))
-                except OSError:
-                    pass  # closed under us: the error above says why
+                self._restore_timeout(socket.SO_SNDTIMEO)
 
     def receive(self, op: w.Op) -> tuple[w.Message, int]:
         """The reply to `op` (its payload, if any, is still to be read); raises RemoteError."""
+        reader = self.reader
+        reader.reply_deadline = self._deadline
         try:
-            frame = self.reader.frame(1 << 62)
+            frame = reader.frame(1 << 62)
         except w.TIMED_OUT as e:
             raise RequestTimeout(f"no reply to {op.name} from {self.addr} within "
                                  f"{self.timeout_s}s (raise timeout_s for big batches)") from e
+        finally:
+            reader.reply_deadline = None
+            if reader.rebound:
+                self._restore_timeout(socket.SO_RCVTIMEO)
         return replies.check_reply(frame, op)
 
     def call(self, msg: w.Message, payload=()) -> tuple[w.Message, int]:
@@ -117,11 +124,27 @@ class Connection:
         return self.receive(msg.OP)
 
     def recv_into(self, view: memoryview) -> None:
+        """Payload bytes of the last reply, within timeout_s a call."""
+        reader = self.reader
+        reader.payload_deadline = time.monotonic() + self.timeout_s
         try:
-            self.reader.recv_into(view)
+            reader.recv_into(view)
         except w.TIMED_OUT as e:
             raise RequestTimeout(f"payload from {self.addr} stalled for "
                                  f"{self.timeout_s}s") from e
+        finally:
+            reader.payload_deadline = None
+            if reader.rebound:
+                self._restore_timeout(socket.SO_RCVTIMEO)
+
+    def _restore_timeout(self, option: int) -> None:
+        """The socket's standing send or receive timeout back, after a deadline's."""
+        if option == socket.SO_RCVTIMEO:
+            self.reader.rebound = False
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, option, w.timeval(self.timeout_s))
+        except OSError:
+            pass  # closed under us: the error that ended the call says why
 
     def flush_releases(self) -> None:
         if self.pending_release:
@@ -151,6 +174,10 @@ class Connection:
         if self._staging is not None:
             self._staging, segment = None, self._staging
             segment.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.sock.fileno() < 0
 
     def close(self) -> None:
         self._drop_staging()

@@ -192,6 +192,8 @@ class Client:
             conn.close()
 
     def _give_back(self, conn: Connection) -> None:
+        if conn.closed:
+            return
         with self._lock:
             if len(self._idle) < self.pool_size and not self._closed:
                 self._idle.append(conn)
@@ -320,7 +322,10 @@ class Client:
                 agent.write([slot for slot, _ in moved], [rows[i] for i in idx],
                             rows if isinstance(rows, np.ndarray) else None, idx)
         except BaseException:
-            conn.call(w.Abort(reservation_id=res.reservation_id))
+            try:
+                conn.call(w.Abort(reservation_id=res.reservation_id))
+            except Exception:  # its own failure must not hide why the put failed: the
+                conn.close()  # connection's end gives the reservation back all the same
             raise
         try:
             conn.call(w.Commit(reservation_id=res.reservation_id), inline)

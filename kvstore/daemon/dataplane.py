@@ -134,9 +134,9 @@ class ServedConnection:
         except (KVStoreError, ValueError) as e:  # bad input the store refused
             outcome = "refused"
             self._send_error(w.ErrorCode.PROTOCOL, str(e))
-        except (ConnectionError, TimeoutError):
-            outcome = "disconnected"
-            raise
+        except (ConnectionError, *w.TIMED_OUT):  # a peer gone, or too slow to send to or
+            outcome = "disconnected"  # hear from (a socket timeout: BlockingIOError): the
+            raise  # connection ends, and the daemon had no fault in it
         except Exception as e:  # a bug or an I/O failure: say so, log it, end this connection
             outcome = "internal"
             m.internal_errors.inc()

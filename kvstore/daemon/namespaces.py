@@ -195,6 +195,10 @@ class Registry:
             if hosted is None:
                 tiers = self._plan(ns)
                 hosted = self._hosted[ns.ns_id] = self._create(ns, tiers)
+            elif hosted.ns != ns:  # two namespaces under one 64-bit id (a crafted one: the
+                # tenant check above was of the namespace asked for, not of this store's)
+                raise RemoteError(ErrorCode.NAMESPACE, f"namespace id {ns.ns_id:#x} is "
+                                  "taken by another namespace on this daemon")
             return hosted
 
     def _plan(self, ns: Namespace) -> tuple[TierConfig, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 
 import msgpack
 import numpy as np
@@ -161,10 +162,23 @@ def test_a_put_slower_than_the_reservation_timeout_corrupts_no_other_block(daemo
         c.remove_n(others + slow)
 
 
+def metric(daemon, name: str, *labels: str) -> float:
+    """The sum of a Prometheus metric's samples (those with every one of `labels`)."""
+    text = urllib.request.urlopen(daemon.http + "/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and all(label in line for label in labels))
+
+
+def internal_errors(daemon) -> float:
+    return metric(daemon, "kvtier_internal_errors_total")
+
+
 def test_a_put_that_trickles_past_its_deadline_is_aborted_and_holds_nothing(daemon):
     """A payload must keep up 4 MiB/s after twice --reservation-timeout (2 s here): one
     sending a byte per idle timeout held its slots for as long as it liked. Past the
-    deadline the put is aborted, nothing of it stored, the connection closed."""
+    deadline the put is aborted, nothing of it stored, the connection closed. The client
+    was at fault, not the daemon: no internal error is counted (operators page on it)."""
+    errors = internal_errors(daemon)
     slow = hash_blocks(NS, np.arange(2 * 16) + 8383)
     payload = np.concatenate([block_of(h, BB) for h in slow])
     with raw_conn(daemon) as s:
@@ -182,6 +196,30 @@ def test_a_put_that_trickles_past_its_deadline_is_aborted_and_holds_nothing(daem
         while c.stats().open_reservations and time.monotonic() < deadline:
             time.sleep(0.05)
         assert c.contains_n(slow) == [False, False] and c.stats().open_reservations == 0
+    assert internal_errors(daemon) == errors
+
+
+def test_a_client_that_never_reads_its_replies_is_no_internal_error(daemon):
+    """GETs pipelined by a client that reads nothing: the daemon's sends time out, the
+    connection ends, and that is the client's doing (it was counted an internal error,
+    with a traceback in the log)."""
+    errors = internal_errors(daemon)
+    hs = hash_blocks(NS, np.arange(64 * 16) + 9494)
+    with Client(daemon.url, namespace=NS, use_shm=False) as c:
+        c.put_n(hs, np.concatenate([block_of(h, BB) for h in hs]))
+    ended = ('op="get"', 'outcome="disconnected"'), ('op="get"', 'outcome="internal"')
+    before = sum(metric(daemon, "kvtier_ops_total", *labels) for labels in ended)
+    with raw_conn(daemon) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        hello(s)
+        s.sendall(w.encode(w.Get(hashes=w.pack_hashes(hs)), w.Op.GET, False) * 64)
+        deadline = time.monotonic() + 60  # until the daemon gives up on this connection
+        while (sum(metric(daemon, "kvtier_ops_total", *labels) for labels in ended) == before
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        assert time.monotonic() < deadline, "the daemon never gave up sending"
+    assert internal_errors(daemon) == errors
+    still_serving(daemon)
 
 
 def test_a_timed_out_reservation_keeps_its_dram_slots_until_the_client_is_done(daemon):
@@ -407,3 +445,34 @@ def test_a_get_whose_reply_would_exceed_the_payload_limit_is_refused(make_daemon
         out = bytearray(frame.payload_bytes)
         w.recv_exact(s, memoryview(out))
         assert bytes(out) == block_of(h, BB).tobytes() * 16
+
+
+def test_a_failed_abort_does_not_hide_why_a_put_failed(make_daemon, monkeypatch):
+    """A same-host put whose copy into its reserved slots fails sends ABORT; when that
+    fails too (the daemon stopped answering), the put raises its own error, not the
+    ABORT's timeout, and the connection is not used again (the next call, once the daemon
+    is back, works)."""
+    import os
+    import signal
+    import kvstore.client.sync as sync
+
+    d = make_daemon()
+    hs = hash_blocks(NS, np.arange(4 * 16) + 7373)
+    blocks = np.concatenate([block_of(h, BB) for h in hs])
+    with Client(d.url, namespace=NS, timeout_s=1, staged_put_bytes=0,
+                direct_puts=False) as c:
+        c.put_n(hs[:1], blocks[:BB])  # connected, the arena mapped
+
+        def copy_fails(dst, src):
+            os.kill(d.pid, signal.SIGSTOP)  # the ABORT that follows gets no reply
+            raise RuntimeError("the caller's buffer went away")
+
+        monkeypatch.setattr(sync, "copy_row", copy_fails)
+        try:
+            with pytest.raises(RuntimeError, match="went away"):
+                c.put_n(hs[1:], blocks[BB:])
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        monkeypatch.undo()
+        assert c.put_n(hs[1:], blocks[BB:]) == [PutStatus.STORED] * 3
+        assert c.get(hs[2]) == block_of(hs[2], BB).tobytes()

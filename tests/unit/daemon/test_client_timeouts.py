@@ -106,6 +106,44 @@ def test_a_daemon_taking_a_put_slowly_cannot_stretch_the_timeout():
         assert time.monotonic() - t0 < 10
 
 
+def dribble(data: bytes, conn: socket.socket, stop: threading.Event) -> None:
+    """Send `data` a byte every 50 ms (each read of the client's makes some progress well
+    within its timeout), for up to 30 s."""
+    until = time.monotonic() + 30
+    for i in range(len(data)):
+        if stop.is_set() or time.monotonic() > until:
+            return
+        try:
+            conn.sendall(data[i:i + 1])
+        except OSError:
+            return
+        stop.wait(0.05)
+
+
+def dribble_reply(conn: socket.socket, stop: threading.Event) -> None:
+    """One hit's reply header, a byte at a time."""
+    dribble(w.encode(w.GetOk(tiers=b"\x01"), w.Op.GET, True, NS.block_bytes), conn, stop)
+
+
+def dribble_payload(conn: socket.socket, stop: threading.Event) -> None:
+    """One hit's reply header at once, then its payload a byte at a time."""
+    conn.sendall(w.encode(w.GetOk(tiers=b"\x01"), w.Op.GET, True, NS.block_bytes))
+    dribble(bytes(NS.block_bytes), conn, stop)
+
+
+@pytest.mark.parametrize("answer", [dribble_reply, dribble_payload])
+def test_a_daemon_dribbling_its_reply_cannot_stretch_the_timeout(answer):
+    """A reply's header comes within timeout_s of the request, and each payload read
+    within timeout_s, however the daemon paces its bytes: the socket's timeout alone was
+    restarted by every byte (a reply dribbled at 20 bytes/s held the call for good)."""
+    with fake_daemon(answer) as url, \
+            Client(url, namespace=NS, timeout_s=0.5, use_shm=False) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            get_one(c)
+        assert time.monotonic() - t0 < 10
+
+
 def test_a_reply_naming_an_unknown_tier_is_a_protocol_error():
     with fake_daemon(name_unknown_tier) as url, \
             Client(url, namespace=NS, timeout_s=2, use_shm=False) as c:

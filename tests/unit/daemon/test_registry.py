@@ -53,3 +53,22 @@ def test_a_hello_during_a_clear_waits_for_the_files_to_be_gone(tmp_path, monkeyp
         assert fresh is not hosted and fresh.store.contains_n([b"x" * 16]) == [False]
     finally:
         reg.close()
+
+
+def test_a_namespace_whose_id_collides_with_another_tenants_is_refused(tmp_path, monkeypatch):
+    """Stores are found by a 64-bit id: a namespace crafted to share another's id (bob's
+    here) must not be handed that namespace's store, whose tenant it was never checked
+    against."""
+    from kvstore.keys import Namespace as Ns
+    bob = Namespace("shared", num_layers=1, num_kv_heads=1, head_dim=64, tenant="bob")
+    mallory = Namespace("crafted", num_layers=1, num_kv_heads=1, head_dim=64, tenant="mallory")
+    monkeypatch.setattr(Ns, "ns_id", property(lambda self: 0x5EED))
+    reg = Registry(config(tmp_path))
+    try:
+        hosted = reg.open(bob, "bob")
+        with pytest.raises(RemoteError) as e:
+            reg.open(mallory, "mallory")
+        assert e.value.code is ErrorCode.NAMESPACE and "taken by another" in str(e.value)
+        assert reg.open(bob, "bob") is hosted
+    finally:
+        reg.close()
