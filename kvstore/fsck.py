@@ -4,9 +4,11 @@ Every index entry must point at a slot of the slab file holding that very block,
 (header: hash, namespace; payload: checksum). An index RocksDB cannot read to the end is
 itself a finding: the blocks it lost are counted from the slab headers. Intact blocks the
 index does not list yet (their entries were queued when the tier was killed) are counted,
-not faulted: the tier adopts them at its next open. `repair` drops the
-bad entries and, for a damaged index, rebuilds it from the slab file (what the tier does on
-its own at open), so nothing intact is lost.
+not faulted: the tier adopts them at its next open; such a block whose payload fails its
+checksum is a finding (damage: a header is written after its payload), as is a slab file
+missing beside its headers. The check opens everything read-only and creates nothing.
+`repair` drops the bad entries and blocks and, for a damaged index, rebuilds it from the
+slab file (what the tier does on its own at open), so nothing intact is lost.
 """
 from __future__ import annotations
 
@@ -70,7 +72,13 @@ def _check(path: str, ns: Namespace) -> FsckReport:
         return FsckReport(0, 0, [], f"{HEADERS} is missing; the tier writes it again from the "
                           f"index ({len(entries)} entries) at its next open, or --repair does "
                           f"now" + (f" ({index_error})" if index_error else ""), 0)
-    slabs = SlabFile(path, ns, 1 << 62)
+    missing = [name for name in (SLABS, HEADERS) if not os.path.isfile(os.path.join(path, name))]
+    if missing:  # (with headers.dat alone missing, headers_missing said so above)
+        entries, index_error = _read_index(os.path.join(path, "index"))
+        bad = [(key, f"{' and '.join(missing)} missing: the block is gone")
+               for key, _ in entries]
+        return FsckReport(0, 0, bad, _files_missing(path) or index_error, 0)
+    slabs = SlabFile(path, ns, 1 << 62, readonly=True)
     try:
         entries, index_error = _read_index(os.path.join(path, "index"))
         ok, bad, claimed = 0, [], set()
@@ -83,25 +91,51 @@ def _check(path: str, ns: Namespace) -> FsckReport:
                 bad.append((key, reason))
             else:
                 ok += 1
-        return FsckReport(ok, ok * ns.block_bytes, bad, index_error,
-                          _unlisted(slabs, claimed))
+        recoverable, damaged = _unlisted(slabs, claimed, named)
+        return FsckReport(ok, ok * ns.block_bytes, bad + damaged, index_error, recoverable)
     finally:
         slabs.close()
 
 
-def _unlisted(slabs: SlabFile, claimed: set) -> int:
-    """Intact blocks (header and checksum) in slots no index entry claims: those the index
-    lost, or whose entries were still queued when the tier stopped without closing. The
-    tier adopts them at its next open."""
+def _files_missing(path: str) -> str | None:
+    """What is lost when a slab file is missing beside the other (None when both are
+    there, or neither: a tier that never wrote a block)."""
+    slabs, headers = (os.path.join(path, name) for name in (SLABS, HEADERS))
+    if os.path.isfile(slabs) or not os.path.isfile(headers):
+        return None
+    if not os.path.getsize(headers):
+        return None
+    return (f"{SLABS} is missing: every block it held is lost (the tier finds none of "
+            "them at its next open)")
+
+
+def _unlisted(slabs: SlabFile, claimed: set, named: dict[int, set[bytes]]
+              ) -> tuple[int, list[tuple[bytes, str]]]:
+    """Slots holding a header that no index entry names: (how many hold their block
+    intact, the others as (hash, reason)). The intact ones are blocks the index lost, or
+    whose entries were still queued when the tier stopped without closing: the tier adopts
+    them at its next open. A header is written after its payload, so one whose payload
+    fails its checksum is damage (the tier finds it a miss, and drops it, when read)."""
     free = [s for s in range(slabs.num_grown) if s not in claimed]
     dst = memoryview(np.empty(slabs.block_bytes, np.uint8))
-    return sum(1 for slot, h, c in slabs.headers(free)
-               if h is not None and slabs.read_n([slot], [c], [dst])[0])
+    intact, damaged = 0, []
+    for slot, h, c in slabs.headers(free):
+        if h is None or h in named.get(slot, ()):  # (that entry's verdict stands)
+            continue
+        if slabs.read_n([slot], [c], [dst])[0]:
+            intact += 1
+        else:
+            damaged.append((h, f"slot {slot} (no index entry yet) does not hold its block "
+                               "intact: its payload fails the checksum its header gives"))
+    return intact, damaged
 
 
 def _read_index(path: str) -> tuple[list[tuple[bytes, bytes]], str | None]:
     """Every entry of the index, read-only (a check writes nothing: opened read-write, a
     missing index was created empty, which the tier then took for the real one)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        return [], ("the index's path is not a directory (the tier sets it aside and "
+                    "rebuilds the index from the slab file)")
     if not os.path.isfile(os.path.join(path, "CURRENT")):
         return [], "the index is missing (the tier rebuilds it from the slab file)"
     try:
@@ -130,7 +164,8 @@ def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set,
         return "not an index entry (wrong key or value size)"
     h, slot, want = entry
     if slot >= slabs.num_grown:
-        return f"slot {slot} is beyond the slab file"
+        return (f"slot {slot} is beyond the slab files ({SLABS} and {HEADERS} both back "
+                f"{slabs.num_grown} slots)")
     # before the claim: a stale entry (a delete a crash cut off) naming the same slot as the
     # block now in it takes nothing from it
     ((_, holder, c),) = slabs.headers([slot])
@@ -139,11 +174,15 @@ def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set,
         claimed.add(slot)  # its own to adopt)
         return (f"slot {slot}'s header names another block but holds this entry's checksum: "
                 "the header is damaged; the next start or --repair writes it again")
-    if holder is not None and holder != h:
-        return (f"slot {slot} now holds another block: a stale entry (its delete was cut "
-                "off by a crash), harmless; the next start or --repair drops it")
     dst = memoryview(np.empty(slabs.block_bytes, np.uint8))
-    if holder is None or not slabs.read_n([slot], [c], [dst])[0]:
+    intact = holder is not None and slabs.read_n([slot], [c], [dst])[0]
+    if holder is not None and holder != h:
+        if intact:  # the block its header names is there, whole
+            return (f"slot {slot} now holds another block: a stale entry (its delete was "
+                    "cut off by a crash), harmless; the next start or --repair drops it")
+        return (f"slot {slot} holds neither this block nor, intact, the one its header "
+                "names (damage)")
+    if not intact:
         return f"slot {slot} does not hold this block intact (checksum or header)"
     if slot in claimed:
         return f"slot {slot} is listed twice"

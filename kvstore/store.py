@@ -371,7 +371,11 @@ class TieredStore(Reads, Grants):
             group = [p.entries[h] for h in dict.fromkeys(map(bytes, hashes))
                      if visible(p.entries.get(h)) and p.entries[h].readers == 0]
             p.drop(group, removed=True)
-            tiers = {p.tiers[e.tier] for e in group}
+            # every persistent tier, not only those the blocks were in: one a block left
+            # earlier (promoted out of SSD) may still hold its entry's delete, queued; an
+            # entry left there could bring the removed block back (from a lost header
+            # file's rebuild), the bytes still in their slot
+            tiers = [t for t in p.tiers if t.persistent] if group else []
         for tier in tiers:  # outside the lock: an acknowledged remove survives a crash
             tier.persist_frees()
         return len(group)

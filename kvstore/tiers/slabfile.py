@@ -89,7 +89,10 @@ def headers_missing(directory: str) -> bool:
 
 
 class SlabFile:
-    def __init__(self, directory: str, ns: Namespace, num_slots: int) -> None:
+    def __init__(self, directory: str, ns: Namespace, num_slots: int,
+                 readonly: bool = False) -> None:
+        """`readonly` (a check: `kvtier fsck`): both files opened for reading only, neither
+        created (TierIOError when one is missing)."""
         self.headers_missing = headers_missing(directory)  # (before opening creates it)
         self.path = os.path.join(directory, SLABS)
         self.headers_path = os.path.join(directory, HEADERS)
@@ -102,10 +105,14 @@ class SlabFile:
         # ones are rebuilt in a file of their own, renamed into place once whole: an open
         # that fails midway leaves headers.dat missing still (the next open restores it),
         # never empty (which would say every slot is free)
-        self.hfd = (_open(self.headers_path + RESTORING, os.O_TRUNC) if self.headers_missing
-                    else _open(self.headers_path))
+        if readonly:
+            self.hfd = _open(self.headers_path, readonly=True)
+        elif self.headers_missing:
+            self.hfd = _open(self.headers_path + RESTORING, os.O_TRUNC)
+        else:
+            self.hfd = _open(self.headers_path)
         try:
-            self.fd = _open(self.path)
+            self.fd = _open(self.path, readonly=readonly)
         except BaseException:
             os.close(self.hfd)
             raise
@@ -126,8 +133,11 @@ class SlabFile:
         n = min(self.num_slots, start + max(self.extent_slots, min_slots)) - start
         st = os.statvfs(self.path)
         n = min(n, max(0, st.f_bavail * st.f_frsize - INDEX_HEADROOM) // self.slot_disk_bytes)
-        error = None if n else OSError(errno.ENOSPC, "no room left beside the index's "
-                                       f"{INDEX_HEADROOM >> 10} KiB")
+        # (room for fewer than `min_slots` is no room: an empty range says "at capacity",
+        # and a caller told that while it could still grow would ask again for ever)
+        error = (None if n >= min(min_slots, self.num_slots - start) else
+                 OSError(errno.ENOSPC, f"room for {n} slots beside the index's "
+                         f"{INDEX_HEADROOM >> 10} KiB"))
         while n >= min(min_slots, self.num_slots - start) and n > 0:
             try:
                 os.posix_fallocate(self.hfd, start * HEADER_BYTES, n * HEADER_BYTES)
@@ -302,11 +312,17 @@ class SlabFile:
         return self.headers_path if fd == self.hfd else self.path
 
     def truncate_to(self, num_slots: int) -> None:
-        """Give back disk beyond `num_slots` (a reopen with less capacity)."""
-        for fd, size in ((self.fd, self.stride), (self.hfd, HEADER_BYTES)):
-            if os.fstat(fd).st_size > num_slots * size:
-                os.ftruncate(fd, num_slots * size)
+        """Give back disk beyond `num_slots` (a reopen with less capacity), and beyond the
+        slots both files back (one left longer: a crash between their extents, or one
+        cut short on disk). The headers go first, so a crash between the two leaves the
+        slab file the longer. Left there, old headers past the end were kept by the
+        next extent's posix_fallocate (it zeroes nothing already written) and adopted at
+        the open after it, naming blocks whose bytes were gone: a put of them answered
+        EXISTS and stored nothing."""
         self.num_grown = min(self.num_grown, num_slots)
+        for fd, size in ((self.hfd, HEADER_BYTES), (self.fd, self.stride)):
+            if os.fstat(fd).st_size > self.num_grown * size:
+                os.ftruncate(fd, self.num_grown * size)
 
     def close(self) -> None:
         for name in ("fd", "hfd"):
@@ -316,9 +332,10 @@ class SlabFile:
                 setattr(self, name, -1)
 
 
-def _open(path: str, flags: int = 0) -> int:
+def _open(path: str, flags: int = 0, readonly: bool = False) -> int:
+    mode = os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | flags, 0o600)
+        return os.open(path, mode | os.O_CLOEXEC | flags, 0o600)
     except OSError as e:
         raise TierIOError(f"cannot open the SSD slab file {path}: {e}") from e
 

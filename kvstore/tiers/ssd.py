@@ -120,6 +120,8 @@ class SsdTier:
                 self._grow_failed_at = time.monotonic()
                 log.warning("%s", e)
                 return None
+            if not grown:  # at capacity after all: nothing more will come of asking
+                return None
             self._grow_failed_at = None
             self._free.give_back(list(reversed(grown)))
         return self._free.take(n)
@@ -335,9 +337,11 @@ def _warn_if_bigger_than_disk(path: str, nbytes: int) -> None:
 
 
 def _write_tier_file(path: str, ns: Namespace) -> None:
-    """Name the namespace the directory holds now (rewritten when it differs: a directory
-    reopened for another namespace keeps no block of the first, and fsck must check the
-    blocks against the namespace that wrote them)."""
+    """Name the namespace the directory holds now (rewritten when it differs: fsck must
+    check the blocks against the namespace that wrote them). A directory reopened for
+    another namespace serves none of the first's blocks (their headers name the first);
+    reopened for the first again, those in slots the second did not reuse come back,
+    checked as ever."""
     meta = os.path.join(path, TIER_FILE)
     text = json.dumps(dataclasses.asdict(ns))
     try:

@@ -61,6 +61,10 @@ def rocksdb_options() -> Options:
     # a nearly full disk that alone fails writes. The index is small; so are these.
     opts.set_write_buffer_size(64 << 10)  # ~2,000 entries: a flush per ~1 GB of 512 KiB blocks
     opts.set_manifest_preallocation_size(64 << 10)
+    # Its info log rolls at every open and kept 1000 old ones (~50 KiB each, the options
+    # dump): a full disk's restarts ate the index's headroom until it could not open.
+    opts.set_keep_log_file_num(1)
+    opts.set_max_log_file_size(256 << 10)
     return opts
 
 
@@ -87,11 +91,13 @@ class SlotIndex:
         are returned with `damaged` set: the caller rebuilds from the slab headers."""
         self.damaged = False
         try:
+            if os.path.lexists(self.path) and not os.path.isdir(self.path):
+                raise NotADirectoryError(f"{self.path} is not a directory")
             self._db = self._open_db()
             return self._scan()
         except Exception as e:  # noqa: BLE001 - RocksDB raises plain Exceptions
-            if not _damage(e):  # e.g. out of descriptors, its lock held: not the index's fault
-                self.close()
+            if not (_damage(e) or isinstance(e, NotADirectoryError)):
+                self.close()  # e.g. out of descriptors, its lock held: not the index's fault
                 raise TierIOError(f"cannot open the SSD index {self.path}: {e}") from e
             self.damaged = True
             log.error("SSD index %s is damaged (%s): setting it aside and rebuilding it from "

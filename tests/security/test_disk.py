@@ -268,3 +268,43 @@ def test_a_full_disk_whose_blocks_can_be_evicted_takes_every_put(small_disk, mon
         out = np.zeros((1, BB), np.uint8)
         assert store.get_n(hs[-1:], out) != [None] and np.array_equal(out[0], block_of(hs[-1], BB))
         assert store.stats().tier(TierKind.SSD).used_blocks < 2048  # evicted: the disk is full
+
+
+def test_a_batch_bigger_than_the_room_left_is_no_space_at_once(small_disk):
+    """A disk with room for fewer slots than a batch needs: the put is answered (NO_SPACE
+    for what found no slot), and the namespace keeps serving. The tier's growth came back
+    empty ("at capacity") rather than failing, the tier asked again, and the put spun for
+    ever under the store's lock."""
+    import threading
+    from kvstore.config import StoreConfig, TierConfig
+    from kvstore.events import TierKind
+    from kvstore.store import TieredStore
+    from kvstore.tiers import slabfile
+    tiers = (TierConfig(TierKind.SSD, 8192, path=str(small_disk / "ssd")),)
+    with TieredStore(NS, StoreConfig(tiers)) as store:
+        st = os.statvfs(small_disk)
+        slot = stride_of(BB) + 64
+        with open(small_disk / "filler", "wb") as f:  # the index's headroom and 3 slots left
+            f.write(bytes(st.f_bavail * st.f_frsize - slabfile.INDEX_HEADROOM - 3 * slot - 1000))
+        hs = hash_blocks(NS, np.arange(8 * 16) + 4242)
+        done = []
+        t = threading.Thread(target=lambda: done.append(store.put_n(
+            hs, np.stack([block_of(h, BB) for h in hs]))), daemon=True)
+        t.start()
+        t.join(30)
+        assert done, "the put never came back"
+        assert PutStatus.NO_SPACE in done[0] and PutStatus.EXISTS not in done[0]
+        stored = [h for h, s in zip(hs, done[0]) if s is PutStatus.STORED]
+        out = np.zeros((len(stored), BB), np.uint8)
+        assert store.get_n(stored, out) == [TierKind.SSD] * len(stored)
+
+
+def test_restarts_on_a_full_disk_leave_the_index_its_room(small_disk):
+    """RocksDB rolls its info log at every open and kept a thousand old ones (~50 KiB
+    each): restarts on a full disk ate the index's headroom until it could not open."""
+    from kvstore.tiers.ssd import SsdTier
+    path = small_disk / "ssd"
+    for _ in range(6):
+        SsdTier(NS, str(path), 64).close()
+    logs = [name for name in os.listdir(path / "index") if name.startswith("LOG")]
+    assert len(logs) <= 2, logs

@@ -460,6 +460,23 @@ def test_remove_and_clear(tmp_path):
         assert s.put_n(CHAIN[:2], blocks(2)) == [PutStatus.STORED] * 2
 
 
+def test_an_acknowledged_remove_leaves_no_index_entry_behind_a_promotion(tmp_path):
+    """A block promoted out of SSD leaves its index entry's delete queued; removed from
+    DRAM later, the remove must write that delete too. Left queued, a crash kept the entry,
+    and a lost header file's rebuild from the index brought the removed block back."""
+    with make(tmp_path, dram=2, ssd=8, promote_on_hit=True) as s:
+        s.put_n(CHAIN[:1], blocks(1))
+        assert s.evict_n(CHAIN[:1]) == 1  # down to SSD
+        s.maintain()  # its entry written
+        ssd = s.tier(TierKind.SSD)
+        assert CHAIN[0] in list(ssd.raw_db().keys())
+        assert s.get_n(CHAIN[:1], torch.empty(1, NS.block_bytes, dtype=torch.uint8)) == \
+            [TierKind.SSD]
+        assert s.contains_n(CHAIN[:1]) == [True]  # (promoted: in DRAM now)
+        assert s.remove_n(CHAIN[:1]) == 1
+        assert CHAIN[0] not in list(ssd.raw_db().keys())
+
+
 def test_leases_count_as_reads(tmp_path):
     with make(tmp_path, dram=2) as s:
         s.put_n(CHAIN[:1], blocks(1))

@@ -363,13 +363,14 @@ def test_a_crash_with_index_writes_queued_keeps_every_live_block(tmp_path, group
 
 
 def test_fsck_counts_the_intact_blocks_a_killed_tier_had_not_indexed_yet(tmp_path):
-    """After a SIGKILL with every entry still queued, fsck finds the index clean and counts
-    the intact blocks it does not list (a damaged one not among them); the next open
-    adopts them and lists them."""
+    """After a SIGKILL with every entry still queued, fsck counts the intact blocks the
+    index does not list and reports a damaged one (uncounted and unreported once); the
+    next open adopts them and lists them."""
     _crash_after(tmp_path, 3, 4, "tier.write_n(tier.alloc_n(3), hashes[:3], data)")
     _flip(tmp_path / "slabs.dat", 2 * stride_of(NS.block_bytes) + 7)  # whichever block
-    report = fsck(str(tmp_path))
-    assert report.clean and report.num_ok == 0 and report.num_recoverable == 2
+    report = fsck(str(tmp_path))  # the damaged one is reported (a header is written after
+    assert report.num_ok == 0 and report.num_recoverable == 2  # its payload: damage)
+    assert len(report.bad) == 1 and "fails the checksum" in report.bad[0][1]
     tier = SsdTier(NS, str(tmp_path), 4)
     assert len(tier.recover()) == 3  # adopted by header; the damaged one fails its read
     tier.close()
@@ -823,3 +824,57 @@ def test_a_block_of_the_same_bytes_put_where_a_freed_one_was_is_kept_at_reopen(t
     tier = SsdTier(NS, str(tmp_path), 4)
     assert dict(tier.recover()) == {bytes(x): slot[0]}
     tier.close()
+
+
+def test_old_headers_past_a_shortened_slab_file_never_come_back_as_phantoms(tmp_path):
+    """slabs.dat cut short (on disk, or a crash inside truncate_to): the slots past it are
+    gone, and so must their headers be. Left in headers.dat, the next extent's
+    posix_fallocate kept them (it zeroes nothing already written), the open after adopted
+    them, and a put of those blocks answered EXISTS with their bytes gone."""
+    hs = hash_blocks(NS, list(range(4 * 41)))
+    tier = SsdTier(NS, str(tmp_path), 40)
+    tier.recover()
+    tier.write_n(tier.alloc_n(40), hs[:40], _blocks(40))
+    tier.close()
+    os.truncate(tmp_path / "slabs.dat", 20 * stride_of(NS.block_bytes))
+    tier = SsdTier(NS, str(tmp_path), 40)
+    assert len(tier.recover()) == 20
+    assert os.path.getsize(tmp_path / "headers.dat") == 20 * HEADER_BYTES
+    tier.write_n(tier.alloc_n(1), hs[40:], _blocks(1, seed=9))  # grows both files again
+    tier.close()
+    tier = SsdTier(NS, str(tmp_path), 40)
+    try:
+        assert len(tier.recover()) == 21
+    finally:
+        tier.close()
+
+
+def test_an_index_path_that_is_not_a_directory_is_set_aside_and_rebuilt(tmp_path):
+    tier = SsdTier(NS, str(tmp_path), 8)
+    tier.recover()
+    tier.write_n(tier.alloc_n(3), HASHES[:3], _blocks(3))
+    tier.close()
+    subprocess.run(["rm", "-rf", str(tmp_path / "index")], check=True)
+    (tmp_path / "index").write_bytes(b"not rocksdb")
+    assert "not a directory" in fsck(str(tmp_path)).index_error
+    tier = SsdTier(NS, str(tmp_path), 8)
+    try:
+        assert sorted(h for h, _ in tier.recover()) == sorted(HASHES[:3])
+        assert tier.index.damaged
+    finally:
+        tier.close()
+    assert fsck(str(tmp_path)).clean
+
+
+def test_fsck_reports_a_missing_slab_file_and_does_not_create_it(tmp_path):
+    """A slab file gone beside its headers is reported, not created empty by the check
+    (which then reported the tier clean, every block gone)."""
+    tier = SsdTier(NS, str(tmp_path), 8)
+    tier.recover()
+    tier.write_n(tier.alloc_n(3), HASHES[:3], _blocks(3))
+    tier.close()
+    assert fsck(str(tmp_path)).num_ok == 3
+    os.unlink(tmp_path / "slabs.dat")
+    report = fsck(str(tmp_path))
+    assert not report.clean and "slabs.dat is missing" in report.index_error
+    assert len(report.bad) == 3 and not (tmp_path / "slabs.dat").exists()
