@@ -32,12 +32,14 @@ DIRECT_BYTES = 512 << 10  # tcp transfers this big or bigger skip the staging co
 
 class AgentPath:
     def __init__(self, info: w.HelloOk, backends: Sequence[BackendKind],
-                 timeout_s: float, spin_us: float = 0.0) -> None:
+                 timeout_s: float, spin_us: float = 0.0, connect_timeout_s: float = 5.0) -> None:
+        """The client's own timeouts bound the agent's: `timeout_s` a transfer's silence,
+        `connect_timeout_s` a connection's setup (its HELLO to the daemon's agent)."""
         self.meta, self.access_key = info.agent_meta, info.agent_key
         self.block_bytes, self.timeout_s = info.block_bytes, timeout_s
         self.agent = Agent(f"kvtier-client-{uuid.uuid4().hex[:12]}",
                            AgentConfig(backends=tuple(backends), io_timeout_s=timeout_s,
-                                       spin_us=spin_us))
+                                       connect_timeout_s=connect_timeout_s, spin_us=spin_us))
         try:
             self.peer = self.agent.add_peer(info.agent_meta, key=info.agent_key)
             self.remote = self.agent.prepare(

@@ -159,7 +159,8 @@ class Client:
         if old is not None:
             old.close()
         try:
-            path = AgentPath(info, self.agent_backends, self.timeout_s, self.spin_us)
+            path = AgentPath(info, self.agent_backends, self.timeout_s, self.spin_us,
+                             self.connect_timeout_s)
         except TransferError as e:
             raise ConnectError(f"cannot reach the daemon's transfer agent through "
                                f"{[b.value for b in self.agent_backends]}: {e}") from e

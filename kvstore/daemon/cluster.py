@@ -20,7 +20,7 @@ from kvstore.cluster.membership import Change, ClusterMember
 from kvstore.cluster.messages import EventBatch, Locate, Located, Snapshot
 from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
 from kvstore.daemon.access import grant_of, require_admin
-from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.namespaces import Registry
 from kvstore.index import ClusterIndex
 
@@ -204,7 +204,10 @@ async def post_locate(request: web.Request) -> web.Response:
 
 
 async def get_nodes(request: web.Request) -> web.Response:
-    grant_of(request)
+    """The members and the leader for any token; the leader's index (every namespace's
+    id and the nodes holding its blocks) for an admin's only: a tenant learns nothing of
+    other tenants' namespaces."""
+    admin = grant_of(request) == ADMIN
     agent = _agent(request)
     m = agent.member
     return web.json_response({
@@ -212,7 +215,7 @@ async def get_nodes(request: web.Request) -> web.Response:
         "members": {n: {"data_addr": r.data_addr, "control_url": r.control_url}
                     for n, r in sorted(m.members.items())},
         "index": {f"{ns:016x}": {"nodes": list(idx.node_ids()), "stale": list(idx.stale_nodes())}
-                  for ns, idx in agent.service.indexes.items()} if m.is_leader else None})
+                  for ns, idx in agent.service.indexes.items()} if m.is_leader and admin else None})
 
 
 def add_routes(app: web.Application) -> None:

@@ -243,7 +243,7 @@ def test_a_restarted_node_rejoins_and_reports_its_blocks(etcd, tmp_path):
 
 def test_peers_and_clients_need_the_token(etcd, tmp_path):
     token_file = tmp_path / "tokens"
-    token_file.write_text("s3cret\n")
+    token_file.write_text("s3cret\nalice-token alice\n")
     pool = Pool(etcd, tmp_path, 2, "--token-file", str(token_file))
     try:
         wait_until(lambda: len(pool.view("n0", "s3cret").get("members", ())) == 2, 15, "two members")
@@ -259,5 +259,11 @@ def test_peers_and_clients_need_the_token(etcd, tmp_path):
         with ClusterClient(pool.url, token="wrong", namespace=NS) as bad:
             assert bad.put_n(hashes, payload(hashes)) == [PutStatus.NO_SPACE] * 10
             assert read(bad, hashes)[1] == [None] * 10
+        # the leader's index (every namespace's id, where its blocks are) is the admin's:
+        # a tenant's token sees the members only
+        leader = pool.view("n0", "s3cret")["leader"]
+        assert pool.view(leader, "s3cret")["index"]
+        tenant_view = pool.view(leader, "alice-token")
+        assert tenant_view["members"] and tenant_view["index"] is None
     finally:
         pool.stop()

@@ -198,3 +198,32 @@ def test_an_unknown_agent_backend_is_a_clear_error(tmp_path):
                            "rdma", "--data-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode != 0 and "agent backend 'rdma'" in done.stderr + done.stdout
+
+
+def test_the_agents_connection_setup_keeps_to_the_clients_connect_timeout(make_daemon,
+                                                                          monkeypatch):
+    """A daemon that stops answering while the client's agent first connects to its own:
+    the agent's HELLO waits the client's connect_timeout_s, not the agent's own default
+    (5 s: a put with connect_timeout_s=0.5 took over 5 s to fail)."""
+    import os
+    import signal
+    import time
+    import transfer.agent as agent_mod
+    d = make_daemon()
+    real = agent_mod.Agent.transfer
+
+    def stop_then_transfer(self, *a, **kw):
+        os.kill(d.pid, signal.SIGSTOP)  # its agent never answers the HELLO
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(agent_mod.Agent, "transfer", stop_then_transfer)
+    hs = hash_blocks(NS, np.arange(16 * 16) + 77)
+    with agent_client(d.url, timeout_s=0.5, connect_timeout_s=0.5) as c:
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(Exception):
+                c.put_n(hs, blocks(hs))
+            took = time.monotonic() - t0
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert took < 4, took
