@@ -514,8 +514,8 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
             left = deadline - time.monotonic()
             if left < 0:
                 raise TimeoutError("the payload came too slowly")
-            if standing is not None and _bound_call(sock, socket.SO_RCVTIMEO, left, standing):
-                changed = True
+            if standing is not None and left + DEADLINE_SLACK_S < standing:
+                changed = _bound_call(sock, socket.SO_RCVTIMEO, left, 0.0)
         try:
             if fd >= 0:  # the same calls, looped in C with the GIL released once
                 k = sockio.recv_loop(fd, view[got:] if got else view, RECV_CHUNK)
@@ -680,9 +680,9 @@ class FrameReader:
                 left = self.reply_deadline - time.monotonic()
                 if left < 0:
                     raise TimeoutError("the reply came too slowly")
-                if self.standing is not None and _bound_call(self.sock, socket.SO_RCVTIMEO,
-                                                             left, self.standing):
-                    self.rebound = True
+                standing = self.standing
+                if standing is not None and left + DEADLINE_SLACK_S < standing:
+                    self.rebound = _bound_call(self.sock, socket.SO_RCVTIMEO, left, 0.0)
             if spin is not None:
                 k = spin.poll(self.sock, buf.room(n))
                 if k is not None:
@@ -760,9 +760,17 @@ def send_frame(sock: socket.socket, msg: Message, op: Op, reply: bool, payload=(
                deadline: float | None = None, standing: float = 0.0) -> bool:
     """One frame with its payload buffers, gathered by sendmsg (no join of the payload).
     `deadline` and `standing`: as send_views, whose answer this returns."""
-    if not payload and deadline is None:
-        sock.sendall(encode(msg, op, reply))
-        return False
+    if not payload:
+        data = encode(msg, op, reply)
+        if deadline is None:
+            sock.sendall(data)
+            return False
+        if 0 < standing <= deadline - time.monotonic() + DEADLINE_SLACK_S:
+            sent = sock.send(data)  # one call takes a frame as a rule (the standing timeout
+            if sent == len(data):  # bounds it within the deadline): no views, no loop
+                return False
+            data = memoryview(data)[sent:]
+        return send_views(sock, [memoryview(data)], deadline, standing)
     views = [memoryview(b).cast("B") for b in payload]
     head = memoryview(encode(msg, op, reply, sum(v.nbytes for v in views)))
     return send_views(sock, [head, *views], deadline, standing)

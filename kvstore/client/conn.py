@@ -62,6 +62,7 @@ class Connection:
                  agent_key: bytes = b"", spin_us: float = 0.0) -> None:
         self.addr, self.timeout_s = addr, timeout_s
         self.local = isinstance(addr, LocalAddress)
+        self.closed = False
         self.pending_release: list[int] = []
         self._staging: ShmSegment | None = None
         try:
@@ -133,7 +134,6 @@ class Connection:
             raise RequestTimeout(f"payload from {self.addr} stalled for "
                                  f"{self.timeout_s}s") from e
         finally:
-            reader.payload_deadline = None
             if reader.rebound:
                 self._restore_timeout(socket.SO_RCVTIMEO)
 
@@ -175,10 +175,7 @@ class Connection:
             self._staging, segment = None, self._staging
             segment.close()
 
-    @property
-    def closed(self) -> bool:
-        return self.sock.fileno() < 0
-
     def close(self) -> None:
+        self.closed = True
         self._drop_staging()
         self.sock.close()
