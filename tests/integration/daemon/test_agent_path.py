@@ -226,4 +226,4 @@ def test_the_agents_connection_setup_keeps_to_the_clients_connect_timeout(make_d
             took = time.monotonic() - t0
         finally:
             os.kill(d.pid, signal.SIGCONT)
-        assert took < 4, took
+        assert took < 4.5, took  # (the agent's own default alone is 5 s)
