@@ -30,7 +30,7 @@ import torch
 
 import kernels
 from engine_adapter.kvcodec import BlockCodec
-from kvstore.api import leading_hits
+from kvstore.api import PutStatus, leading_hits
 from kvstore.keys import BlockHash
 
 
@@ -55,6 +55,7 @@ class ConnectorStats:
     save_dropped_blocks: int = 0  # queue full: the save was skipped
     save_errors: int = 0          # blocks whose put_n raised
     save_unencodable_blocks: int = 0  # zstd frames too big for their slot: not stored
+    save_refused_blocks: int = 0  # the store answered NO_SPACE (full): not stored
 
 
 _STOP = object()
@@ -162,6 +163,12 @@ class StoreConnector:
         """Queue blocks for saving; returns at once (the copy out of the cache is done here)."""
         if not hashes or self._closed:
             return
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"save: {len(hashes)} hashes for {len(block_ids)} block ids")
+        bad = [b for b in block_ids if not 0 <= int(b) < self.kv_cache.shape[0]]
+        if bad:  # (clipped into range, another block's KV was stored under the hash)
+            raise ValueError(f"save: block ids {bad[:8]} are outside the cache's "
+                             f"{self.kv_cache.shape[0]} blocks")
         staged = self._gather(block_ids)  # [n, L, 2, bt, Hkv, D]
         try:
             self._queue.put_nowait((list(hashes), staged))
@@ -179,7 +186,7 @@ class StoreConnector:
         staged = cache.new_empty((len(block_ids), *cache.shape[1:]))
         rows = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()  # [num_blocks, bytes]
         out = staged.view(len(block_ids), -1).view(torch.uint8).numpy()
-        np.take(rows, np.asarray(block_ids, dtype=np.int64), axis=0, out=out, mode="clip")
+        np.take(rows, np.asarray(block_ids, dtype=np.int64), axis=0, out=out)  # (ids checked)
         return staged
 
     def _save_loop(self) -> None:
@@ -195,8 +202,10 @@ class StoreConnector:
                         self.stats.save_unencodable_blocks += keep.count(False)
                         hashes = [h for h, k in zip(hashes, keep) if k]
                         encoded = encoded[torch.tensor(keep)]
-                    self.store.put_n(hashes, encoded)
-                    self.stats.saved_blocks += len(hashes)
+                    statuses = self.store.put_n(hashes, encoded)
+                    refused = sum(1 for st in statuses if st is PutStatus.NO_SPACE)
+                    self.stats.saved_blocks += len(hashes) - refused
+                    self.stats.save_refused_blocks += refused
                 except Exception:
                     self.stats.save_errors += len(hashes)
             finally:

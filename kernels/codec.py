@@ -124,7 +124,13 @@ def encode_torch(blocks: torch.Tensor, values: torch.Tensor, scales: torch.Tenso
                   spec: CodecSpec) -> None:
     """The definition of the codec, in torch ops on any device (the CPU path must match it)."""
     x = blocks.float()
-    scale = (x.abs().amax(-1) / spec.qmax).clamp_(SCALE_MIN, spec.scale_max).to(SCALE_DTYPE)
+    amax = x.abs().amax(-1)
+    scale = (amax / spec.qmax).clamp_(SCALE_MIN, spec.scale_max).to(SCALE_DTYPE)
+    # rounded to the nearest fp16, a scale may come out below amax / qmax, and the row's
+    # largest values then clamp: in fp16's subnormals by up to a third of them (an int8
+    # row of amax 1e-5 lost 24%). One fp16 up, it holds them: half a step at most, always.
+    short = (scale.float() * spec.qmax < amax) & (scale < spec.scale_max)
+    scale = (scale.view(torch.int16) + short.to(torch.int16)).view(SCALE_DTYPE)
     scales.copy_(scale)
     y = x / scale.float().unsqueeze(-1)  # against the fp16 scale the decoder will read
     if codec == "int8":

@@ -55,8 +55,11 @@ def encode(blocks: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, cod
     step = max(1, ROWS_PER_CHUNK // x_rows.shape[1])
     for lo in range(0, x_rows.shape[0], step):
         x = _as_f32(x_rows[lo:lo + step], blocks.dtype)
-        scale = np.clip(np.abs(x).max(axis=-1) / np.float32(qmax), scale_min, scale_max).astype(np.float16)
-        s_rows[lo:lo + step] = scale
+        amax = np.abs(x).max(axis=-1)
+        scale = np.clip(amax / np.float32(qmax), scale_min, scale_max).astype(np.float16)
+        short = (scale.astype(np.float32) * np.float32(qmax) < amax) & (scale < scale_max)
+        scale = (scale.view(np.int16) + short.astype(np.int16)).view(np.float16)  # (see
+        s_rows[lo:lo + step] = scale  # kernels.codec.encode_torch: one fp16 up if short)
         y = x / scale.astype(np.float32)[..., None]
         if codec == "int8":
             q_rows[lo:lo + step] = np.clip(np.rint(y, out=y), -qmax, qmax, out=y)

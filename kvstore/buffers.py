@@ -13,6 +13,8 @@ from kvstore.errors import BlockSizeError
 def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
     """A flat uint8 tensor sharing memory with `buf`."""
     if isinstance(buf, torch.Tensor):
+        if buf.is_meta:  # no storage: a get "into" it would report hits with nothing copied
+            raise BlockSizeError("a meta tensor holds no bytes: pass a tensor on a real device")
         if not buf.is_contiguous():
             raise BlockSizeError("block tensors must be contiguous (call .contiguous() first)")
         return buf.reshape(-1).view(torch.uint8)

@@ -357,7 +357,11 @@ class Reads:
         hits = [(e, row) for e, row in hits if e.tier > 0]
         if not hits:
             return
-        self._make_room_in(0, len(hits))
+        # room without dropping: a promotion adds no block to the store, so none may leave
+        # it for one (the blocks promoted still held their slots below, and the victims
+        # making room above found the tier below short by as many: the store lost blocks
+        # to a read while it had room for every one)
+        self._make_room_in(0, len(hits), drop=False)
         with self._lock:
             if self._closed:
                 return

@@ -298,17 +298,19 @@ class TieredStore(Reads, Grants):
     # ---------------------------------------------------------------- reads
 
     def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        keys = hash_keys(hashes)
         with self._lock:
             self._check_open()
-            return [visible(self._p.entries.get(bytes(h))) for h in hashes]
+            return [visible(self._p.entries.get(h)) for h in keys]
 
     def match_prefix(self, hashes: Sequence[bytes]) -> MatchResult:
         """The longest prefix of `hashes` that is stored, and the tier of each block."""
+        keys = hash_keys(hashes)
         with self._lock:
             self._check_open()
             tiers = []
-            for h in hashes:
-                e = self._p.entries.get(bytes(h))
+            for h in keys:
+                e = self._p.entries.get(h)
                 if not visible(e):
                     break
                 tiers.append(self._p.tiers[e.tier].kind)
@@ -319,11 +321,14 @@ class TieredStore(Reads, Grants):
     def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
         """Keep blocks from eviction: hard (ttl_s None; counted, until `unpin_n`) or soft
         (until ttl_s passes). Returns whether each block was present to pin."""
+        if ttl_s is not None and not ttl_s > 0:  # (NaN too: it pinned nothing, said True)
+            raise ValueError(f"a soft pin's ttl_s is a number of seconds above 0, not {ttl_s}")
+        keys = hash_keys(hashes)
         now = time.monotonic()
         with self._lock:
             self._check_open()
             out = []
-            for h in map(bytes, hashes):
+            for h in keys:
                 e = self._p.entries.get(h)
                 out.append(visible(e))
                 if not visible(e):
@@ -338,8 +343,10 @@ class TieredStore(Reads, Grants):
 
     def unpin_n(self, hashes: Sequence[bytes]) -> None:
         """Drop one hard pin and any soft pin of each block."""
+        keys = hash_keys(hashes)
         with self._lock:
-            for h in map(bytes, hashes):
+            self._check_open()
+            for h in keys:
                 e = self._p.entries.get(h)
                 if not visible(e):
                     continue
@@ -351,10 +358,10 @@ class TieredStore(Reads, Grants):
     def evict_n(self, hashes: Sequence[bytes]) -> int:
         """Demote the given evictable blocks one tier (drop from the last); blocks that are
         pinned, leased or absent stay. Returns how many moved."""
+        keys = list(dict.fromkeys(hash_keys(hashes)))
         with self._lock:
             self._check_open()
             p = self._p
-            keys = list(dict.fromkeys(map(bytes, hashes)))
             groups = [[p.entries[h] for h in keys if h in lru] for lru in p.lru]  # before moving
             for e in (e for group in groups for e in group):
                 p.hold(e)  # all out of the LRUs first, so making room never picks one of them
@@ -365,10 +372,11 @@ class TieredStore(Reads, Grants):
     def remove_n(self, hashes: Sequence[bytes]) -> int:
         """Delete blocks from every tier, pinned ones included; blocks a reader holds right
         now stay (remove again after its lease ends). Returns how many went."""
+        keys = hash_keys(hashes)
         with self._lock:
             self._check_open()
             p = self._p
-            group = [p.entries[h] for h in dict.fromkeys(map(bytes, hashes))
+            group = [p.entries[h] for h in dict.fromkeys(keys)
                      if visible(p.entries.get(h)) and p.entries[h].readers == 0]
             p.drop(group, removed=True)
             # every persistent tier, not only those the blocks were in: one a block left
@@ -420,10 +428,12 @@ class TieredStore(Reads, Grants):
                 moves += p.plan_room(i, tier.num_free() + excess)
         return moves
 
-    def _make_room_in(self, i: int, n: int) -> None:
+    def _make_room_in(self, i: int, n: int, drop: bool = True) -> None:
         """Best effort: n free slots in tier i, the way a put wants them (two-phase, lower
         tiers first so a middle tier's victims have somewhere to go; the last tier, DRAM
-        alone included, makes room by dropping its LRU blocks)."""
+        alone included, makes room by dropping its LRU blocks). `drop` False (a promotion:
+        it adds no block): only what the tiers below have free room for moves, and no
+        block leaves the store."""
         with self._lock:
             if self._closed or i >= len(self._p.tiers):
                 return
@@ -433,8 +443,8 @@ class TieredStore(Reads, Grants):
         if need <= 0:
             return
         if cascade:
-            self._make_room_in(i + 1, need)
-        self._make_room(lambda p: p.plan_room(i, n))
+            self._make_room_in(i + 1, need, drop)
+        self._make_room(lambda p: p.plan_room(i, n, drop))
 
     def _make_room(self, plan) -> None:
         """Demotion in three steps, so no tier is written under the lock: `plan(tier_map)`

@@ -217,25 +217,34 @@ class TierMap:
 
     # -------------------------------------------------------------- two-phase moves
 
-    def plan_room(self, i: int, n: int) -> list["Move"]:
+    def plan_room(self, i: int, n: int, drop: bool = True) -> list["Move"]:
         """Phase one of making n slots free in tier i (under the lock): victims chosen,
         destination slots in tier i + 1 reserved (the last tier makes room by dropping);
         each victim counts a reader, so it stays readable at its slot and nothing else
-        moves or removes it. Run the moves outside the lock, then `commit_moves`."""
+        moves or removes it. Run the moves outside the lock, then `commit_moves`.
+        `drop` False (room for a promotion, which adds no block to the store): no block
+        leaves the store; only as many victims move as the tier below has free slots."""
         need = n - self.tiers[i].num_free()
-        if need <= 0 or i + 1 == len(self.tiers):
-            if need > 0:
+        last = len(self.tiers) - 1
+        if need <= 0 or i == last:
+            if need > 0 and drop:
                 self.make_room(i, n)
             return []
-        victims = self.pick_victims(i, need)
+        dst = i + 1
+        if not drop:
+            need = min(need, self.tiers[dst].num_free())
+        victims = self.pick_victims(i, need) if need > 0 else []
         if not victims:
             return []
-        dst = i + 1
-        if dst + 1 == len(self.tiers):
+        if dst == last and drop:
             self.make_room(dst, len(victims))
         k = min(len(victims), self.tiers[dst].num_free())
-        slots = (self._take_slots(dst, k, dst + 1 == len(self.tiers)) if k else None) or []
-        self.drop(victims[len(slots):])  # no room below (a full disk): dropped, as ever
+        slots = (self._take_slots(dst, k, dst == last and drop) if k else None) or []
+        if drop:
+            self.drop(victims[len(slots):])  # no room below (a full disk): dropped, as ever
+        else:
+            for e in victims[len(slots):]:  # back where they were
+                self.make_evictable(e)
         moving = victims[:len(slots)]
         for e in moving:
             e.readers += 1

@@ -58,6 +58,8 @@ def _encode_kernel(x_ptr, q_ptr, s_ptr, R, LAYERS, BLOCK_BYTES, CHUNK,
     x = tl.load(x_ptr + (bl * R + rows[:, None]) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.minimum(tl.maximum(tl.math.div_rn(amax, QMAX), SMIN), SMAX).to(tl.float16)
+    short = (scale.to(tl.float32) * QMAX < amax) & (scale.to(tl.float32) < SMAX)
+    scale = (scale.to(tl.int16, bitcast=True) + short.to(tl.int16)).to(tl.float16, bitcast=True)
     y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])
     if FP8:
         q = _fp8_e4m3_byte(y)

@@ -9,7 +9,7 @@ from engine_adapter.engine import LLMEngine
 from engine_adapter.sampling import SamplingParams
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.events import TierKind
-from kvstore.store import TieredStore
+from kvstore.store import PutStatus, TieredStore
 from kvstore.testing import flip_ssd_byte
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -107,6 +107,7 @@ class SlowStore:
     def put_n(self, hashes, srcs):
         self.release.wait(30)
         self.puts += 1
+        return [PutStatus.STORED] * len(hashes)
 
     def get_n(self, hashes, dsts):
         return [None] * len(hashes)
@@ -192,3 +193,27 @@ def test_without_free_blocks_for_its_chunk_a_request_waits_and_keeps_what_it_loa
             engine.close()
             assert [o.token_ids for o in outs] == [alone[firsts.index(p)] for p in batch]
             assert all(o.num_loaded_tokens + o.num_local_hit_tokens > 0 for o in outs)
+
+
+def test_a_save_of_block_ids_outside_the_cache_is_refused_and_a_full_store_is_no_save(
+        tmp_path):
+    """An id outside the cache was clipped into range: another block's KV stored under the
+    hash. And blocks the store answered NO_SPACE for were counted saved."""
+    import torch
+    from engine_adapter.connector import StoreConnector
+    from kvstore.keys import Namespace, hash_blocks
+    ns = Namespace("conn", num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4)
+    cache = torch.randn(4, 1, 2, 4, 1, 8, dtype=torch.float16)  # [blocks, L, 2, bt, H, D]
+    with TieredStore(ns, StoreConfig((TierConfig(TierKind.DRAM, 2),))) as store:
+        conn = StoreConnector(store, cache)
+        hs = hash_blocks(ns, list(range(4 * 4)))
+        for ids in ([7, 1], [-3, 0], [0]):
+            with pytest.raises(ValueError, match="outside the cache|block ids"):
+                conn.save(hs[:2], ids)
+        assert store.contains_n(hs) == [False] * 4
+        store.put_n(hs[2:4], torch.zeros(2, ns.block_bytes, dtype=torch.uint8))
+        assert store.pin_n(hs[2:4]) == [True, True]  # a full store whose blocks cannot go
+        conn.save(hs[:2], [0, 1])
+        conn.flush()
+        assert conn.stats.saved_blocks == 0 and conn.stats.save_refused_blocks == 2
+        conn.close()

@@ -477,6 +477,39 @@ def test_an_acknowledged_remove_leaves_no_index_entry_behind_a_promotion(tmp_pat
         assert CHAIN[0] not in list(ssd.raw_db().keys())
 
 
+def test_a_promotion_never_costs_the_store_a_block(tmp_path):
+    """Hits in SSD promoted into a full DRAM: its victims go down into the SSD's free
+    slots, and no further. They were made room for by dropping SSD blocks while the
+    promoted ones still held their SSD slots: a read of 6 blocks lost 2 others from a
+    store 12/16 full."""
+    hs = hash_blocks(NS, list(range(12 * 4)))
+    with make(tmp_path, dram=6, ssd=10, promote_on_hit=True) as s:
+        assert s.put_n(hs, blocks(12)) == [PutStatus.STORED] * 12
+        on_ssd = s.snapshot()[1][TierKind.SSD]
+        assert len(on_ssd) == 6
+        assert s.get_n(on_ssd, torch.empty(6, NS.block_bytes, dtype=torch.uint8)) == \
+            [TierKind.SSD] * 6
+        assert s.contains_n(hs) == [True] * 12
+        in_dram = set(s.snapshot()[1][TierKind.DRAM])
+        assert len(in_dram) == 6 and len(in_dram & set(on_ssd)) == 4  # as many as SSD had
+        tiers, out = read(s, hs)  # room for below; every byte where it was
+        assert None not in tiers and torch.equal(out, blocks(12))
+
+
+def test_every_call_checks_its_hashes_and_a_soft_pin_its_ttl(tmp_path):
+    """The in-process store answered a 3-byte hash False / 0 where the clients raise, and
+    a soft pin of ttl -5 or NaN said True having pinned nothing."""
+    with make(tmp_path, dram=2) as s:
+        s.put_n(CHAIN[:1], blocks(1))
+        for call in (s.contains_n, s.match_prefix, s.pin_n, s.unpin_n, s.evict_n, s.remove_n):
+            with pytest.raises(ValueError, match="16 bytes"):
+                call([CHAIN[0], b"abc"])
+        for ttl in (-5.0, 0.0, float("nan")):
+            with pytest.raises(ValueError, match="ttl_s"):
+                s.pin_n(CHAIN[:1], ttl_s=ttl)
+        assert s.pin_n(CHAIN[:1], ttl_s=5.0) == [True] and s.contains_n(CHAIN[:1]) == [True]
+
+
 def test_leases_count_as_reads(tmp_path):
     with make(tmp_path, dram=2) as s:
         s.put_n(CHAIN[:1], blocks(1))
