@@ -510,6 +510,18 @@ def test_every_call_checks_its_hashes_and_a_soft_pin_its_ttl(tmp_path):
         assert s.pin_n(CHAIN[:1], ttl_s=5.0) == [True] and s.contains_n(CHAIN[:1]) == [True]
 
 
+def test_a_meta_tensor_is_no_buffer(tmp_path):
+    """A meta tensor has no storage: a get "into" it reported a hit with nothing copied."""
+    with make(tmp_path, dram=2) as s:
+        s.put_n(CHAIN[:1], blocks(1))
+        meta = torch.empty(1, NS.block_bytes, dtype=torch.uint8, device="meta")
+        for call in (lambda: s.get_n(CHAIN[:1], meta), lambda: s.get_n(CHAIN[:1], [meta[0]]),
+                     lambda: s.put_n(CHAIN[1:2], meta)):
+            with pytest.raises(BlockSizeError, match="meta tensor"):
+                call()
+        assert s.contains_n(CHAIN[1:2]) == [False]
+
+
 def test_leases_count_as_reads(tmp_path):
     with make(tmp_path, dram=2) as s:
         s.put_n(CHAIN[:1], blocks(1))
