@@ -115,7 +115,8 @@ def byte_rows(bufs, n: int, nbytes: int, *, writable: bool = False) -> torch.Ten
                 raise BlockSizeError(f"buffer {i} is {row.numel()} bytes; blocks are {nbytes} bytes")
         return rows
     if (isinstance(bufs, torch.Tensor) and bufs.dtype is torch.uint8 and bufs.dim() == 2
-            and bufs.shape[0] == n and bufs.shape[1] == nbytes and bufs.is_contiguous()):
+            and bufs.shape[0] == n and bufs.shape[1] == nbytes and bufs.is_contiguous()
+            and not bufs.is_meta):
         return bufs  # already [n, nbytes] bytes (the daemon's scratch rows): no view ops
     flat = as_byte_tensor(bufs, writable=writable)
     if flat.numel() != n * nbytes:
