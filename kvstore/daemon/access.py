@@ -21,8 +21,8 @@ DATAPLANE = web.AppKey("dataplane", DataPlane)
 def grant_of(request: web.Request) -> str:
     """The tenant the request's bearer token grants (ADMIN for all); 401 without one."""
     cfg = request.app[CONFIG]
-    auth = request.headers.get("Authorization", "")
-    token = auth[7:] if auth.startswith("Bearer ") else ""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""  # (schemes: any case)
     grant = cfg.tenant_of(token)
     if grant is None:
         raise web.HTTPUnauthorized(text="bad or missing token: send Authorization: Bearer TOKEN\n",

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import math
 import os
+import re
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Iterator, NamedTuple
 
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
+
+log = logging.getLogger("kvtier.serve")
 
 ADMIN = "*"  # the tenant of a token that may use every namespace and the admin endpoints
 
@@ -170,8 +174,9 @@ class DaemonConfig:
         if not self.tokens:
             return ADMIN
         found = None
+        given = token.encode("utf-8", "surrogateescape")  # (a header's odd bytes: no 500)
         for known, tenant in self.tokens:
-            if hmac.compare_digest(known.encode(), token.encode()):
+            if hmac.compare_digest(known.encode(), given):
                 found = tenant
         return found
 
@@ -220,23 +225,38 @@ def _is_loopback(host: str) -> bool:
 
 
 def read_token_file(path: str) -> tuple[tuple[str, str], ...]:
-    """Lines `TOKEN` (admin: every tenant) or `TOKEN TENANT` (that tenant only); # comments."""
+    """Lines `TOKEN` (admin: every tenant) or `TOKEN TENANT` (that tenant only); a `#` at
+    the start of a line or after a space starts a comment (one inside a token is part of
+    it: cut there, `Xy7#kP2q alice` was the admin token `Xy7`). A token named twice is
+    refused (the last line won: a tenant's token became an admin's)."""
     try:
         with open(path) as f:
-            lines = [ln.split("#", 1)[0].split() for ln in f]
+            lines = [_COMMENT.split(ln, 1)[0].split() for ln in f]
+            mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
         raise ConfigError(f"cannot read token file {path}: {e}") from e
-    out = []
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"token file {path} is not UTF-8 text ({e})") from e
+    out: list[tuple[str, str]] = []
     for parts in filter(None, lines):
         if len(parts) > 2:
             raise ConfigError(f"token file {path}: a line is `TOKEN [TENANT]`, got {parts}")
         if len(parts) == 2 and parts[1] == ADMIN:  # ADMIN as a tenant would be an admin
             raise ConfigError(f"token file {path}: {ADMIN!r} is not a tenant name (a token "
                               "alone on its line is an admin token)")
+        if any(parts[0] == known for known, _ in out):
+            raise ConfigError(f"token file {path} names a token twice: each token grants "
+                              "one tenant (or, alone on its line, every tenant)")
         out.append((parts[0], parts[1] if len(parts) == 2 else ADMIN))
     if not out:
         raise ConfigError(f"token file {path} holds no token")
+    if mode & 0o077:
+        log.warning("token file %s can be read by other users (mode %o): chmod 600 it",
+                    path, mode & 0o777)
     return tuple(out)
+
+
+_COMMENT = re.compile(r"(?:^|(?<=\s))#")
 
 
 def read_toml(path: str) -> dict:

@@ -30,6 +30,25 @@ def test_token_file_and_tenant_grants(tmp_path):
         read_token_file(str(tmp_path / "star"))
 
 
+def test_a_hash_inside_a_token_is_part_of_it_and_a_token_names_one_grant(tmp_path, caplog):
+    """`#` began a comment anywhere: `Xy7#kP2q-alice alice` was read as the admin token
+    `Xy7`. And a token named twice took the last line's grant."""
+    f = tmp_path / "tokens"
+    f.write_text("Xy7#kP2q-alice alice #alice's\n#admin\nadm#in-token\n")
+    f.chmod(0o600)
+    cfg = DaemonConfig(tokens=read_token_file(str(f)))
+    assert cfg.tenant_of("Xy7#kP2q-alice") == "alice" and cfg.tenant_of("adm#in-token") == ADMIN
+    assert cfg.tenant_of("Xy7") is None and cfg.tenant_of("adm") is None
+    assert cfg.tenant_of("\udcff\udcfe") is None  # undecodable header bytes: a bad token
+    f.write_text("same alice\nsame\n")
+    with pytest.raises(ConfigError, match="twice"):
+        read_token_file(str(f))
+    f.write_text("tok\n")
+    f.chmod(0o644)
+    read_token_file(str(f))
+    assert "chmod 600" in caplog.text
+
+
 def test_toml(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[serve]\nport = 9000\ndram_bytes = "2GiB"\n[quotas]\nalice = 10\n')
