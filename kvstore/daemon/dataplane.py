@@ -115,9 +115,14 @@ class ServedConnection:
             raise w.ProtocolError(f"{frame.op.name} takes no payload, but the frame "
                                   f"announces {frame.payload_bytes} bytes")
         outcome = "ok"
+        hosted = None
         try:
             if frame.op is w.Op.HELLO:
                 self._claim_tenant(frame.msg)
+            if self.session.hosted is not None:  # (a clear waits for this request to end)
+                if not self.session.hosted.enter():
+                    raise StoreClosedError("its namespace is being cleared")
+                hosted = self.session.hosted
             HANDLERS[frame.op](self.session, frame.msg, frame.payload_bytes)
         except w.ProtocolError:
             outcome = "protocol"
@@ -129,7 +134,9 @@ class ServedConnection:
                 raise ConnectionError("authentication failed") from e
         except StoreClosedError as e:
             outcome = "unavailable"
-            self._send_error(w.ErrorCode.UNAVAILABLE, f"the daemon is shutting down ({e})")
+            self._send_error(w.ErrorCode.UNAVAILABLE, f"the namespace's store is closed ({e}): "
+                             "the daemon is stopping, or the namespace was cleared; connect "
+                             "again")
             raise ConnectionError("store closed") from e
         except (KVStoreError, ValueError) as e:  # bad input the store refused
             outcome = "refused"
@@ -145,6 +152,8 @@ class ServedConnection:
                              f"daemon ({type(e).__name__}); see its log")
             raise ConnectionError("internal error") from e
         finally:
+            if hosted is not None:
+                hosted.leave()
             n = len(getattr(frame.msg, "hashes", b"")) // 16
             self.tally.observe(OP_LABELS[frame.op], outcome, time.perf_counter() - t0, n)
             self.session.trim_scratch()
@@ -172,11 +181,15 @@ class ServedConnection:
             pass  # the client is gone; the error has nowhere to go
 
     def _close(self) -> None:
+        hosted = self.session.hosted
+        entered = hosted is not None and hosted.enter()  # (a clear waits for this too)
         try:
             self.session.end()
         except StoreClosedError:
             pass  # stores closed at shutdown: their reservations and leases went with them
         finally:
+            if entered:
+                hosted.leave()
             self.sock.close()
             self.server.metrics.retire(self.tally)
             self.server.forget(self)

@@ -64,9 +64,36 @@ class Hosted:
     _events: EventRing = field(default_factory=EventRing)
     _events_lock: threading.Lock = field(default_factory=threading.Lock)
     block_bytes: int = field(init=False)  # ns.block_bytes, read by every request
+    # Requests (and put-channel drains) using the store right now: a clear waits for them
+    # before it closes the store and unmaps its arena. It closed them under running
+    # requests: replies sent from unmapped memory (EFAULT), views of a released arena.
+    _users: int = 0
+    _retired: bool = False
+    _users_cv: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
         self.block_bytes = self.ns.block_bytes
+
+    def enter(self) -> bool:
+        """A request starts using the store; False when it is being cleared (the caller
+        answers UNAVAILABLE, touching nothing). Each True is paired with `leave`."""
+        with self._users_cv:
+            if self._retired:
+                return False
+            self._users += 1
+            return True
+
+    def leave(self) -> None:
+        with self._users_cv:
+            self._users -= 1
+            if not self._users:
+                self._users_cv.notify_all()
+
+    def retire(self) -> None:
+        """No request may start any more; returns once none is running."""
+        with self._users_cv:
+            self._retired = True
+            self._users_cv.wait_for(lambda: not self._users)
 
     def events_after(self, after: int) -> tuple[KVEvent, ...] | None:
         """The store's events numbered after `after`, or None when some of them are gone
@@ -297,6 +324,7 @@ class Registry:
             del self._hosted[ns_id]
             self._clearing.add(ns_id)  # no HELLO opens it again until its files are gone
         try:
+            hosted.retire()  # (requests are bounded by their deadlines: this ends)
             _close_agent(hosted)
             hosted.store.close(flush=False)
             shutil.rmtree(self._dir(hosted.ns), ignore_errors=True)

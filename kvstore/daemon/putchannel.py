@@ -200,7 +200,12 @@ class Drainer:
             os.eventfd_read(ch.doorbell)
         except (BlockingIOError, OSError):
             pass  # nothing rang (the periodic pass), or the channel just closed
-        ch.drain()
+        if not ch.hosted.enter():
+            return  # its namespace is being cleared: nothing of it may be touched
+        try:
+            ch.drain()
+        finally:
+            ch.hosted.leave()
 
     def close(self) -> None:
         if self._stop.is_set():
