@@ -109,16 +109,18 @@ class ClusterAgent:
                 self.service = MetadataService()  # nodes re-report to a new leader
 
     async def _ship_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.event_interval_s)
+        backoff = 0.0  # grows while the leader refuses: a full snapshot was rebuilt and sent
+        while True:  # every interval (50 ms), a quarter of a core, for as long as it lasted
+            await asyncio.sleep(self.cfg.event_interval_s + backoff)
             try:
                 await self.ship_once()
-                self._failing = False
+                self._failing, backoff = False, 0.0
             except (aiohttp.ClientError, asyncio.TimeoutError, ClusterError) as e:
                 if not self._failing:  # once per outage, not every interval
                     log.warning("could not report KV events to the leader (%s); will resync", e)
                 self._failing = True
                 self._known.clear()
+                backoff = min(max(2 * backoff, self.cfg.event_interval_s), SHIP_BACKOFF_MAX_S)
 
     async def ship_once(self) -> None:
         leader = self.member.leader_id
@@ -169,6 +171,9 @@ def _agent(request: web.Request) -> ClusterAgent:
     if agent is None:
         raise web.HTTPNotFound(text="this daemon is not part of a cluster (start it with --cluster)\n")
     return agent
+
+
+SHIP_BACKOFF_MAX_S = 5.0  # the longest wait between reports to a leader that refuses them
 
 
 def _leader_only(request: web.Request) -> ClusterAgent:

@@ -267,3 +267,34 @@ def test_peers_and_clients_need_the_token(etcd, tmp_path):
         assert tenant_view["members"] and tenant_view["index"] is None
     finally:
         pool.stop()
+
+
+def test_a_namespace_of_many_blocks_reaches_the_leaders_index_after_a_restart(etcd, tmp_path):
+    """A restarted node reports each namespace as one snapshot, 18 bytes a block: past
+    ~58k blocks the leader's HTTP body limit (aiohttp's 1 MiB) answered 413, for good, and
+    that node's blocks never reached the index (the node resent the snapshot every 50 ms)."""
+    from kvstore.keys import Namespace
+    from kvstore.client import Client
+    tiny = Namespace("tiny", num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
+    d = Daemon(str(tmp_path / "n0"), "--cluster", etcd.url("kvtier-test-big"), "--node-id",
+               "n0", "--cluster-ttl", str(TTL), dram_size="4MiB", ssd_size="16MiB").start()
+    try:
+        hs = hash_blocks(tiny, np.arange(70_000))
+        with Client(d.url, namespace=tiny, use_shm=False) as c:
+            for i in range(0, len(hs), 8192):
+                part = hs[i:i + 8192]
+                assert PutStatus.NO_SPACE not in c.put_n(part, np.ones((len(part), 4), np.uint8))
+        d.stop()
+        d.start()  # the namespace reopens from SSD: one snapshot of 70,000 blocks
+        with Client(d.url, namespace=tiny, use_shm=False) as c:
+            assert c.contains_n(hs[:1]) == [True]  # (opens the namespace)
+        def index() -> dict:
+            try:  # (404 until the node has joined)
+                nodes = d.get_json("/cluster/nodes")
+            except (urllib.error.HTTPError, OSError):
+                return {}
+            return (nodes.get("index") or {}).get(f"{tiny.ns_id:016x}", {})
+        wait_until(lambda: index().get("nodes") == ["n0"], 20, "the snapshot reached the index")
+        assert "answered 413" not in d.output()
+    finally:
+        d.close()
