@@ -122,6 +122,7 @@ class DaemonConfig:
                                           kind="list")
 
     def __post_init__(self) -> None:
+        self._check_types()
         if not self.tokens and not _is_loopback(self.host):
             raise ConfigError(f"refusing to bind {self.host}: without an auth token the daemon "
                               "only binds loopback (pass --token-file to serve other hosts)")
@@ -141,8 +142,38 @@ class DaemonConfig:
             if b not in ("tcp", "nixl", "ucx"):
                 raise ConfigError(f"agent backend {b!r} is not one of tcp, nixl, ucx")
         if min(self.reservation_timeout_s, self.lease_ttl_s, self.hello_timeout_s,
-               self.idle_timeout_s) <= 0:
+               self.idle_timeout_s, self.event_interval_s) <= 0:
             raise ConfigError("timeouts must be > 0")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError(f"watermarks must satisfy 0 < low ({self.low_watermark}) <= "
+                              f"high ({self.high_watermark}) <= 1")
+        if not isinstance(self.log_level, str) or self.log_level.lower() not in (
+                "debug", "info", "warning", "error", "critical"):
+            raise ConfigError(f"log level {self.log_level!r} is not one of debug, info, "
+                              "warning, error")
+        if not 0 <= self.spin_us <= 1e6:
+            raise ConfigError(f"--spin-us is 0 to 1000000 microseconds, not {self.spin_us}")
+        for name in ("quota_blocks", "block_tokens", "tenant_memory_bytes",
+                     "tenant_disk_bytes", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be 0 or more, not {getattr(self, name)}")
+        if self.cluster_ttl_s < 1 or self.max_payload_bytes < 1:
+            raise ConfigError("cluster_ttl_s and max_payload_bytes must be 1 or more")
+
+    def _check_types(self) -> None:
+        """Every number a number of its kind, finite (a config file's 'no' for a bool was
+        true, '1GiB' for max_payload_bytes stayed a string, --idle-timeout inf failed every
+        connection with OverflowError and a NaN timeout with ValueError)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+            if kind == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"{f.name} must be true or false, not {value!r}")
+            if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{f.name} must be a whole number, not {value!r}")
+            if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                    or not math.isfinite(value)):
+                raise ConfigError(f"{f.name} must be a finite number, not {value!r}")
 
     @property
     def timeout_periods(self) -> tuple[float, int]:
@@ -269,17 +300,28 @@ def read_toml(path: str) -> dict:
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from e
     known = {name for name, _, _ in options()} | {"token_file", "max_payload_bytes"}
-    serve = dict(doc.get("serve", {}))
+    tables = set(doc) - {"serve", "quotas", "tenants"}
+    if tables:  # (a typo such as [tenant.x] dropped its limits without a word)
+        raise ConfigError(f"config file {path}: unknown tables {sorted(tables)} (there are "
+                          "[serve], [quotas] and [tenants.NAME])")
+    serve = doc.get("serve", {})
+    if not isinstance(serve, dict):
+        raise ConfigError(f"config file {path}: serve must be a [serve] table")
     unknown = set(serve) - known
     if unknown:
         raise ConfigError(f"config file {path}: unknown [serve] keys {sorted(unknown)}")
-    serve = {k: (coerce(k, v) if k != "token_file" and k != "max_payload_bytes" else v)
-             for k, v in serve.items()}
-    if "quotas" in doc:
-        serve["tenant_quotas"] = tuple((str(k), int(v)) for k, v in doc["quotas"].items())
-    if "tenants" in doc:
-        serve["tenant_limits"] = tuple(_tenant_row(path, k, v)
-                                       for k, v in doc["tenants"].items())
+    try:
+        serve = {k: (v if k == "token_file" else parse_size(v) if k == "max_payload_bytes"
+                     else coerce(k, v)) for k, v in serve.items()}
+        if "quotas" in doc:
+            serve["tenant_quotas"] = tuple((str(k), int(v)) for k, v in doc["quotas"].items())
+        if "tenants" in doc:
+            serve["tenant_limits"] = tuple(_tenant_row(path, k, v)
+                                           for k, v in doc["tenants"].items())
+    except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong kind
+        raise ConfigError(f"config file {path}: {e}") from e
+    if "token_file" in serve and not isinstance(serve["token_file"], str):
+        raise ConfigError(f"config file {path}: token_file must be a path (a string)")
     return serve
 
 

@@ -48,7 +48,8 @@ OP_LABELS = {op: op.name.lower() for op in w.Op}  # the `op` label of each op's 
 
 
 def listen(host: str, port: int) -> socket.socket:
-    sock = socket.create_server((host, port), backlog=128, reuse_port=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (--host ::1 too)
+    sock = socket.create_server((host, port), family=family, backlog=128, reuse_port=False)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     return sock
 

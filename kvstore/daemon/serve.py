@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
+import socket
 
 from aiohttp import web
 
@@ -111,7 +113,15 @@ def run(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass  # the stdlib loop serves the control plane just as correctly
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:  # a port taken, an address this host does not have
+        if isinstance(e, socket.gaierror) or e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL,
+                                                          errno.EACCES, errno.EAFNOSUPPORT):
+            raise ConfigError(f"cannot listen on {cfg.host} (data port {cfg.port}, control "
+                              f"port {cfg.http_port}): {e}; pick another --port / "
+                              "--http-port (0: any free one) or --host") from e
+        raise
     return 0
 
 

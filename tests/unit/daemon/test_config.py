@@ -1,6 +1,8 @@
 """Daemon configuration: the loopback rule, token files, tenants, the TOML file."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvstore.daemon.config import ADMIN, DaemonConfig, read_token_file, read_toml
@@ -58,3 +60,44 @@ def test_toml(tmp_path):
     with pytest.raises(ConfigError, match="bogus"):
         read_toml(str(f))
     assert DaemonConfig(quota_blocks=5, tenant_quotas=(("a", 2),)).quota_for("a") == 2
+
+
+@pytest.mark.parametrize("kw", [
+    dict(idle_timeout_s=float("inf")), dict(hello_timeout_s=float("nan")),
+    dict(high_watermark=2.0), dict(low_watermark=0.99, high_watermark=0.5),
+    dict(durable="no"), dict(dram_bytes=True), dict(max_payload_bytes="1GiB"),
+    dict(max_connections=1.5), dict(cluster_ttl_s=-1), dict(spin_us=-5),
+    dict(block_tokens=-16), dict(quota_blocks=-3), dict(log_level="bogus")])
+def test_a_value_of_the_wrong_kind_or_range_is_refused_at_start(kw):
+    """Each of these started a daemon that then failed every connection (inf, NaN: an
+    OverflowError, a ValueError), refused every HELLO, or silently meant something else
+    ('no' was true, True was 1 byte, '1GiB' stayed a string)."""
+    with pytest.raises(ConfigError):
+        DaemonConfig(**kw)
+
+
+def test_the_config_file_names_what_is_wrong(tmp_path):
+    f = tmp_path / "c.toml"
+    for text, says in (('[tenant.x]\nmemory = "1GiB"\n', "unknown tables"),
+                       ("[quotas]\na = 'many'\n", "many"),
+                       ("serve = 5\n", "[serve] table"),
+                       ("[serve]\ntoken_file = 0\n", "token_file")):
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            read_toml(str(f))
+    f.write_text('[serve]\nmax_payload_bytes = "1GiB"\n')
+    assert read_toml(str(f))["max_payload_bytes"] == 1 << 30
+
+
+def test_a_port_in_use_is_a_one_line_error(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "kvtier", "serve", "--port", "0",
+                            "--http-port", str(port), "--data-dir", str(tmp_path / "d"),
+                            "--ssd-size", "0", "--dram-size", "16MiB"],
+                           capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "pick another --port" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
