@@ -12,6 +12,7 @@ from aiohttp import web
 
 from kvstore.daemon.config import (DaemonConfig, coerce, default_of, options, read_token_file,
                                    read_toml)
+from kvstore.daemon import httpguard
 from kvstore.errors import ConfigError
 from kvstore.tuning import freeze_gc_heap
 
@@ -135,10 +136,10 @@ async def serve(cfg: DaemonConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    http = None
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.http_port)
-        await site.start()
-        http_port = site._server.sockets[0].getsockname()[1]
+        http = await httpguard.listen(runner.server, cfg.host, cfg.http_port, httpguard.Gate())
+        http_port = http.sockets[0].getsockname()[1]
         data_port = app[DATAPLANE].port
         freeze_gc_heap()  # what the start built, and each full pass's survivors after it
         auth = "token required" if cfg.auth_required else "no auth (loopback only)"
@@ -156,6 +157,8 @@ async def serve(cfg: DaemonConfig) -> None:
         if agent is not None:
             await agent.stop()  # leave the pool first: peers stop sending work here
     finally:
+        if http is not None:
+            http.close()  # no new connection; runner.cleanup ends the open ones
         await runner.cleanup()
     print("kvtier serve: stopped", flush=True)
 

@@ -460,3 +460,27 @@ def unread_by_daemon(s: socket.socket) -> int:
             if int(local.split(":")[1], 16) == there and int(remote.split(":")[1], 16) == here:
                 return ours + int(queues.split(":")[1], 16)
     return ours
+
+
+def test_half_sent_http_requests_cannot_starve_the_data_plane_of_descriptors(secured):
+    """The control plane had no cap on connections and no deadline for a request's head:
+    a few hundred half-sent requests (no token needed) held their descriptors for as long
+    as their senders liked, and every new namespace then failed with "Too many open
+    files". Past a cap the control plane closes new connections at once."""
+    import os
+    from kvstore.daemon import httpguard
+    port = int(secured.http.rsplit(":", 1)[1])
+    before = len(os.listdir(f"/proc/{secured.pid}/fd"))
+    socks = []
+    try:
+        for _ in range(httpguard.MAX_HTTP_CONNECTIONS + 200):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            socks.append(s)
+        time.sleep(0.5)
+        held = len(os.listdir(f"/proc/{secured.pid}/fd")) - before
+        assert held <= httpguard.MAX_HTTP_CONNECTIONS + 8, held
+        still_serving(secured)  # a namespace opened now gets its descriptors
+    finally:
+        for s in socks:
+            s.close()
