@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from dataclasses import replace
@@ -27,6 +28,8 @@ from engine_adapter.serving.launcher import ClusterConfig, cluster_processes, cp
 from kvtier.replay import RunResult, replay
 from kvtier.demo_report import chart, report
 from kvtier.workload import WORKLOADS, hit_ratio_bound, load
+from kvstore.config import parse_size
+from kvstore.errors import KVStoreError
 
 SAMPLE_CHAT = [{"role": "system", "content": "You are a concise assistant."},
                {"role": "user", "content": "In one sentence, why reuse a KV cache?"}]
@@ -119,6 +122,16 @@ def _check(a: argparse.Namespace) -> str | None:
         return f"--configs {a.configs!r}: letters among a, b, c (e.g. abc or ab)"
     if a.workers < ("c" in a.configs) + 1:
         return "--workers: (c) needs at least 2 (one prefill, one decode)"
+    if a.workload.endswith(".jsonl") and not os.path.isfile(a.workload):
+        return f"--workload {a.workload}: no such file"
+    for name in ("requests", "sessions", "num_blocks"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be 1 or more, not {value}"
+    try:
+        parse_size(a.dram_size)
+    except (ValueError, KVStoreError) as e:
+        return f"--dram-size {a.dram_size!r}: {e}"
     return None
 
 

@@ -61,3 +61,17 @@ def test_malloc_tuning_applies_on_glibc():
         import pytest
         pytest.skip("mallopt tuning is glibc-only")
     assert tune_malloc_for_large_blocks() is True
+
+
+def test_odd_arguments_are_one_line_errors(capsys):
+    """Each of these was a traceback (a ValueError, min() of an empty workload, a missing
+    file, a size read only after a whole configuration had run)."""
+    assert main(["hash", "--model", "m", "--num-layers", "0", "--num-kv-heads", "1",
+                 "--head-dim", "8", "1", "2"]) == 2
+    assert "num_layers" in capsys.readouterr().err
+    for argv, says in ((["--requests", "0"], "--requests"), (["--sessions", "0"], "--sessions"),
+                       (["--workload", "/nowhere.jsonl"], "no such file"),
+                       (["--dram-size", "abc"], "--dram-size")):
+        assert main(["demo", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
