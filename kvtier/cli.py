@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVStoreError as e:
         print(f"kvtier {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command took SIGINT over (still starting)
+        print(f"kvtier {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import errno
 import logging
 import signal
 import socket
+import sys
 
 from aiohttp import web
 
@@ -116,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         pass  # the stdlib loop serves the control plane just as correctly
     try:
         asyncio.run(serve(cfg))
+    except KeyboardInterrupt:  # before its signal handlers were in place (still starting)
+        print("kvtier serve: interrupted while starting", file=sys.stderr, flush=True)
+        return 130
     except OSError as e:  # a port taken, an address this host does not have
         if isinstance(e, socket.gaierror) or e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL,
                                                           errno.EACCES, errno.EAFNOSUPPORT):

@@ -75,3 +75,18 @@ def test_odd_arguments_are_one_line_errors(capsys):
         assert main(["demo", *argv]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err
+
+
+def test_ctrl_c_while_the_daemon_starts_is_no_traceback(tmp_path):
+    """SIGINT before the daemon took it over printed a KeyboardInterrupt traceback."""
+    import signal
+    import time
+    for i, delay in enumerate((0.2, 0.5, 1.0)):
+        p = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--port", "0",
+                              "--http-port", "0", "--data-dir", str(tmp_path / f"d{i}"),
+                              "--ssd-size", "0", "--dram-size", "16MiB"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode in (0, 130) and "Traceback" not in err, (delay, p.returncode, err)
