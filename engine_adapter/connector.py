@@ -163,13 +163,15 @@ class StoreConnector:
         """Queue blocks for saving; returns at once (the copy out of the cache is done here)."""
         if not hashes or self._closed:
             return
-        if len(block_ids) != len(hashes):
-            raise ValueError(f"save: {len(hashes)} hashes for {len(block_ids)} block ids")
-        bad = [b for b in block_ids if not 0 <= int(b) < self.kv_cache.shape[0]]
-        if bad:  # (clipped into range, another block's KV was stored under the hash)
-            raise ValueError(f"save: block ids {bad[:8]} are outside the cache's "
-                             f"{self.kv_cache.shape[0]} blocks")
-        staged = self._gather(block_ids)  # [n, L, 2, bt, Hkv, D]
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.shape != (len(hashes),):
+            raise ValueError(f"save: {len(hashes)} hashes for {ids.size} block ids")
+        n = self.kv_cache.shape[0]
+        if ids.min() < 0 or ids.max() >= n:  # (clipped into range, another block's KV was
+            bad = ids[(ids < 0) | (ids >= n)]  # stored under the hash)
+            raise ValueError(f"save: block ids {bad[:8].tolist()} are outside the cache's "
+                             f"{n} blocks")
+        staged = self._gather(ids)  # [n, L, 2, bt, Hkv, D]
         try:
             self._queue.put_nowait((list(hashes), staged))
         except queue.Full:

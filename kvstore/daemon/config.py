@@ -150,7 +150,7 @@ class DaemonConfig:
         if not isinstance(self.log_level, str) or self.log_level.lower() not in (
                 "debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"log level {self.log_level!r} is not one of debug, info, "
-                              "warning, error")
+                              "warning, error, critical")
         if not 0 <= self.spin_us <= 1e6:
             raise ConfigError(f"--spin-us is 0 to 1000000 microseconds, not {self.spin_us}")
         for name in ("quota_blocks", "block_tokens", "tenant_memory_bytes",

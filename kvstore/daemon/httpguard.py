@@ -5,17 +5,20 @@ aiohttp's server has neither: half-sent requests held their connections for as l
 their senders liked, in the descriptor table the data plane shares, and a few hundred of
 them (a slow-loris client, no token needed) made every new namespace fail with "Too many
 open files" while /healthz said 200. A connection past the cap is closed at once; one
-whose request head is not in by the deadline is closed then. (Bodies are read after the
-token check, and the cap bounds what slow ones can hold.)
+whose request head is not in by the deadline is closed then, and an idle kept-alive one
+after KEEPALIVE_S. (Bodies are read after the token check, and the cap bounds what slow
+ones can hold; so does it a second request's head sent slowly on a kept-alive connection.)
 """
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Callable
+
+from kvstore.daemon.dataplane import listen as bind
 
 MAX_HTTP_CONNECTIONS = 128
 HEADER_DEADLINE_S = 10.0
+KEEPALIVE_S = 15.0  # an idle kept-alive connection is closed after this (aiohttp's own timer)
 
 
 class Gate:
@@ -85,8 +88,7 @@ class _Guarded(asyncio.Protocol):
 async def listen(factory: Callable[[], asyncio.Protocol], host: str, port: int,
                  gate: Gate) -> asyncio.AbstractServer:
     """Serve `factory`'s protocol (aiohttp's `AppRunner.server`) on host:port, guarded."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=128)
+    sock = bind(host, port)
     loop = asyncio.get_running_loop()
     try:
         return await loop.create_server(lambda: _Guarded(factory(), gate), sock=sock)

@@ -69,7 +69,8 @@ class Hosted:
     # requests: replies sent from unmapped memory (EFAULT), views of a released arena.
     _users: int = 0
     _retired: bool = False
-    _users_cv: threading.Condition = field(default_factory=threading.Condition)
+    _users_cv: threading.Condition = field(
+        default_factory=lambda: threading.Condition(threading.Lock()))
 
     def __post_init__(self) -> None:
         self.block_bytes = self.ns.block_bytes
@@ -324,7 +325,8 @@ class Registry:
             del self._hosted[ns_id]
             self._clearing.add(ns_id)  # no HELLO opens it again until its files are gone
         try:
-            hosted.retire()  # (requests are bounded by their deadlines: this ends)
+            hosted.retire()  # (data-plane requests end by their deadlines, put-channel
+            # drains are short: this returns)
             _close_agent(hosted)
             hosted.store.close(flush=False)
             shutil.rmtree(self._dir(hosted.ns), ignore_errors=True)

@@ -134,7 +134,10 @@ async def serve(cfg: DaemonConfig) -> None:
     from kvstore.daemon.access import DATAPLANE
     from kvstore.daemon.app import create_app
     app = create_app(cfg)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    # (an idle kept-alive connection holds one of httpguard's slots: aiohttp's default
+    # keeps it an hour, so 128 requests made and left idle locked the control plane out)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           keepalive_timeout=httpguard.KEEPALIVE_S)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
