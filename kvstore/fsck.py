@@ -77,7 +77,11 @@ def _check(path: str, ns: Namespace) -> FsckReport:
         entries, index_error = _read_index(os.path.join(path, "index"))
         bad = [(key, f"{' and '.join(missing)} missing: the block is gone")
                for key, _ in entries]
-        return FsckReport(0, 0, bad, _files_missing(path) or index_error, 0)
+        lost = None  # (slabs.dat gone beside headers: blocks lost; neither: never written)
+        if missing == [SLABS] and os.path.getsize(os.path.join(path, HEADERS)):
+            lost = (f"{SLABS} is missing: every block it held is lost (the tier finds none "
+                    "of them at its next open)")
+        return FsckReport(0, 0, bad, lost or index_error, 0)
     slabs = SlabFile(path, ns, 1 << 62, readonly=True)
     try:
         entries, index_error = _read_index(os.path.join(path, "index"))
@@ -95,18 +99,6 @@ def _check(path: str, ns: Namespace) -> FsckReport:
         return FsckReport(ok, ok * ns.block_bytes, bad + damaged, index_error, recoverable)
     finally:
         slabs.close()
-
-
-def _files_missing(path: str) -> str | None:
-    """What is lost when a slab file is missing beside the other (None when both are
-    there, or neither: a tier that never wrote a block)."""
-    slabs, headers = (os.path.join(path, name) for name in (SLABS, HEADERS))
-    if os.path.isfile(slabs) or not os.path.isfile(headers):
-        return None
-    if not os.path.getsize(headers):
-        return None
-    return (f"{SLABS} is missing: every block it held is lost (the tier finds none of "
-            "them at its next open)")
 
 
 def _unlisted(slabs: SlabFile, claimed: set, named: dict[int, set[bytes]]
