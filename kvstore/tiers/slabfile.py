@@ -19,9 +19,12 @@ never so aligned: in raw loops (hashing included, the layouts in turn in one pro
 0.86-0.95 apart (256 KiB: 0.70 -> 0.81 and 0.71 -> 0.83). A directory of the first
 layout (slabs.dat with no headers.dat) is not read: `old_layout` names it.
 
-Both files grow on demand in extents of `extent_slots` slots, each reserved with
-`posix_fallocate` before a slot in it is handed out: a full disk shows up as "no room to
-grow" (a clean NO_SPACE for the put), never as a write that fails halfway.
+Both files grow on demand in extents, each reserved with `posix_fallocate` before a slot
+in it is handed out: a full disk shows up as "no room to grow" (a clean NO_SPACE for the
+put), never as a write that fails halfway. The first extent is FIRST_EXTENT_BYTES, each
+next one as big as the file already is, up to EXTENT_BYTES: a namespace of a few blocks
+takes a few MiB of disk, not 256 (a test suite's hundred small tiers took gigabytes, and
+filled the disk of a CI run).
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ from kvstore.layout import HEADER_BYTES, HeaderEncoder, checksum, decode_header
 SLABS, HEADERS = "slabs.dat", "headers.dat"
 RESTORING = ".restoring"  # headers.dat + this: lost headers being written again
 PAGE = 4096
-EXTENT_BYTES = 256 << 20
+EXTENT_BYTES = 256 << 20  # the largest extent
+FIRST_EXTENT_BYTES = 8 << 20
 INDEX_HEADROOM = 1 << 20  # disk the slab files never take: the index must still write
 IOV_BLOCKS = 500  # blocks per preadv/pwritev (2 iovecs each at most, under IOV_MAX = 1024)
 HASHED_RUN_BYTES = 256 << 10  # reads and writes go in runs of about a cache's worth, each
@@ -100,7 +104,6 @@ class SlabFile:
         self.block_bytes = ns.block_bytes
         self.stride = stride_of(self.block_bytes)
         self.slot_disk_bytes = self.stride + HEADER_BYTES
-        self.extent_slots = max(1, EXTENT_BYTES // self.stride)
         # the headers first: a directory with slabs.dat alone is of the first layout. Lost
         # ones are rebuilt in a file of their own, renamed into place once whole: an open
         # that fails midway leaves headers.dat missing still (the next open restores it),
@@ -130,7 +133,8 @@ class SlabFile:
         disk has less room); the new slots, or an empty range at capacity. Raises
         TierIOError when not even `min_slots` fit."""
         start = self.num_grown
-        n = min(self.num_slots, start + max(self.extent_slots, min_slots)) - start
+        extent = min(EXTENT_BYTES, max(FIRST_EXTENT_BYTES, start * self.stride))
+        n = min(self.num_slots, start + max(extent // self.stride, 1, min_slots)) - start
         st = os.statvfs(self.path)
         n = min(n, max(0, st.f_bavail * st.f_frsize - INDEX_HEADROOM) // self.slot_disk_bytes)
         # (room for fewer than `min_slots` is no room: an empty range says "at capacity",

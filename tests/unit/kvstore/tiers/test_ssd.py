@@ -63,6 +63,34 @@ def test_slots_hold_aligned_payloads_headers_apart_and_the_index_only_slots(tmp_
 
 
 
+def test_the_slab_file_grows_from_a_small_extent_doubling_up_to_the_largest(tmp_path,
+                                                                            monkeypatch):
+    """A tier that may grow large but holds one block takes FIRST_EXTENT_BYTES of disk, not
+    a whole 256 MiB extent (a test suite's small tiers filled a CI disk that way); each
+    next extent is as big as the file already is, up to EXTENT_BYTES, and never past the
+    tier's capacity."""
+    stride = stride_of(NS.block_bytes)
+    tier = SsdTier(NS, str(tmp_path / "one"), 1 << 20)
+    tier.write_n(tier.alloc_n(1), HASHES[:1], _blocks(1))
+    assert os.path.getsize(tmp_path / "one" / "slabs.dat") == slabfile.FIRST_EXTENT_BYTES
+    assert os.path.getsize(tmp_path / "one" / "headers.dat") == \
+        slabfile.FIRST_EXTENT_BYTES // stride * HEADER_BYTES
+    tier.close()
+
+    monkeypatch.setattr(slabfile, "FIRST_EXTENT_BYTES", 4 * stride)
+    monkeypatch.setattr(slabfile, "EXTENT_BYTES", 16 * stride)
+    tier = SsdTier(NS, str(tmp_path / "many"), 70)
+    sizes = []
+    for _ in range(70):
+        assert len(tier.alloc_n(1)) == 1
+        size = os.path.getsize(tmp_path / "many" / "slabs.dat") // stride
+        if not sizes or sizes[-1] != size:
+            sizes.append(size)
+    assert sizes == [4, 8, 16, 32, 48, 64, 70]
+    assert tier.alloc_n(1) is None  # at capacity
+    tier.close()
+
+
 def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatch):
     """A write is split into pwritevs of HASHED_RUN_BYTES (each hashed just before it):
     every block of a batch, across the splits and around a gap in its slots, is on disk
