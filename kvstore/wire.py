@@ -111,6 +111,12 @@ class AuthError(RemoteError):
     """The daemon wants a (different) token, or the token's tenant may not use the namespace."""
 
 
+def netloc(host: str, port: int) -> str:
+    """HOST:PORT for a URL: an IPv6 address in brackets (`[::1]:7481`, which `parse_url`
+    and any URL parser read back; `::1:7481` is not an address)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def remote_error(code: ErrorCode, message: str) -> RemoteError:
     cls = AuthError if code in (ErrorCode.AUTH, ErrorCode.FORBIDDEN) else RemoteError
     return cls(code, message)

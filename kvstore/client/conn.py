@@ -27,7 +27,7 @@ class Address(NamedTuple):
     port: int
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return w.netloc(self.host, self.port)
 
 
 class LocalAddress(NamedTuple):

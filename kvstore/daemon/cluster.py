@@ -23,6 +23,7 @@ from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.namespaces import Registry
 from kvstore.index import ClusterIndex
+from kvstore.wire import netloc
 
 log = logging.getLogger("kvtier.cluster")
 MSGPACK = "application/msgpack"
@@ -69,7 +70,8 @@ class ClusterAgent:
     def __init__(self, cfg: DaemonConfig, registry: Registry, data_port: int, http_port: int) -> None:
         host = cfg.advertise or cfg.host
         self.cfg, self.registry = cfg, registry
-        record = NodeRecord(cfg.node_id, f"{host}:{data_port}", f"http://{host}:{http_port}")
+        record = NodeRecord(cfg.node_id, netloc(host, data_port),
+                            f"http://{netloc(host, http_port)}")
         self.member = ClusterMember(parse_etcd_url(cfg.cluster), record, ttl_s=cfg.cluster_ttl_s)
         self.service = MetadataService()
         self._reported_to: str | None = None

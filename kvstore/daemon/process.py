@@ -19,7 +19,9 @@ import time
 import urllib.request
 from typing import Callable, Sequence, TextIO
 
-_START = re.compile(r"data plane kvtier://(\S+):(\d+)\s+control http://(\S+):(\d+)")
+from kvstore.wire import netloc
+
+_START = re.compile(r"data plane kvtier://\[?([^\s\]]+?)\]?:(\d+)\s+control http://\S+:(\d+)")
 
 
 class DaemonProcess:
@@ -42,11 +44,11 @@ class DaemonProcess:
 
     @property
     def url(self) -> str:
-        return f"kvtier://{self.host}:{self.port}"
+        return f"kvtier://{netloc(self.host, self.port)}"
 
     @property
     def http(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{netloc(self.host, self.http_port)}"
 
     @property
     def pid(self) -> int:
@@ -84,7 +86,7 @@ class DaemonProcess:
                 self.echo.flush()
             m = _START.search(line)
             if m and not found.is_set():
-                self.host, self.port, self.http_port = m.group(1), int(m.group(2)), int(m.group(4))
+                self.host, self.port, self.http_port = m.group(1), int(m.group(2)), int(m.group(3))
                 found.set()
         found.set()  # exited: start() looks at the return code
 

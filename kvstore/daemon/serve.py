@@ -16,6 +16,7 @@ from kvstore.daemon.config import (DaemonConfig, coerce, default_of, options, re
 from kvstore.daemon import httpguard
 from kvstore.errors import ConfigError
 from kvstore.tuning import freeze_gc_heap
+from kvstore.wire import netloc
 
 log = logging.getLogger("kvtier.serve")
 
@@ -150,9 +151,10 @@ async def serve(cfg: DaemonConfig) -> None:
         data_port = app[DATAPLANE].port
         freeze_gc_heap()  # what the start built, and each full pass's survivors after it
         auth = "token required" if cfg.auth_required else "no auth (loopback only)"
-        print(f"kvtier serve: data plane kvtier://{cfg.host}:{data_port}  control "
-              f"http://{cfg.host}:{http_port}  data dir {cfg.data_dir}  ({auth})\n"
-              f"  connect: kvstore.Client('kvtier://{cfg.host}:{data_port}', namespace=...)"
+        data, control = netloc(cfg.host, data_port), netloc(cfg.host, http_port)
+        print(f"kvtier serve: data plane kvtier://{data}  control "
+              f"http://{control}  data dir {cfg.data_dir}  ({auth})\n"
+              f"  connect: kvstore.Client('kvtier://{data}', namespace=...)"
               f"  (same host: shared memory over the local socket, found automatically"
               + (f"; other hosts: inline TCP, or use_agent=True for transfer-agent "
                  f"{'/'.join(cfg.agent_backends)}" if cfg.agent_backends else

@@ -40,8 +40,9 @@ class Server:
     def __init__(self, ctx: AgentContext):
         self.ctx = ctx
         self._stop = threading.Event()
-        self._sock = socket.create_server((ctx.config.tcp_host, ctx.config.tcp_port),
-                                          backlog=128)
+        host = ctx.config.tcp_host
+        self._sock = socket.create_server((host, ctx.config.tcp_port), backlog=128,
+                                          family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.settimeout(0.2)
         self.addr = self._sock.getsockname()[:2]
         self._conns: set[socket.socket] = set()

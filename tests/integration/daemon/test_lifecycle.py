@@ -185,6 +185,26 @@ def test_echo_gets_the_daemon_output_as_it_comes(make_daemon):
     assert echo.getvalue() in d.output()
 
 
+def test_an_ipv6_daemon_prints_urls_a_client_and_curl_can_use(make_daemon):
+    """`--host ::1`: the printed URLs put the address in brackets (`kvtier://::1:PORT` was
+    printed before, which no URL parser reads as host ::1), and a client and an HTTP client
+    given them exactly as printed reach the daemon, its transfer agent too."""
+    d = make_daemon("--host", "::1")
+    assert d.url == f"kvtier://[::1]:{d.port}"
+    assert f"data plane kvtier://[::1]:{d.port}  control http://[::1]:{d.http_port}" in d.output()
+    assert f"kvstore.Client('kvtier://[::1]:{d.port}'" in d.output()
+    with urllib.request.urlopen(f"{d.http}/healthz", timeout=10) as r:
+        assert r.status == 200
+    hs = hash_blocks(NS, np.arange(2 * 16))
+    with Client(d.url, namespace=NS, use_shm=False) as tcp, Client(d.url, namespace=NS) as c, \
+            Client(d.url, namespace=NS, use_shm=False, use_agent=True, inline_put_bytes=0,
+                   inline_get_bytes=0) as agent:
+        tcp.put_n(hs, blocks(hs))
+        for client in (tcp, c, agent):
+            dst = np.zeros((2, BB), np.uint8)
+            assert None not in client.get_n(hs, dst) and (dst == blocks(hs)).all()
+
+
 def test_an_unusable_data_dir_is_refused_at_start(make_daemon, tmp_path):
     """A second daemon on a data dir, a regular file, or a dangling symlink: `kvtier serve`
     exits 2 saying why, instead of starting and answering "unavailable" to every client."""
