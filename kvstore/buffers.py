@@ -24,7 +24,12 @@ def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
         if writable and not buf.flags.writeable:
             raise TypeError("destination array is read-only")
         buf = buf.reshape(-1).view(np.uint8)
-    view = memoryview(buf)
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"block buffers are tensors, numpy arrays or bytes-like objects (one "
+                        f"for the batch or a list, one per block); got {type(buf).__name__}") \
+            from None
     if writable and view.readonly:
         raise TypeError(f"destination buffer ({type(buf).__name__}) is read-only; pass a "
                         "bytearray, numpy array or tensor")

@@ -77,3 +77,12 @@ def test_a_contiguous_cpu_tensor_of_the_right_size_gives_its_own_address():
 ])
 def test_anything_else_has_no_address(buf):
     assert host_address(buf, 24) is None
+
+
+@pytest.mark.parametrize("n", [0, 3])
+@pytest.mark.parametrize("buf", [None, 5, "abc"])
+def test_something_that_is_no_buffer_is_named_in_the_error(buf, n):
+    """`get_n([], None)` said "memoryview: a bytes-like object is required": the error now
+    says what a block buffer may be and what it got, for an empty batch as for any."""
+    with pytest.raises(TypeError, match=f"tensors, numpy arrays or bytes-like.*{type(buf).__name__}"):
+        byte_rows(buf, n, 8, writable=True)
