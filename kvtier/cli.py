@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import runpy
+import signal
 import sys
 from typing import Callable
 
@@ -167,11 +168,25 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(SystemExit):
+    """SIGTERM, raised where the main thread is: what the command started (a demo's
+    workers and store) is stopped by the `with`/`finally` blocks it unwinds. Python's
+    default ended the process on the spot and left them running. A SystemExit, so that an
+    event loop running a callback lets it through."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up is under way
+    raise Terminated(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     names = {c[0] for c in COMMANDS}
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in names else None).parse_args(argv)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (commands that serve set their own)
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.run(args)
     except KVStoreError as e:
@@ -180,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a command took SIGINT over (still starting)
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"kvtier {args.command}: terminated", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

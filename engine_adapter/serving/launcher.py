@@ -27,6 +27,7 @@ from typing import Iterator, NamedTuple, TextIO
 from engine_adapter.serving.ports import bind, wait_port_file
 from engine_adapter.serving.protocol import Role
 from engine_adapter.serving.router import POOL_NODE, Router, WorkerHandle
+from kvstore import env
 from kvstore.daemon.process import DaemonProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,7 +110,7 @@ def own_threads(n: int) -> None:
 
 def child_env(threads: int) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1",
-            **{var: str(threads) for var in THREAD_VARS}}
+            **{var: str(threads) for var in THREAD_VARS}, **env.child_of_this_process()}
 
 
 def store_node(cfg: ClusterConfig, data_dir: str, log: TextIO) -> DaemonProcess:

@@ -1,0 +1,87 @@
+"""What `kvtier demo` / `kvtier cluster` start ends with them: SIGTERM unwinds the command
+(its `with` blocks stop the store and workers, exit 143), and a launcher killed outright
+(SIGKILL: no clean-up of its own) still takes them along (the kernel's parent-death
+signal). Both left every child running before."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+# a `kvtier` command of the real CLI that holds a store node as `kvtier demo` does
+HOLD = textwrap.dedent("""
+    import sys, time
+    from kvtier import cli
+    from engine_adapter.serving.launcher import ClusterConfig, store_node
+
+    def run(a):
+        with store_node(ClusterConfig(colocated=1, dram_size="1MiB"), sys.argv[1], sys.stdout) as d:
+            print(f"holding daemon {d.pid}", flush=True)
+            time.sleep(600)
+        return 0
+
+    cli.COMMANDS.append(("hold", "hold a store node", lambda p: None, run))
+    sys.exit(cli.main(["hold"]))
+""")
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_holder(tmp_path) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "store")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("holding daemon"):
+            return proc, int(line.split()[-1])
+    raise AssertionError(f"the holder ended: {proc.wait()} {proc.stderr.read()}")
+
+
+def wait_gone(pid: int, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(pid)
+
+
+@pytest.fixture
+def holders():
+    started = []
+    yield started
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def test_sigterm_stops_what_the_command_started_and_exits_143(tmp_path, holders):
+    proc, daemon = start_holder(tmp_path)
+    holders.append(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 143
+    assert "kvtier hold: terminated" in proc.stderr.read()
+    assert not alive(daemon), "the store node outlived the command that started it"
+
+
+def test_a_killed_launcher_still_takes_its_children_along(tmp_path, holders):
+    proc, daemon = start_holder(tmp_path)
+    holders.append(proc)
+    proc.kill()
+    proc.wait()
+    assert wait_gone(daemon), "the store node outlived a launcher killed with SIGKILL"
