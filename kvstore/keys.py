@@ -45,6 +45,10 @@ ZSTD_HEADER_BYTES = 8  # zstd: u32 frame length + u32 reserved, then the frame, 
 # A zstd slot holds at most 15/16 of the raw bytes: slots are fixed-size, so a bound is what
 # makes a variable-size codec move fewer bytes; a block whose frame does not fit is not stored.
 ZSTD_SLOT_NUM, ZSTD_SLOT_DEN = 15, 16
+# zstd's smallest frame for a block of more than a few bytes (all one byte value: magic,
+# frame header with the content size, one RLE block; 17 bytes for 8-64 zero bytes,
+# zstandard 0.25): a slot with less room than this stores no block at all
+ZSTD_MIN_FRAME_BYTES = 17
 
 DTYPE_BYTES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -91,6 +95,11 @@ class Namespace:
             if type(value) is not int or not 0 < value <= MAX_DIM:
                 raise ValueError(f"Namespace.{name} must be an int in [1, {MAX_DIM}], "
                                  f"got {value!r}")
+        if self.codec == "zstd" and self.block_bytes - ZSTD_HEADER_BYTES < ZSTD_MIN_FRAME_BYTES:
+            raise ValueError(f"a zstd block of this namespace has room for "
+                             f"{self.block_bytes - ZSTD_HEADER_BYTES} bytes of frame, and zstd's "
+                             f"smallest is {ZSTD_MIN_FRAME_BYTES}: every block would be refused "
+                             "(use codec raw, or more block_tokens)")
         if self.block_bytes > MAX_BLOCK_BYTES:
             raise ValueError(f"a block of this namespace would be {self.block_bytes} bytes; "
                              f"blocks are at most {MAX_BLOCK_BYTES} bytes (use fewer "

@@ -143,3 +143,16 @@ def test_encoded_block_bytes_per_codec():
         assert enc.block_bytes == 30 * 2 * 16 * 3 * (64 + 2) and enc.raw_block_bytes == raw
         assert enc.block_bytes / raw <= 0.26
     assert Namespace(**ns, codec="zstd").block_bytes == 8 + raw * 15 // 16
+
+
+def test_a_zstd_namespace_too_small_for_any_frame_is_refused():
+    """Room for fewer bytes than zstd's smallest frame: every put would be NO_SPACE (the
+    namespace was taken and failed every block). The bound is zstd's own: a block of zeros
+    just that big fits its slot."""
+    import zstandard
+    tiny = dict(model="m", num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16", block_tokens=1)
+    with pytest.raises(ValueError, match="room for 15 bytes of frame.*smallest is 17"):
+        Namespace(**tiny, codec="zstd")
+    fits = Namespace(**{**tiny, "head_dim": 5}, codec="zstd")
+    room = fits.block_bytes - 8
+    assert room >= 17 and len(zstandard.ZstdCompressor().compress(bytes(fits.raw_block_bytes))) <= room
