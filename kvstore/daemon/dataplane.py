@@ -184,8 +184,8 @@ class ServedConnection:
     def _close(self) -> None:
         hosted = self.session.hosted
         entered = hosted is not None and hosted.enter()  # (a clear waits for this too)
-        try:
-            self.session.end()
+        try:  # (not entered: a clear is closing the store meanwhile; it is left alone)
+            self.session.end(store=entered or hosted is None)
         except StoreClosedError:
             pass  # stores closed at shutdown: their reservations and leases went with them
         finally:

@@ -124,15 +124,18 @@ class PutChannel:
             self.granted.update(slots)
             self.ring.push_grants(slots)
 
-    def close(self) -> None:
+    def close(self, store: bool = True) -> None:
         """The connection ended: commit what is published, give every other slot back
-        (once: a second call drains nothing and gives nothing back)."""
+        (once: a second call drains nothing and gives nothing back). `store` False: the
+        namespace is being cleared (its store closes, taking every slot with it): only
+        this channel's own descriptors and memory go."""
         try:
-            self.drain()
+            if store:
+                self.drain()
         finally:
-            self._give_back()
+            self._give_back(store)
 
-    def _give_back(self) -> None:
+    def _give_back(self, store: bool = True) -> None:
         with self.lock:
             if self.closed:
                 return  # closed meanwhile by another thread
@@ -140,9 +143,12 @@ class PutChannel:
             left, self.granted = list(self.granted), set()
         with self.hosted._count_lock:
             self.hosted.put_channels -= 1
-        self.store.release_granted(left)
-        os.close(self.doorbell)
-        self.segment.close()
+        try:
+            if store:
+                self.store.release_granted(left)
+        finally:
+            os.close(self.doorbell)
+            self.segment.close()
 
 
 class Drainer:

@@ -259,12 +259,12 @@ class Session:
         n = self.channel.drain(msg.want) if self.channel is not None else 0
         self.reply(w.Op.FLUSH, w.Ack(value=n))
 
-    def _close_channel(self) -> None:
+    def _close_channel(self, store: bool = True) -> None:
         if self.channel is not None:
             channel, self.channel = self.channel, None
             if self.drainer is not None:
                 self.drainer.remove(channel)
-            channel.close()
+            channel.close(store)
 
     def stage(self, msg: w.Stage, payload_bytes: int) -> None:
         self._same_host("STAGE")
@@ -668,13 +668,16 @@ class Session:
             self.hosted.drop_agent_key(self.agent_key)
         self.agent_key = b""
 
-    def end(self) -> None:
-        """Everything this connection held, given back (it closed)."""
+    def end(self, store: bool = True) -> None:
+        """Everything this connection held, given back (it closed). `store` False: its
+        namespace is being cleared, and the store's close, running meanwhile, ends its
+        reservations, leases and grants: only what the connection holds itself goes."""
         try:
-            self._close_channel()
+            self._close_channel(store)
         finally:
             try:
-                self.close_ops()  # even if the channel's last drain failed
+                if store:
+                    self.close_ops()  # even if the channel's last drain failed
             finally:
                 self.close()
                 self._drop_agent_key()

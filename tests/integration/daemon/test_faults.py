@@ -523,3 +523,34 @@ def test_clearing_a_namespace_under_load_waits_for_its_requests(make_daemon):
     assert internal_errors(d) == 0
     assert "Traceback" not in d.output()
     still_serving(d)
+
+
+def test_a_connection_that_ends_after_its_namespace_was_cleared_leaves_nothing_open(make_daemon):
+    """A same-host client with a put channel (its shared ring and doorbell) whose namespace
+    is cleared, then closes: the connection's own descriptors go, with no error. (Its
+    clean-up now leaves the store the clear is closing alone; before, it drained the
+    channel and gave its grants back to that store, safe only while the store's close
+    raised StoreClosedError cleanly at whatever point it had reached.)"""
+    import os
+    d = make_daemon(dram_size="2MiB", ssd_size="0")
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{d.pid}/fd"))
+
+    hs = hash_blocks(NS, np.arange(16 * 4))
+    with Client(d.url, namespace=NS) as warm:  # the namespace, its arena and agent, opened
+        warm.put_n(hs[:1], block_of(hs[0], BB)[None])
+    time.sleep(0.5)
+    before = fds()
+    c = Client(d.url, namespace=NS)
+    c.put_n(hs, np.stack([block_of(h, BB) for h in hs]))  # by the put channel
+    assert fds() > before
+    url = f"{d.http}/admin/namespaces/{NS.ns_id:016x}/clear"
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30)
+    c.close()
+    deadline = time.monotonic() + 10
+    while fds() > before - 1 and time.monotonic() < deadline:  # (the cleared arena went too)
+        time.sleep(0.05)
+    assert fds() <= before - 1, "descriptors of the closed connection are still open"
+    assert internal_errors(d) == 0 and "Traceback" not in d.output()
+    still_serving(d)
