@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import runpy
-import signal
 import sys
 from typing import Callable
 
 from kvstore.errors import KVStoreError
+from kvstore.lifetime import Terminated, on_sigterm
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 BENCHES = {"store": "store_tiers", "service": "store_service", "transfer": "transfer_backends",
@@ -168,27 +168,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(SystemExit):
-    """SIGTERM, raised where the main thread is: what the command started (a demo's
-    workers and store) is stopped by the `with`/`finally` blocks it unwinds. Python's
-    default ended the process on the spot and left them running. A SystemExit, so that an
-    event loop running a callback lets it through."""
-
-
-def _terminate(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up is under way
-    raise Terminated(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     names = {c[0] for c in COMMANDS}
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in names else None).parse_args(argv)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (commands that serve set their own)
-        signal.signal(signal.SIGTERM, _terminate)
     try:
-        return args.run(args)
+        with on_sigterm():  # (commands that serve set their own handler over it)
+            return args.run(args)
     except KVStoreError as e:
         print(f"kvtier {args.command}: {e}", file=sys.stderr)
         return 2

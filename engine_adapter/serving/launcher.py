@@ -27,7 +27,7 @@ from typing import Iterator, NamedTuple, TextIO
 from engine_adapter.serving.ports import bind, wait_port_file
 from engine_adapter.serving.protocol import Role
 from engine_adapter.serving.router import POOL_NODE, Router, WorkerHandle
-from kvstore import env
+from kvstore import lifetime
 from kvstore.daemon.process import DaemonProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -110,7 +110,7 @@ def own_threads(n: int) -> None:
 
 def child_env(threads: int) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1",
-            **{var: str(threads) for var in THREAD_VARS}, **env.child_of_this_process()}
+            **{var: str(threads) for var in THREAD_VARS}, **lifetime.child_env()}
 
 
 def store_node(cfg: ClusterConfig, data_dir: str, log: TextIO) -> DaemonProcess:
@@ -161,8 +161,9 @@ def worker_processes(cfg: ClusterConfig, store_url: str | None, run_dir: str,
         yield [WorkerHandle(name, role, f"http://127.0.0.1:{wait_port_file(f, p, name)}", p)
                for name, role, p, f in started]
     finally:
-        for _, _, proc, _ in reversed(started):
-            stop_process(proc)
+        with lifetime.teardown():  # (a SIGTERM meanwhile cuts no stop short)
+            for _, _, proc, _ in reversed(started):
+                stop_process(proc)
 
 
 @contextlib.contextmanager

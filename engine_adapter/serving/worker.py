@@ -36,7 +36,7 @@ from engine_adapter.serving.calibrate import Calibration, calibrate
 from engine_adapter.serving.engine_loop import EngineLoop
 from engine_adapter.serving.kv_events import CacheEventLog
 from engine_adapter.serving.ports import bind, write_port_file
-from kvstore import env
+from kvstore import lifetime
 from kvstore.cluster.messages import EVENTS_KIND_HEADER
 from engine_adapter.serving.protocol import (MSGPACK, GenerateRequest, MessageError, PrefillResult,
                                              Role, TokenEvent, WorkerInfo, frame)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
     a = p.parse_args(argv)
-    env.exit_with_parent()  # its launcher's end is its own (SIGTERM: flush, then exit)
+    lifetime.exit_with_parent()  # its launcher's end is its own (SIGTERM: flush, then exit)
     cfg = WorkerConfig(a.name, Role(a.role), a.port, store_url=a.store_url,
                        num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
                        chunk_tokens=a.chunk_tokens, threads=a.threads, calibrate=a.calibrate)

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from typing import Callable, Sequence, TextIO
 
+from kvstore.lifetime import teardown
 from kvstore.wire import netloc
 
 _START = re.compile(r"data plane kvtier://\[?([^\s\]]+?)\]?:(\d+)\s+control http://\S+:(\d+)")
@@ -138,11 +139,13 @@ class DaemonProcess:
             self._reader.join(5)
 
     def close(self) -> None:
-        """Stop gracefully, and kill if that fails: every owner's teardown."""
-        try:
-            self.stop()
-        finally:
-            self.kill()
+        """Stop gracefully, and kill if that fails: every owner's teardown (a SIGTERM to
+        a kvtier command meanwhile waits for it: `lifetime.teardown`)."""
+        with teardown():
+            try:
+                self.stop()
+            finally:
+                self.kill()
 
     def __enter__(self) -> "DaemonProcess":
         return self.start()

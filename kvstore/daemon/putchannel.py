@@ -202,10 +202,13 @@ class Drainer:
 
     @staticmethod
     def _ring(ch: PutChannel) -> None:
-        try:
-            os.eventfd_read(ch.doorbell)
-        except (BlockingIOError, OSError):
-            pass  # nothing rang (the periodic pass), or the channel just closed
+        with ch.lock:  # (closed sets under it before the doorbell's number is let go: a
+            if ch.closed:  # read after that could take 8 bytes from whatever reused it)
+                return
+            try:
+                os.eventfd_read(ch.doorbell)
+            except (BlockingIOError, OSError):
+                pass  # nothing rang (the periodic pass)
         if not ch.hosted.enter():
             return  # its namespace is being cleared: nothing of it may be touched
         try:

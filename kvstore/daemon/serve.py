@@ -14,7 +14,7 @@ from aiohttp import web
 from kvstore.daemon.config import (DaemonConfig, coerce, default_of, options, read_token_file,
                                    read_toml)
 from kvstore.daemon import httpguard
-from kvstore import env
+from kvstore import lifetime
 from kvstore.errors import ConfigError
 from kvstore.tuning import freeze_gc_heap
 from kvstore.wire import netloc
@@ -104,7 +104,7 @@ def _default_gpu_bytes() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    env.exit_with_parent()  # started by `kvtier cluster` / `kvtier demo`: end with it
+    lifetime.exit_with_parent()  # started by `kvtier cluster` / `kvtier demo`: end with it
     cfg = build_config(args)
     _own_threads()
     from kvstore.tuning import tune_malloc_for_large_blocks

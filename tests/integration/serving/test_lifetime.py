@@ -85,3 +85,52 @@ def test_a_killed_launcher_still_takes_its_children_along(tmp_path, holders):
     proc.kill()
     proc.wait()
     assert wait_gone(daemon), "the store node outlived a launcher killed with SIGKILL"
+
+
+def test_a_sigterm_during_teardown_waits_for_it_then_ends_the_command():
+    """A SIGTERM while the command stops what it started is raised once that is done (it
+    cut a worker's stop short, or turned the store's graceful stop into SIGKILL), and the
+    handler in place before the command is back after it."""
+    from kvstore.lifetime import Terminated, on_sigterm, teardown
+    before = signal.getsignal(signal.SIGTERM)
+    finished = []
+    with pytest.raises(Terminated):
+        with on_sigterm():
+            with teardown():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # (a handler runs between bytecodes: it has by now)
+                finished.append(True)
+    assert finished == [True]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_cli_puts_the_sigterm_handler_back():
+    """`kvtier.cli.main` called as a library (tests, embedders) leaves SIGTERM as it was."""
+    from kvtier.cli import main
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["hash", "--model", "m", "--num-layers", "1", "--num-kv-heads", "1",
+                 "--head-dim", "8", "--block-tokens", "4", "1", "2", "3", "4"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("whose", ["a live stranger", "an ended process"])
+def test_a_parent_pid_that_is_not_the_parent(whose):
+    """KVTIER_PARENT_PID naming a live process that is not the parent (a stray variable,
+    a wrapper between launcher and child) is warned about and ignored; one naming a
+    process that has ended means the launcher is gone: the child stops."""
+    if whose == "a live stranger":
+        pid = 1
+    else:
+        done = subprocess.Popen([sys.executable, "-c", "pass"])
+        done.wait()
+        pid = done.pid
+    child = subprocess.run(
+        [sys.executable, "-c", "from kvstore.lifetime import exit_with_parent; "
+         "exit_with_parent(); print('carried on')"],
+        cwd=ROOT, env={**os.environ, "KVTIER_PARENT_PID": str(pid)}, capture_output=True,
+        text=True, timeout=60)
+    if whose == "a live stranger":
+        assert child.returncode == 0 and "carried on" in child.stdout
+        assert f"KVTIER_PARENT_PID={pid} is not this process's parent" in child.stderr
+    else:
+        assert child.returncode == -signal.SIGTERM and "has ended" in child.stderr
