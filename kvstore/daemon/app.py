@@ -142,13 +142,8 @@ def _events_reply(kind: str, body: bytes) -> web.Response:
                         headers={EVENTS_KIND_HEADER: kind})
 
 
-MAX_CONTROL_BODY = 1 << 30  # a cluster snapshot, 18 bytes a block: ~60M blocks. aiohttp's
-# default (1 MiB, ~58k blocks) answered a bigger namespace's snapshot 413, for good: that
-# node's blocks never reached the leader's index. (Bodies are read after the token check.)
-
-
 def create_app(cfg: DaemonConfig) -> web.Application:
-    app = web.Application(client_max_size=MAX_CONTROL_BODY)
+    app = web.Application(client_max_size=cluster.MAX_CONTROL_BODY)
     app[CONFIG] = cfg
     app.cleanup_ctx.extend([_listen_ctx, _registry_ctx, _dataplane_ctx])
     app.router.add_get("/healthz", healthz)

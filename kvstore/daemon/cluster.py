@@ -186,11 +186,28 @@ def _leader_only(request: web.Request) -> ClusterAgent:
     return agent
 
 
+MAX_CONTROL_BODY = 1 << 30  # a cluster snapshot, 18 bytes a block: ~60M blocks. aiohttp's
+# default (1 MiB, ~58k blocks) answered a bigger namespace's snapshot 413, for good: that
+# node's blocks never reached the leader's index. (Bodies are read after the token check.)
+BODY_GRACE_S = 10.0  # a report's body must come within this plus its length at
+MIN_BODY_RATE = 4 << 20  # bytes/s (as a data-plane put's payload): else 408 and closed
+
+
 async def _leader_call(request: web.Request, message, act) -> web.Response:
-    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader."""
+    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader.
+    The body is read within a deadline: a sender trickling it held its connection (one of
+    the control plane's capped slots) for as long as it liked."""
     agent = _leader_only(request)
+    size = request.content_length or MAX_CONTROL_BODY
     try:
-        body = act(agent.service, message.decode(await request.read()))
+        async with asyncio.timeout(BODY_GRACE_S + size / MIN_BODY_RATE):
+            raw = await request.read()
+    except TimeoutError:
+        slow = web.Response(status=408, text="the request body came too slowly\n")
+        slow.force_close()  # (what it sent so far leaves the connection out of step)
+        return slow
+    try:
+        body = act(agent.service, message.decode(raw))
     except ClusterError as e:
         raise web.HTTPBadRequest(text=f"{e}\n") from e
     return web.Response(body=body, content_type=MSGPACK)

@@ -6,8 +6,9 @@ their senders liked, in the descriptor table the data plane shares, and a few hu
 them (a slow-loris client, no token needed) made every new namespace fail with "Too many
 open files" while /healthz said 200. A connection past the cap is closed at once; one
 whose request head is not in by the deadline is closed then, and an idle kept-alive one
-after KEEPALIVE_S. (Bodies are read after the token check, and the cap bounds what slow
-ones can hold; so does it a second request's head sent slowly on a kept-alive connection.)
+after KEEPALIVE_S. (Bodies are read after the token check, each within a deadline of its
+own: `cluster.BODY_GRACE_S`. A second request's head sent slowly on a kept-alive
+connection has none: the cap bounds what such ones can hold.)
 """
 from __future__ import annotations
 

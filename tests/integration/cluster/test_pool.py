@@ -153,6 +153,32 @@ def test_a_prefix_put_on_one_node_is_matched_in_full(pool):
         assert c.match_prefix(chain(4, 3)).num_blocks == 0
 
 
+def test_a_report_body_that_trickles_in_is_cut_off(pool):
+    """A report to the leader whose body stops coming (its head and 5 of 1000 bytes sent)
+    is answered 408 and closed once its deadline (10 s plus its length at 4 MiB/s) has
+    passed: it held one of the control plane's 128 connections for as long as its sender
+    liked. The leader serves on."""
+    import socket
+    leader = pool.view("n0")["leader"]
+    http = pool.nodes[leader].http
+    host, port = http.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /cluster/events HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+                  b"Content-Type: application/msgpack\r\n\r\nabcde")
+        t0 = time.monotonic()
+        reply = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        waited = time.monotonic() - t0
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert 9 < waited < 25
+    with urllib.request.urlopen(http + "/healthz", timeout=10) as r:
+        assert r.status == 200
+
+
 def test_a_lost_node_turns_its_blocks_into_misses_and_replicas_serve(etcd, tmp_path):
     pool = Pool(etcd, tmp_path, 3)
     try:
