@@ -39,8 +39,6 @@ _pending = False  # a SIGTERM came during one
 
 def _terminate(signum, frame) -> None:
     global _pending
-    if _pending or signal.getsignal(signal.SIGTERM) is not _terminate:
-        return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
     if _held:
         _pending = True
@@ -66,8 +64,12 @@ def on_sigterm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def teardown() -> Iterator[None]:
-    """Stopping what was started: a SIGTERM meanwhile is raised once the block is done."""
+    """Stopping what was started: a SIGTERM meanwhile is raised once the block is done.
+    (Outside the main thread nothing changes: the handler interrupts only that one.)"""
     global _held, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     _held += 1
     try:
         yield
