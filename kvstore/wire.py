@@ -121,6 +121,12 @@ class AuthError(RemoteError):
 SOCKET_BUF_BYTES = 1 << 20
 
 
+def size_buffers(sock: socket.socket) -> None:
+    """Both of a data-plane socket's buffers at SOCKET_BUF_BYTES (daemon and clients)."""
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUF_BYTES)
+
+
 def netloc(host: str, port: int) -> str:
     """HOST:PORT for a URL: an IPv6 address in brackets (`[::1]:7481`, which `parse_url`
     and any URL parser read back; `::1:7481` is not an address)."""

@@ -71,8 +71,7 @@ class AsyncConnection:
                                "); is `kvtier serve` running there?") from e
         if family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            sock.setsockopt(socket.SOL_SOCKET, opt, w.SOCKET_BUF_BYTES)
+        w.size_buffers(sock)
         conn = cls(sock, addr, timeout_s)
         try:
             conn.info = (await conn.call(replies.hello(ns, token)))[0]

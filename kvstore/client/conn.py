@@ -74,8 +74,7 @@ class Connection:
         except OSError as e:
             raise ConnectError(f"cannot reach the kvtier daemon at {addr} ({e}); "
                                "is `kvtier serve` running there?") from e
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            self.sock.setsockopt(socket.SOL_SOCKET, opt, w.SOCKET_BUF_BYTES)
+        w.size_buffers(self.sock)
         w.kernel_timeouts(self.sock, timeout_s)
         self.reader = w.FrameReader(self.sock)
         self.reader.spin = Spin(spin_us * 1e-6)

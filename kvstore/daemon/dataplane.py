@@ -268,8 +268,7 @@ class DataPlane:
         try:
             if not local:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, opt, w.SOCKET_BUF_BYTES)
+            w.size_buffers(sock)
             w.kernel_timeouts(sock, self.cfg.hello_timeout_s)
             conn = ServedConnection(sock, self, local)
         except OSError:
