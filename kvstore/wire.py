@@ -530,14 +530,18 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
     time left, as send_views bounds its own; returns whether the socket's timeout was
     changed for it (the caller puts its own back)."""
     got, n, changed = 0, len(view), False
+    bound = standing  # the receive timeout the socket has now
     fd = sockio.loop_fd(sock)
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left < 0:
                 raise TimeoutError("the payload came too slowly")
-            if standing is not None and left + DEADLINE_SLACK_S < standing:
-                changed = _bound_call(sock, socket.SO_RCVTIMEO, left, 0.0)
+            if bound is not None and left + DEADLINE_SLACK_S < bound:
+                # (set again only once the last bound would overrun by the slack: a slow
+                # payload took one setsockopt per chunk once its time left passed under
+                # the standing timeout)
+                bound, changed = left, _bound_call(sock, socket.SO_RCVTIMEO, left, 0.0)
         try:
             if fd >= 0:  # the same calls, looped in C with the GIL released once
                 k = sockio.recv_loop(fd, view[got:] if got else view, RECV_CHUNK)
@@ -693,6 +697,7 @@ class FrameReader:
 
     def _take(self, n: int) -> bytes:
         buf, silent, spin = self.buffered, 0, self.spin
+        bound = self.standing  # (as recv_exact's: set again only past the slack)
         while buf.pending() < n:
             polled = False
             if self.deadline is not None:
@@ -702,8 +707,8 @@ class FrameReader:
                 left = self.reply_deadline - time.monotonic()
                 if left < 0:
                     raise TimeoutError("the reply came too slowly")
-                standing = self.standing
-                if standing is not None and left + DEADLINE_SLACK_S < standing:
+                if bound is not None and left + DEADLINE_SLACK_S < bound:
+                    bound = left
                     self.rebound = _bound_call(self.sock, socket.SO_RCVTIMEO, left, 0.0)
             if spin is not None:
                 k = spin.poll(self.sock, buf.room(n))
@@ -819,7 +824,7 @@ def send_views(sock: socket.socket, bufs: list[memoryview], deadline: float | No
             if left <= 0:
                 raise TimeoutError("the peer took its data too slowly")
             if _bound_call(sock, socket.SO_SNDTIMEO, left, standing):
-                changed = True
+                standing, changed = left, True  # (set again only past the slack)
         try:
             sent = sock.sendmsg(bufs[at:at + 256])
         except TIMED_OUT as e:

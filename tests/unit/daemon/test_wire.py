@@ -128,6 +128,46 @@ def test_recv_exact_gives_up_at_its_deadline_on_a_peer_that_never_goes_quiet(
         assert not gave_up.is_set(), "it waited for the peer to give up"
 
 
+class _CountingSocket(socket.socket):
+    """A socket that counts the timeouts set on it (SO_RCVTIMEO / SO_SNDTIMEO)."""
+    sets = 0
+
+    def setsockopt(self, level, option, value, *rest):
+        if level == socket.SOL_SOCKET and option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            self.sets += 1
+        return super().setsockopt(level, option, value, *rest)
+
+
+@pytest.mark.parametrize("loop", ["C", "Python"])
+def test_a_slow_payload_within_its_deadline_sets_the_timeout_a_few_times_not_per_read(
+        loop, monkeypatch):
+    """Past the point where a deadline is nearer than the socket's standing timeout, each
+    receive is bounded by the time left: set again once per DEADLINE_SLACK_S gone by, not
+    once per read (a 4 MiB payload coming a chunk every 2 ms took 64 setsockopt calls)."""
+    import threading
+    import time
+    if loop == "Python":
+        monkeypatch.setattr(sockio, "recv_loop", None)
+    a, raw_b = socket.socketpair()
+    b = _CountingSocket(fileno=raw_b.detach())
+    w.kernel_timeouts(b, 30.0)
+    pieces, piece = 64, w.RECV_CHUNK
+    with a, b:
+        def send():
+            for _ in range(pieces):
+                a.sendall(b"p" * piece)
+                time.sleep(0.002)
+        t = threading.Thread(target=send)
+        t0 = time.monotonic()
+        t.start()
+        got = bytearray(pieces * piece)
+        changed = w.recv_exact(b, memoryview(got), time.monotonic() + 20.0, 30.0)
+        elapsed = time.monotonic() - t0
+        t.join()
+        assert got == b"p" * len(got) and changed
+        assert b.sets <= elapsed / w.DEADLINE_SLACK_S + 2, (b.sets, elapsed)
+
+
 @given(st.binary(max_size=300))
 def test_fuzz_decoder_any_bytes_decode_or_protocol_error(raw):
     try:
