@@ -6,9 +6,11 @@ their senders liked, in the descriptor table the data plane shares, and a few hu
 them (a slow-loris client, no token needed) made every new namespace fail with "Too many
 open files" while /healthz said 200. A connection past the cap is closed at once; one
 whose request head is not in by the deadline is closed then, and an idle kept-alive one
-after KEEPALIVE_S. (Bodies are read after the token check, each within a deadline of its
-own: `cluster.BODY_GRACE_S`. A second request's head sent slowly on a kept-alive
-connection has none: the cap bounds what such ones can hold.)
+after KEEPALIVE_S. A later request's head on a kept-alive connection has KEEPALIVE_S from
+the last response: aiohttp (3.14) closes a connection whose keep-alive timer fires while no
+whole request has come, and bytes of a partial head do not restart that timer (measured: a
+head sent a byte a second was cut off 15.0 s after the response before it). Bodies are read
+after the token check, each within a deadline of its own: `cluster.BODY_GRACE_S`.
 """
 from __future__ import annotations
 
