@@ -621,9 +621,11 @@ class FrameBuffer:
         self._end += k
 
     def load(self, data: bytes) -> None:
-        """Buffer bytes received elsewhere (with descriptors); nothing may be pending."""
-        self._view[:len(data)] = data
-        self._at, self._end = 0, len(data)
+        """Buffer bytes received elsewhere (with descriptors, or a connection's first frame
+        read before its thread started); nothing may be pending."""
+        self._at = self._end = 0
+        self.room(len(data))[:len(data)] = data
+        self._end = len(data)
 
     def take(self, n: int) -> bytes:
         """The next n bytes (pending: the caller received them first)."""

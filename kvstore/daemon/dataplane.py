@@ -27,6 +27,7 @@ import collections
 import errno
 import logging
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -49,7 +50,7 @@ OP_LABELS = {op: op.name.lower() for op in w.Op}  # the `op` label of each op's 
 
 def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (--host ::1 too)
-    sock = socket.create_server((host, port), family=family, backlog=128, reuse_port=False)
+    sock = socket.create_server((host, port), family=family, backlog=4096, reuse_port=False)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     return sock
 
@@ -64,13 +65,18 @@ def listen_local() -> tuple[socket.socket, str]:
 
 
 class ServedConnection:
-    def __init__(self, sock: socket.socket, server: "DataPlane", local: bool) -> None:
+    def __init__(self, sock: socket.socket, server: "DataPlane", local: bool,
+                 first: bytes = b"", deadline: float | None = None) -> None:
+        """`first`: the connection's first frame, read by the lobby (see DataPlane), due
+        whole by `deadline` (hello_timeout_s from now if None)."""
         self.sock, self.server = sock, server
         self.busy = False
         self.pushed_out: str | None = None  # why another connection took its place
         self.tenant: str | None = None  # whose token this connection holds (counted per tenant)
-        self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES,
-                                    time.monotonic() + server.cfg.hello_timeout_s)
+        self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES, deadline if deadline
+                                    is not None else time.monotonic() + server.cfg.hello_timeout_s)
+        if first:
+            self.reader.buffered.load(first)
         self.reader.spin = Spin(server.cfg.spin_us * 1e-6)  # (polls once authenticated)
         self.tally = server.metrics.tally()  # this connection's requests (given back in _close)
         self.session = Session(sock, self.reader, server.registry, server.cfg,
@@ -213,7 +219,38 @@ class ServedConnection:
                 pass
 
 
+def _say(sock: socket.socket, code: w.ErrorCode, message: str) -> None:
+    """An ERROR frame to a connection about to be closed, best effort: never blocks (it
+    fits the empty send buffer of a connection that has sent one frame at most)."""
+    try:
+        sock.send(w.encode(w.Error(code=int(code), message=message), w.Op.ERROR, True),
+                  socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+
+
+class _Waiting:
+    """A connection the lobby holds until its first frame is whole."""
+    __slots__ = ("sock", "local", "deadline", "buf", "got", "need")
+
+    def __init__(self, sock: socket.socket, local: bool, deadline: float) -> None:
+        self.sock, self.local, self.deadline = sock, local, deadline
+        self.buf = bytearray(w.PREFIX.size)  # the frame so far: its prefix, then its header
+        self.got, self.need = 0, w.PREFIX.size
+
+
 class DataPlane:
+    """The listeners and their connections. New connections wait in the lobby, one thread
+    with every listener and every connection that has not sent its first frame whole on one
+    epoll: it accepts them, reads their first frames with non-blocking calls, and starts a
+    connection's thread once its first frame (a HELLO, or the error it gets) is in. A
+    thread started per connection at accept let a flood of connections from one process
+    outrun accept (threads started, then pushed out, all contending for the GIL): the
+    listen queue stayed full, the kernel dropped new SYNs, and clients with a token failed
+    to connect for seconds at a time."""
+
+    LOBBY_BATCH = 64  # connections accepted per wake-up, at most, before reading first frames
+
     def __init__(self, cfg: DaemonConfig, registry: Registry, metrics: Metrics,
                  sock: socket.socket, local: tuple[socket.socket, str] | None = None) -> None:
         self.cfg, self.registry, self.metrics, self.sock = cfg, registry, metrics, sock
@@ -223,14 +260,14 @@ class DataPlane:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.conns: dict[ServedConnection, threading.Thread] = {}
-        # connections not yet authenticated, oldest first: when they fill their quota, a
-        # new one takes the place of the oldest (refusing it instead let anyone holding
-        # silent sockets lock every client out, token or not)
-        self.pending: collections.OrderedDict[ServedConnection, None] = collections.OrderedDict()
+        # connections in the lobby (no first frame yet), oldest first: when they fill their
+        # quota, a new one takes the place of the oldest (refusing it instead let anyone
+        # holding silent sockets lock every client out, token or not)
+        self.pending: collections.OrderedDict[_Waiting, None] = collections.OrderedDict()
         self.tenant_conns: collections.Counter[str] = collections.Counter()
-        self._acceptors = [threading.Thread(target=self._accept, args=(s, s is self.local_sock),
-                                            name="kvtier-accept", daemon=True)
-                           for s in (sock, self.local_sock) if s is not None]
+        self._wake_r, self._wake_w = socket.socketpair()  # shutdown wakes the lobby
+        self._lobby = threading.Thread(target=self._run_lobby, name="kvtier-accept",
+                                       daemon=True)
 
     @property
     def port(self) -> int:
@@ -238,69 +275,205 @@ class DataPlane:
 
     @property
     def accepting(self) -> bool:
-        """Every acceptor thread still runs (the control plane's health check)."""
-        return not self.stopping.is_set() and all(t.is_alive() for t in self._acceptors)
+        """The lobby still runs (the control plane's health check)."""
+        return not self.stopping.is_set() and self._lobby.is_alive()
 
     def start(self) -> None:
-        for t in self._acceptors:
-            t.start()
+        self._lobby.start()
 
-    def _accept(self, listener: socket.socket, local: bool) -> None:
+    # ------------------------------------------------------------ the lobby
+
+    def _run_lobby(self) -> None:
+        sel = selectors.DefaultSelector()
+        listeners = {s: s is self.local_sock for s in (self.sock, self.local_sock)
+                     if s is not None}
+        paused: dict[socket.socket, float] = {}  # listener -> when to accept again (EMFILE)
         pause = ACCEPT_BACKOFF_S[0]
-        while not self.stopping.is_set():
+        try:
+            sel.register(self._wake_r, selectors.EVENT_READ, None)
+            for listener in listeners:
+                listener.setblocking(False)
+                sel.register(listener, selectors.EVENT_READ, listener)
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                for listener, at in list(paused.items()):
+                    if at <= now:
+                        del paused[listener]
+                        sel.register(listener, selectors.EVENT_READ, listener)
+                wake = [1.0] + [at - now for at in paused.values()]
+                with self.lock:
+                    oldest = next(iter(self.pending), None)
+                if oldest is not None:
+                    wake.append(oldest.deadline - now)
+                for key, _ in sel.select(max(0.0, min(wake))):
+                    if key.data is None or self.stopping.is_set():
+                        continue  # (woken to stop)
+                    if isinstance(key.data, _Waiting):
+                        self._read_first(key.data, sel)
+                    elif self._accept_some(key.data, listeners[key.data], sel):
+                        pause = ACCEPT_BACKOFF_S[0]
+                    else:  # out of descriptors: this listener rests a while
+                        sel.unregister(key.data)
+                        paused[key.data] = time.monotonic() + pause
+                        pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                self._expire(sel)
+        finally:
+            with self.lock:
+                left, self.pending = list(self.pending), collections.OrderedDict()
+            for waiting in left:
+                self._drop(waiting, None)
+            sel.close()
+
+    def _accept_some(self, listener: socket.socket, local: bool,
+                     sel: selectors.BaseSelector) -> bool:
+        """Accept what the listener holds, LOBBY_BATCH at most; False once out of
+        descriptors (accepting pauses, then resumes: never stops)."""
+        for _ in range(self.LOBBY_BATCH):
             try:
                 sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
             except OSError as e:
                 if self.stopping.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
-                    return  # listening socket closed: shutting down
+                    return True  # listening socket closed: shutting down
                 if e.errno not in OUT_OF_RESOURCES:
                     continue  # one connection that died before we took it
                 self.metrics.accept_errors.inc()
-                log.warning("cannot accept a connection (%s): pausing %.2fs; raise the open "
-                            "file limit (ulimit -n) or lower --max-connections", e, pause)
-                time.sleep(pause)
-                pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
-                continue
-            pause = ACCEPT_BACKOFF_S[0]
-            self._admit(sock, local)
+                log.warning("cannot accept a connection (%s): pausing; raise the open file "
+                            "limit (ulimit -n) or lower --max-connections", e)
+                return False
+            self._admit(sock, local, sel)
+        return True
 
-    def _admit(self, sock: socket.socket, local: bool) -> None:
+    def _admit(self, sock: socket.socket, local: bool, sel: selectors.BaseSelector) -> None:
+        """Into the lobby, room made if need be: past the lobby's quota, or at the limit,
+        the oldest waiting connection is pushed out (at the limit too: with one tenant at
+        its cap, three quarters, and silent sockets in the lobby's quarter, every other
+        tenant was refused for as long as those sockets were renewed)."""
         try:
-            if not local:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            w.size_buffers(sock)
-            w.kernel_timeouts(sock, self.cfg.hello_timeout_s)
-            conn = ServedConnection(sock, self, local)
+            sock.setblocking(False)
         except OSError:
             sock.close()
             return
-        with self.lock:
-            refused = self._over_limit()
-            evicted = None
-            if refused is None:
-                if len(self.pending) >= self.pending_quota:
-                    evicted, _ = self.pending.popitem(last=False)
-                self.conns[conn] = threading.Thread(target=conn.run, name="kvtier-conn",
-                                                    daemon=True)
-                self.pending[conn] = None
-        if evicted is not None:
+        while True:
+            with self.lock:
+                refused = self._over_limit()
+                room = refused is None and len(self.pending) < self.pending_quota
+                if room:
+                    waiting = _Waiting(sock, local, time.monotonic() + self.cfg.hello_timeout_s)
+                    self.pending[waiting] = None
+                    break
+                if not self.pending or self.stopping.is_set():
+                    break
+            self._push_out_oldest(sel)
+        if not room:
             self.metrics.connections_refused.inc()
-            evicted.push_out("too many connections waiting to authenticate: this one, the "
-                             "oldest, made room; retry")
-        if refused is not None:
-            self.metrics.connections_refused.inc()
-            self.metrics.retire(conn.tally)  # (it never runs: run's _close would do it)
-            conn._send_error(w.ErrorCode.UNAVAILABLE, refused)
+            _say(sock, w.ErrorCode.UNAVAILABLE, refused or "the daemon is shutting down")
             sock.close()
             return
         self.metrics.connections.inc()
         self.metrics.connections_total.inc()
-        self.conns[conn].start()
+        sel.register(sock, selectors.EVENT_READ, waiting)
+
+    def _push_out_oldest(self, sel: selectors.BaseSelector) -> None:
+        """Make room in the lobby: its oldest connection leaves it, with a thread of its
+        own if its first frame has come whole meanwhile (read now: a newer connection's
+        accept may come before that read), else pushed out."""
+        with self.lock:
+            oldest = next(iter(self.pending))
+        self._read_first(oldest, sel)
+        with self.lock:
+            if self.pending.pop(oldest, False) is not None:
+                return  # it left the lobby (its frame came, or it went)
+        self.metrics.connections_refused.inc()
+        self._drop(oldest, "too many connections waiting to authenticate: this one, the "
+                           "oldest, made room; retry", sel)
+
+    def _read_first(self, waiting: _Waiting, sel: selectors.BaseSelector) -> None:
+        """Read what has come of a connection's first frame; once it is whole, the
+        connection gets its thread. A prefix that is no kvtier frame, or announces too big
+        a header, is answered (ERROR) and closed here."""
+        while waiting.got < waiting.need:
+            try:
+                k = waiting.sock.recv_into(memoryview(waiting.buf)[waiting.got:waiting.need])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                k = 0
+            if not k:  # the peer left
+                if self._leave_lobby(waiting):
+                    self._drop(waiting, None, sel)
+                return
+            waiting.got += k
+            if waiting.got == waiting.need == w.PREFIX.size:
+                try:
+                    _, _, header_len, _ = w.decode_prefix(bytes(waiting.buf),
+                                                          self.cfg.max_payload_bytes,
+                                                          w.MAX_HELLO_HEADER_BYTES)
+                except w.ProtocolError as e:
+                    self.metrics.protocol_errors.inc()
+                    if self._leave_lobby(waiting):
+                        sel.unregister(waiting.sock)
+                        _say(waiting.sock, e.code, str(e))
+                        self._drop(waiting, None)
+                    return
+                waiting.need += header_len
+                waiting.buf += bytes(header_len)
+        if self._leave_lobby(waiting):
+            sel.unregister(waiting.sock)
+            self._start(waiting)
+
+    def _start(self, waiting: _Waiting) -> None:
+        sock = waiting.sock
+        try:
+            sock.setblocking(True)
+            if not waiting.local:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            w.size_buffers(sock)
+            w.kernel_timeouts(sock, self.cfg.hello_timeout_s)
+            conn = ServedConnection(sock, self, waiting.local, bytes(waiting.buf),
+                                    waiting.deadline)
+        except OSError:
+            self._drop(waiting, None)
+            return
+        thread = threading.Thread(target=conn.run, name="kvtier-conn", daemon=True)
+        with self.lock:
+            self.conns[conn] = thread
+        thread.start()
+
+    def _leave_lobby(self, waiting: _Waiting) -> bool:
+        """Take `waiting` out of the lobby's list; False if it was no longer there."""
+        with self.lock:
+            return self.pending.pop(waiting, False) is None
+
+    def _expire(self, sel: selectors.BaseSelector) -> None:
+        """Close the connections whose first frame did not come whole in time."""
+        now = time.monotonic()
+        while True:
+            with self.lock:
+                oldest = next(iter(self.pending), None)
+                if oldest is None or oldest.deadline > now:
+                    return
+                del self.pending[oldest]
+            self._drop(oldest, None, sel)
+
+    def _drop(self, waiting: _Waiting, why: str | None,
+              sel: selectors.BaseSelector | None = None) -> None:
+        """Close a connection of the lobby's (saying `why`, if given: UNAVAILABLE)."""
+        if sel is not None:
+            try:
+                sel.unregister(waiting.sock)
+            except (KeyError, ValueError):
+                pass
+        if why is not None:
+            _say(waiting.sock, w.ErrorCode.UNAVAILABLE, why)
+        waiting.sock.close()
+        self.metrics.connections.dec()
 
     def _over_limit(self) -> str | None:
         if self.stopping.is_set():
             return "the daemon is shutting down"
-        if len(self.conns) >= self.cfg.max_connections:
+        if len(self.conns) + len(self.pending) >= self.cfg.max_connections:
             return f"the daemon is at its connection limit ({self.cfg.max_connections}); retry"
         return None
 
@@ -331,19 +504,23 @@ class DataPlane:
             conn.tenant = None
 
     def authenticated(self, conn: ServedConnection) -> None:
-        with self.lock:
-            self.pending.pop(conn, None)
+        pass  # (it left the lobby when its first frame came: nothing to count)
 
     def forget(self, conn: ServedConnection) -> None:
         with self.lock:
             self._uncount_tenant(conn)
             if self.conns.pop(conn, None) is not None:
                 self.metrics.connections.dec()
-            self.pending.pop(conn, None)
 
     def shutdown(self, grace_s: float) -> None:
         """Stop accepting; idle connections close now, busy ones after their current op."""
         self.stopping.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._lobby.is_alive() and self._lobby is not threading.current_thread():
+            self._lobby.join(timeout=5)  # (it closes the connections still in it)
         for listener in (self.sock, self.local_sock):
             if listener is None:
                 continue
@@ -352,6 +529,8 @@ class DataPlane:
             except OSError:
                 pass
             listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             with self.lock:
