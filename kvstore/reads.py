@@ -426,6 +426,11 @@ class Reads:
                 self._p.counters[e.tier].hits += 1
                 self._p.counters[e.tier].bytes_out += self.ns.block_bytes
 
+    def open_leases(self, lease_ids) -> set[int]:
+        """Which of `lease_ids` are still open (the others were released or timed out)."""
+        with self._lock:
+            return {lid for lid in lease_ids if lid in self._leases}
+
     def release(self, lease_id: int) -> None:
         """End a lease (unknown or expired ids are ignored: the lease is already over)."""
         with self._lock:

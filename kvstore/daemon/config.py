@@ -92,7 +92,10 @@ class DaemonConfig:
                          "connection soon stops polling, and none polls while the CPUs are "
                          "oversubscribed",
                          flag="--spin-us")
-    lease_ttl_s: float = 30.0
+    lease_ttl_s: float = opt(30.0, "seconds a lease on DRAM slots (a same-host or transfer-"
+                             "agent read) keeps its blocks from eviction: a client releases "
+                             "it with its next request, and one that does not loses it then",
+                             flag="--lease-ttl")
     max_payload_bytes: int = 1 << 30
     durable: bool = opt(True, "SSD puts without the write-ahead log (faster; recent blocks "
                         "lost on a crash, never corrupted)", flag="--no-wal", kind="flag")

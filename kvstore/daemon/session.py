@@ -38,10 +38,11 @@ STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
 SCRATCH_WINDOW = 16 << 20  # scratch a put's SSD / GPU blocks go through, written as it fills
-SOCKET_BUFFER_BYTES = 4 << 20  # what the data plane's sockets buffer (dataplane._admit)
 MIN_PAYLOAD_RATE = 4 << 20  # bytes/s a put's payload must keep up (see _bound_payload)
 MAX_OPEN_RESERVATIONS = 64  # per connection (a client has one open at a time, or a few)
 MAX_RESERVED_HASHES = 1 << 17  # blocks reserved at once per connection (two full RESERVEs)
+MAX_OPEN_LEASES = 1024  # per connection: past it a GET answers inline, leasing nothing (a
+# client releases each lease with its next request: a few are open at a time)
 
 
 REPLY_FRAMES: dict[tuple[w.Op, bytes, int], bytes] = {}  # see _reply_frame
@@ -125,12 +126,23 @@ class Session:
         self.tally.bytes_in += view.nbytes
 
     def drain(self, nbytes: int) -> None:
-        """Read and drop a payload we refuse, so the connection stays in step."""
+        """Read and drop a payload we refuse, so the connection stays in step: by the
+        deadline a payload we keep has (`_bound_payload`), else the connection closes. A
+        COMMIT of the wrong size, its reservation kept, drained with no deadline: a client
+        trickling a byte per period held the reservation (its blocks answered EXISTS to
+        every other client, yet missed) and this thread for as long as it liked."""
+        if not nbytes:
+            return
         chunk = self.scratch(min(nbytes, 4 << 20))
-        while nbytes:
-            k = min(nbytes, chunk.numel())
-            self.recv_into(chunk[:k])
-            nbytes -= k
+        bound = None
+        try:
+            bound = self._bound_payload(nbytes)
+            while nbytes:
+                k = min(nbytes, chunk.numel())
+                self.recv_into(chunk[:k])
+                nbytes -= k
+        finally:
+            self._unbound_payload(bound)
 
     def reply(self, op: w.Op, msg: w.Message, payload=()) -> None:
         w.send_frame(self.sock, msg, op, True, payload)
@@ -385,13 +397,14 @@ class Session:
         store, hashes = self.store, msg.hash_list
         if msg.release:
             self.release_n(msg.release)
+        shm = msg.shm and self._may_lease()
         bb, arena = self.hosted.block_bytes, self.dram_rows()
         if len(hashes) * bb > self.cfg.max_payload_bytes:  # the reply, and the scratch it
             raise w.RemoteError(w.ErrorCode.TOO_LARGE,  # may take: bounded like a put's
                                 f"a GET of {len(hashes)} blocks of {bb} bytes could answer "
                                 f"{len(hashes) * bb} bytes; a reply carries at most "
                                 f"{self.cfg.max_payload_bytes}: split the batch")
-        if not msg.shm and arena is not None:  # a DRAM-resident batch streams from its slots,
+        if not shm and arena is not None:  # a DRAM-resident batch streams from its slots,
             held = store.hold_n(hashes, TierKind.DRAM, msg.prefix)  # held while it goes out
             if held is not None:
                 kinds, entries = held
@@ -404,11 +417,11 @@ class Session:
                                                  lambda: w.GetOk(tiers=tiers)))]
                 flat = self._arena[2]  # slices of one memoryview: a numpy row and its
                 views += [flat[e.slot * bb:(e.slot + 1) * bb] for e in entries]  # view cost more
-                try:
-                    if nbytes <= SOCKET_BUFFER_BYTES:  # (goes into the socket's buffer)
-                        w.send_views(self.sock, views)
-                    else:
-                        self._send_before(views, self._reply_deadline(nbytes))
+                try:  # (by a deadline however small: a reply that fits the socket's buffer
+                    # still waits behind an earlier one its client has not read, and the
+                    # 4 MiB the buffers held no longer after they went to 1 MiB let a client
+                    # reading a little at a time hold the blocks for as long as it liked)
+                    self._send_before(views, self._reply_deadline(nbytes))
                     self.tally.bytes_out += nbytes
                 finally:
                     store.unhold_n(entries)
@@ -417,7 +430,7 @@ class Session:
         # visit and answered with no payload (no scratch, no stream: ~40 us of Python less a
         # GET, by py-spy)
         lease = (store.lease_n(hashes, self.cfg.lease_ttl_s, msg.prefix)
-                 if msg.shm and arena is not None else None)
+                 if shm and arena is not None else None)
         scratch, k = None, 0
         if lease is None:
             # the blocks to copy go through two windows of scratch: the first window's
@@ -435,7 +448,7 @@ class Session:
         slots = [w.NO_SLOT if h is None else h[1] for h in lease.hits]
         hits = [i for i, h in enumerate(lease.hits) if h is not None]
         self.hosted.count_lease_hits(sum(slots[i] >= 0 for i in hits))
-        if msg.shm:
+        if shm:
             if lease.lease_id:
                 self.leases.add(lease.lease_id)
             shown = np.maximum(np.array(slots, "<i8"), w.NO_SLOT)  # deferred: inline too
@@ -630,6 +643,16 @@ class Session:
     def release(self, msg: w.Release, payload_bytes: int) -> None:
         self.release_n(msg.lease_ids)
         self.reply(w.Op.RELEASE, w.Ack())
+
+    def _may_lease(self) -> bool:
+        """Whether this connection may open another lease: fewer than MAX_OPEN_LEASES open
+        (the ids of leases the store ended at their TTL are let go first). A client that
+        never released piled up ids for the connection's life (~150 MiB of them after 400k
+        GETs), and the store's leases, each holding blocks, for their TTL."""
+        if len(self.leases) < MAX_OPEN_LEASES:
+            return True
+        self.leases = self.store.open_leases(self.leases)
+        return len(self.leases) < MAX_OPEN_LEASES
 
     def release_n(self, lease_ids: Sequence[int]) -> None:
         for lid in lease_ids:

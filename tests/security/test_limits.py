@@ -13,6 +13,7 @@ import pytest
 
 from kvstore import Client
 from kvstore import wire as w
+from kvstore.api import PutStatus
 from kvstore.client import ConnectError
 from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
@@ -165,6 +166,38 @@ def test_open_reservations_per_connection_are_bounded_and_pruned(make_daemon, to
         assert first.open_reservations == MAX_OPEN_RESERVATIONS
         assert wait_for(lambda: call(s, w.Stats()).msg.open_reservations == 0)  # reclaimed
         assert call(s, w.Reserve(hashes=hashes[-1])).op is w.Op.RESERVE  # and forgotten here
+    still_serving(d)
+
+
+def test_open_leases_per_connection_are_bounded_and_a_get_past_them_answers_inline(
+        make_daemon, token_file, monkeypatch):
+    """GETs that lease DRAM slots (shm) and never release them: past MAX_OPEN_LEASES open
+    on one connection a GET leases nothing and sends its bytes inline (exact), so neither
+    the connection's list of ids nor the store's leases grow without bound (400k such GETs
+    had piled up ~150 MiB of ids for the connection's life). Released leases, and leases
+    the store ended at their TTL, stop counting."""
+    from kvstore.daemon.session import MAX_OPEN_LEASES
+    d = make_daemon("--token-file", token_file, "--lease-ttl", "1")
+    h = hash_blocks(NS, np.arange(16) + 321)[0]
+    want = block_of(h, NS.block_bytes)
+    with Client(d.url, "admin-secret", NS, use_shm=False) as c:
+        c.put(h, want)
+    get = w.Get(hashes=h, shm=True)
+    with raw_conn(d) as s:
+        assert call(s, hello_msg(NS, "admin-secret")).op is w.Op.HELLO
+        ids = [call(s, get).msg.lease_id for _ in range(MAX_OPEN_LEASES)]
+        assert all(ids) and len(set(ids)) == MAX_OPEN_LEASES
+        reply = call(s, get)
+        assert reply.msg.lease_id == 0 and reply.payload_bytes == NS.block_bytes
+        got = bytearray(NS.block_bytes)
+        w.recv_exact(s, memoryview(got))
+        assert got == want.tobytes()
+        assert call(s, w.Stats()).msg.open_leases == MAX_OPEN_LEASES
+        assert call(s, w.Release(lease_ids=ids[:1])).op is w.Op.RELEASE
+        assert call(s, get).msg.lease_id  # room for one again
+        # the store ends them at their TTL (1 s): the connection lets their ids go
+        assert wait_for(lambda: call(s, w.Stats()).msg.open_leases == 0, 15)
+        assert call(s, get).msg.lease_id
     still_serving(d)
 
 
@@ -335,6 +368,110 @@ def test_one_tenant_cannot_take_every_connection(make_daemon, token_file):
             s.close()
 
 
+def test_a_tenant_at_its_cap_and_silent_sockets_lock_no_other_tenant_out(make_daemon,
+                                                                        token_file):
+    """One tenant at its cap (6 of 8) and two silent sockets with no token fill
+    --max-connections: a new connection then pushes out the oldest silent one (a quarter
+    may wait unauthenticated, and it is them who make room), so the other tenant gets in.
+    It was refused ("connection limit") for as long as the silent sockets were renewed."""
+    d = make_daemon("--token-file", token_file, "--max-connections", "8")
+    alice, silent = [], []
+    try:
+        for _ in range(6):
+            s = raw_conn(d)
+            assert call(s, hello_msg(ALICE, "alice-secret")).op is w.Op.HELLO
+            alice.append(s)
+        for attempt in range(3):
+            # (bob's last connection gone first: the daemon counts it until its thread ends)
+            assert wait_for(lambda: metric(d, "kvtier_connections ") == 6 + len(silent))
+            while len(silent) < 2:  # renewed as each is pushed out
+                silent.append(raw_conn(d))
+            assert wait_for(lambda: metric(d, "kvtier_connections ") == 8)
+            with raw_conn(d) as s:
+                assert call(s, hello_msg(BOB, "bob-secret")).op is w.Op.HELLO, attempt
+                assert call(s, w.Stats()).op is w.Op.STATS
+            pushed = w.recv_frame(silent.pop(0), 1 << 30)
+            assert pushed.msg.code == w.ErrorCode.UNAVAILABLE
+            assert "authenticate" in pushed.msg.message
+        with raw_conn(d) as s:  # alice stays at her cap all the while
+            reply = call(s, hello_msg(ALICE, "alice-secret"))
+            assert reply.msg.code == w.ErrorCode.UNAVAILABLE
+    finally:
+        for s in alice + silent:
+            s.close()
+
+
+def _connect_flood(port: int, stop) -> None:
+    """Open connections to 127.0.0.1:port as fast as one process can (never a byte sent),
+    keeping the last 64, until `stop` is set."""
+    held = []
+    while not stop.is_set():
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        except OSError:
+            s.close()
+            time.sleep(0.001)
+            continue
+        held.append(s)
+        if len(held) > 64:
+            held.pop(0).close()
+
+
+def test_a_flood_of_connections_with_no_token_locks_no_client_out(make_daemon, token_file):
+    """One process opening connections as fast as it can, never sending a byte: a client
+    with a token still connects and is served, each time. With a thread started for every
+    connection at accept, the daemon fell behind the flood, the listen queue stayed full,
+    and the kernel dropped the client's SYNs: its connect timed out (5 s) two times in
+    three. New connections now wait in one lobby thread until their first frame is in."""
+    import multiprocessing as mp
+    d = make_daemon("--token-file", token_file)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    flood = ctx.Process(target=_connect_flood, args=(d.port, stop), daemon=True)
+    flood.start()
+    try:
+        assert wait_for(lambda: metric(d, "kvtier_connections_accepted_total") > 2000, 30)
+        for _ in range(10):
+            still_serving(d)
+    finally:
+        stop.set()
+        flood.join(10)
+    assert d.proc.poll() is None
+
+
+def test_a_commit_of_the_wrong_size_sent_slowly_is_cut_off_and_frees_its_blocks(make_daemon):
+    """A COMMIT whose payload is not the size its reservation needs is read and dropped
+    (BLOCK_SIZE) by the deadline any payload has (twice --reservation-timeout, then
+    4 MiB/s): sent a byte now and then, its reservation stayed open with no timeout, for as
+    long as the client liked, and other clients' puts of its blocks were told EXISTS while
+    their gets missed. Past the deadline the connection closes and the blocks are free."""
+    d = make_daemon("--reservation-timeout", "0.25")
+    hs = hash_blocks(NS, np.arange(4 * 16) + 4711)[:4]
+    bb = NS.block_bytes
+    with raw_conn(d, timeout=10) as s:
+        assert call(s, hello_msg(NS)).op is w.Op.HELLO
+        rid = call(s, w.Reserve(hashes=w.pack_hashes(hs))).msg.reservation_id
+        s.sendall(w.encode(w.Commit(reservation_id=rid), w.Op.COMMIT, False, 9 * bb))
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < 15:  # due within 0.5 s + 9 blocks at 4 MiB/s
+                s.sendall(b"\0")
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert time.monotonic() - started < 10, "the trickled payload was never cut off"
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        assert wait_for(lambda: c.stats().open_reservations == 0)
+        rows = np.stack([block_of(h, bb) for h in hs])
+        assert c.put_n(hs, rows) == [PutStatus.STORED] * 4
+        out = np.zeros_like(rows)
+        assert None not in c.get_n(hs, out) and np.array_equal(out, rows)
+
+
 def _hello_ok(d, token, ns) -> bool:
     with raw_conn(d) as s:
         return call(s, hello_msg(ns, token)).op is w.Op.HELLO
@@ -407,26 +544,44 @@ def test_a_get_of_ssd_blocks_its_client_does_not_read_holds_a_window_not_its_bat
     assert all(np.array_equal(blocks[i], block_of(hs[i], bb)) for i in (0, 63, 64, n - 1))
 
 
-def test_a_get_its_client_reads_too_slowly_is_cut_off_and_holds_nothing(make_daemon):
-    """A streamed GET's reply must go out at 4 MiB/s at least, after twice
-    --reservation-timeout of grace (as a put's payload must come in): a client reading a
-    few bytes now and then kept its blocks held and the connection's thread busy until its
-    idle timeout, however long. Past the deadline the connection is closed and every hold
-    goes back."""
-    d, ns, hs = _ssd_daemon_holding(make_daemon, 20 << 20, "128MiB", 999,
-                                    "--reservation-timeout", "0.1")
+def _dram_daemon_holding(make_daemon, nbytes: int, seed: int, *args):
+    """As _ssd_daemon_holding, the blocks in DRAM (no SSD tier)."""
+    from kvstore.keys import Namespace
+    ns = Namespace("test-model", num_layers=8, num_kv_heads=8, head_dim=64)  # 256 KiB blocks
+    bb, n = ns.block_bytes, nbytes // ns.block_bytes
+    d = make_daemon("--dram-size", "64MiB", *args, ssd_size="0")
+    hs = hash_blocks(ns, np.arange(n * ns.block_tokens) + seed)
+    with Client(d.url, namespace=ns, use_shm=False) as c:
+        c.put_n(hs, np.stack([block_of(h, bb) for h in hs]))
+    return d, ns, hs
+
+
+@pytest.mark.parametrize("tier", ["ssd", "dram"])
+def test_a_get_its_client_reads_too_slowly_is_cut_off_and_holds_nothing(make_daemon, tier):
+    """A GET's reply must go out at 4 MiB/s at least, after twice --reservation-timeout of
+    grace (as a put's payload must come in): a client reading a few bytes now and then
+    kept its blocks held and the connection's thread busy until its idle timeout, however
+    long. Past the deadline the connection is closed and every hold goes back. Streamed
+    from SSD, and sent straight from DRAM slots: there a reply of up to 4 MiB had no
+    deadline (it was taken to fit the socket buffers, 1 MiB since 8b264da)."""
+    if tier == "ssd":  # (due within 0.2 s + 5 s)
+        d, ns, hs = _ssd_daemon_holding(make_daemon, 20 << 20, "128MiB", 999,
+                                        "--reservation-timeout", "0.1")
+    else:  # (due within 0.2 s + 1 s)
+        d, ns, hs = _dram_daemon_holding(make_daemon, 4 << 20, 998,
+                                         "--reservation-timeout", "0.1")
     bb, n = ns.block_bytes, len(hs)
     with raw_conn(d, timeout=60) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         assert call(s, hello_msg(ns)).op is w.Op.HELLO
         w.send_frame(s, w.Get(hashes=w.pack_hashes(hs)), w.Op.GET, False)
         started, got = time.monotonic(), 0
-        while True:  # ~2 MiB/s: the 20 MiB reply is due within 0.2 s + 5 s
+        while True:  # ~1-2 MiB/s
             chunk = s.recv(64 << 10)
             if not chunk:
                 break
             got += len(chunk)
-            time.sleep(0.03)
+            time.sleep(0.03 if tier == "ssd" else 0.06)
         assert got < n * bb, "the whole reply came"
         assert time.monotonic() - started < 20
     with Client(d.url, namespace=ns, use_shm=False) as c:
