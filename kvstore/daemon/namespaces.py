@@ -350,9 +350,18 @@ class Registry:
 
 
 def _write_meta(directory: str, ns: Namespace) -> None:
+    """namespace.json, written only when it differs: rewritten at every open, it was the
+    first thing to fail on a full disk, and a restart then served none of the blocks."""
+    text = json.dumps(asdict(ns))
+    try:
+        with open(os.path.join(directory, NS_FILE)) as f:
+            if f.read() == text:
+                return
+    except (OSError, UnicodeDecodeError):
+        pass  # absent or unreadable: written afresh
     tmp = os.path.join(directory, NS_FILE + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(asdict(ns), f)
+        f.write(text)
     os.replace(tmp, os.path.join(directory, NS_FILE))
 
 

@@ -28,8 +28,10 @@ filled the disk of a CI run).
 """
 from __future__ import annotations
 
+import collections
 import errno
 import os
+import threading
 from typing import Iterator, Sequence
 
 import xxhash
@@ -43,7 +45,12 @@ RESTORING = ".restoring"  # headers.dat + this: lost headers being written again
 PAGE = 4096
 EXTENT_BYTES = 256 << 20  # the largest extent
 FIRST_EXTENT_BYTES = 8 << 20
-INDEX_HEADROOM = 1 << 20  # disk the slab files never take: the index must still write
+INDEX_HEADROOM = 1 << 20  # disk the slab files never take, per SSD tier open on the same
+# filesystem: each tier's index must still write, and open (RocksDB writes a MANIFEST, an
+# OPTIONS file, a WAL and its LOG at every open). One MiB for all of them let eight
+# namespaces fill a disk to its last 12 KiB, and the next start opened none of them.
+_open_on: collections.Counter[int] = collections.Counter()  # writable slab files per st_dev
+_open_lock = threading.Lock()
 IOV_BLOCKS = 500  # blocks per preadv/pwritev (2 iovecs each at most, under IOV_MAX = 1024)
 HASHED_RUN_BYTES = 256 << 10  # reads and writes go in runs of about a cache's worth, each
 # run hashed right next to its I/O (see write_n). 2 MiB -> 256 KiB on a Xeon VM (2 MiB L2),
@@ -97,6 +104,7 @@ class SlabFile:
                  readonly: bool = False) -> None:
         """`readonly` (a check: `kvtier fsck`): both files opened for reading only, neither
         created (TierIOError when one is missing)."""
+        self._dev: int | None = None  # (counted in _open_on while open for writing)
         self.headers_missing = headers_missing(directory)  # (before opening creates it)
         self.path = os.path.join(directory, SLABS)
         self.headers_path = os.path.join(directory, HEADERS)
@@ -119,6 +127,10 @@ class SlabFile:
         except BaseException:
             os.close(self.hfd)
             raise
+        if not readonly:
+            self._dev = os.fstat(self.fd).st_dev
+            with _open_lock:
+                _open_on[self._dev] += 1
         # slots backed by both files (a crash between their extents leaves one longer)
         self.num_grown = min(num_slots, os.fstat(self.fd).st_size // self.stride,
                              os.fstat(self.hfd).st_size // HEADER_BYTES)
@@ -136,12 +148,14 @@ class SlabFile:
         extent = min(EXTENT_BYTES, max(FIRST_EXTENT_BYTES, start * self.stride))
         n = min(self.num_slots, start + max(extent // self.stride, 1, min_slots)) - start
         st = os.statvfs(self.path)
-        n = min(n, max(0, st.f_bavail * st.f_frsize - INDEX_HEADROOM) // self.slot_disk_bytes)
+        with _open_lock:
+            headroom = INDEX_HEADROOM * max(1, _open_on[self._dev])
+        n = min(n, max(0, st.f_bavail * st.f_frsize - headroom) // self.slot_disk_bytes)
         # (room for fewer than `min_slots` is no room: an empty range says "at capacity",
         # and a caller told that while it could still grow would ask again for ever)
         error = (None if n >= min(min_slots, self.num_slots - start) else
-                 OSError(errno.ENOSPC, f"room for {n} slots beside the index's "
-                         f"{INDEX_HEADROOM >> 10} KiB"))
+                 OSError(errno.ENOSPC, f"room for {n} slots beside the {headroom >> 10} KiB "
+                         "kept for the indexes of the SSD tiers on this disk"))
         while n >= min(min_slots, self.num_slots - start) and n > 0:
             try:
                 os.posix_fallocate(self.hfd, start * HEADER_BYTES, n * HEADER_BYTES)
@@ -329,6 +343,10 @@ class SlabFile:
                 os.ftruncate(fd, self.num_grown * size)
 
     def close(self) -> None:
+        if self._dev is not None:
+            with _open_lock:
+                _open_on[self._dev] -= 1
+            self._dev = None
         for name in ("fd", "hfd"):
             fd = getattr(self, name)
             if fd >= 0:

@@ -27,6 +27,7 @@ holds that very block, intact: a valid block, not wrong KV).
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import math
 import os
@@ -80,6 +81,7 @@ class SlotIndex:
         self._failed_at: float | None = None
         self._warned_at = -math.inf  # the last refusal logged (see write_queued)
         self._unlogged = 0           # refusals since, not logged
+        self._recover_logged_at = -math.inf  # the last failed reopen logged (see _recover)
         self.num_errors = 0        # writes or deletes RocksDB refused
         self.num_rebuilds = 0      # times the index was set aside and written afresh
         self.damaged = False       # the last open found it unreadable (recovery rebuilds)
@@ -96,6 +98,13 @@ class SlotIndex:
             self._db = self._open_db()
             return self._scan()
         except Exception as e:  # noqa: BLE001 - RocksDB raises plain Exceptions
+            if _no_space(e):  # (RocksDB writes at every open): the slab headers say what
+                self.close()  # the tier holds; the index is written once there is room
+                self._failed_at = time.monotonic()
+                log.warning("the SSD index %s cannot open for want of disk space (%s): the "
+                            "tier serves the blocks its slab headers show, and writes the "
+                            "index once the disk has room", self.path, e)
+                return []
             if not (_damage(e) or isinstance(e, NotADirectoryError)):
                 self.close()  # e.g. out of descriptors, its lock held: not the index's fault
                 raise TierIOError(f"cannot open the SSD index {self.path}: {e}") from e
@@ -218,7 +227,11 @@ class SlotIndex:
             log.warning("SSD index %s reopened after an error", self.path)
             return
         except Exception as e:  # noqa: BLE001
-            log.error("SSD index %s does not reopen cleanly (%s): rebuilding it", self.path, e)
+            now = time.monotonic()  # (on a full disk this comes every RETRY_S: logged less)
+            if now - self._recover_logged_at >= WARN_EVERY_S:
+                self._recover_logged_at = now
+                log.error("SSD index %s does not reopen cleanly (%s): rebuilding it",
+                          self.path, e)
         try:
             self.rebuild(self._entries())
         except Exception as e:  # noqa: BLE001
@@ -287,6 +300,12 @@ def parse_entry(key: bytes, value: bytes) -> tuple[bytes, int, int] | None:
         return None
     slot, c = ENTRY.unpack(value)
     return key, slot, c
+
+
+def _no_space(e: Exception) -> bool:
+    """Whether an error says the disk (or the user's quota) is full."""
+    return (getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+            or "No space left on device" in str(e) or "Disk quota exceeded" in str(e))
 
 
 def _damage(e: Exception) -> bool:

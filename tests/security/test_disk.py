@@ -308,3 +308,59 @@ def test_restarts_on_a_full_disk_leave_the_index_its_room(small_disk):
         SsdTier(NS, str(path), 64).close()
     logs = [name for name in os.listdir(path / "index") if name.startswith("LOG")]
     assert len(logs) <= 2, logs
+
+
+def test_a_restart_on_a_disk_filled_to_its_last_byte_serves_every_block(make_daemon,
+                                                                        small_disk):
+    """Stopped, then the disk filled by something else to its last byte: at the next start
+    the namespace opens all the same (its namespace.json is not rewritten when unchanged;
+    its index, which RocksDB cannot open without writing, waits for room while the slab
+    headers say what the tier holds), its blocks are served intact, puts that need SSD are
+    NO_SPACE, and once there is room the index is written and puts are stored. The start
+    found no namespace it could open ("No space left on device") and served nothing."""
+    d = make_daemon("--token-file", _tokens(small_disk), "--dram-size", "16KiB",
+                    data_dir=str(small_disk / "data"), ssd_size="2MiB")
+    hs = hash_blocks(NS, np.arange(200 * 16))
+    with Client(d.url, "admin-secret", NS, use_shm=False) as c:
+        assert c.put_n(hs, blocks(hs)).count(PutStatus.STORED) == 200
+    assert d.stop() == 0, d.output()
+    filler = fill(small_disk, 0)
+    d.start()
+    more = hash_blocks(NS, np.arange(64 * 16) + 10 ** 8)
+    with Client(d.url, "admin-secret", NS, use_shm=False) as c:
+        out = np.zeros((200, BB), np.uint8)
+        assert c.get_n(hs, out) == [TierKind.SSD] * 200, d.output()[-3000:]
+        assert np.array_equal(out, blocks(hs))
+        assert PutStatus.EXISTS not in c.put_n(more, blocks(more))
+        assert "cannot open for want of disk space" in d.output()
+        os.unlink(filler)
+        assert wait_for(lambda: c.put_n(more, blocks(more)).count(PutStatus.NO_SPACE) == 0,
+                        timeout_s=20, step_s=0.5)
+        assert c.get_n(hs[:8], out[:8]) == [TierKind.SSD] * 8
+    assert metric(d, "kvtier_internal_errors_total") == 0
+    assert d.stop() == 0
+    (ssd,) = glob.glob(str(small_disk / "data" / "*" / "ssd"))  # its index agrees with it
+    result = subprocess.run([sys.executable, "-m", "kvtier", "fsck", ssd], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ssd_tiers_sharing_a_disk_each_leave_their_index_room(small_disk):
+    """Every SSD tier open on one filesystem keeps INDEX_HEADROOM free for its own index
+    (which must write to reopen): one headroom for all of them let eight namespaces fill
+    a disk to its last 12 KiB, and the next start opened none of them."""
+    from kvstore.tiers.slabfile import INDEX_HEADROOM
+    from kvstore.tiers.ssd import SsdTier
+    tiers = [SsdTier(NS, str(small_disk / f"ssd{i}"), 4096) for i in range(3)]
+    try:
+        for t in tiers:
+            t.recover()
+        while any(t.alloc_n(1) is not None for t in tiers):  # each grows while it may
+            pass
+        assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize \
+            >= 3 * INDEX_HEADROOM - (64 << 10)  # (RocksDB's own files took some of it)
+    finally:
+        for t in tiers:
+            t.close()
+    for i in range(3):  # and each reopens
+        SsdTier(NS, str(small_disk / f"ssd{i}"), 4096).close()
