@@ -255,6 +255,17 @@ class SlabFile:
                 self._io(os.preadv, self.fd, first * self.stride,
                          _padded([dsts[i] for i in idx], self._scratch_view))
             except TierIOError:
+                if len(idx) == 1:
+                    continue
+                # one bad spot (a sector that will not read, a file cut short) failed the
+                # whole run, and its intact neighbours were dropped as damaged with it:
+                # each block of the run is read on its own instead
+                for i in idx:
+                    try:
+                        self._io(os.preadv, self.fd, slots[i] * self.stride, [dsts[i]])
+                    except TierIOError:
+                        continue
+                    ok[i] = sums[i] is not None and checksum(dsts[i]) == sums[i]
                 continue
             for i in idx:  # verified while the run is in cache
                 ok[i] = sums[i] is not None and checksum(dsts[i]) == sums[i]
