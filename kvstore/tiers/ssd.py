@@ -191,6 +191,9 @@ class SsdTier:
         adopted = self._adopt_from_slabs(found)
         found.update(adopted)
         self._held.update(found)
+        # a stale entry of a block adopted from another slot: overwritten by the adopted
+        # entry, not deleted (its delete, queued after, deleted the fresh entry too)
+        dropped = [h for h in dropped if bytes(h) not in found]
         try:
             if self.index.damaged and self._held:  # the fresh index gets what the slabs showed
                 hashes, slots, sums = zip(*self._table())
