@@ -34,6 +34,7 @@ class Agent:
         self.agent_id = uuid.uuid4().hex
         self.regions = RegionTable()
         self._notes: deque[Notification] = deque()
+        self.notes_dropped = 0  # notifications let go undrained (max_pending_notes)
         self._notes_cv = threading.Condition()
         self._peers: dict[str, AgentMetadata] = {}
         self._counter = itertools.count(1)
@@ -221,6 +222,8 @@ class Agent:
             raise TransferError(Fault.UNREGISTERED, "a local region was deregistered")
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise TransferError(Fault.INVALID, "notify must be bytes")
+        if notify is not None:
+            self._check_note(notify)
         return Job(op, remote.peer, local.regions, local_ids, local.descs.offsets[li],
                    remote.descs.region_ids[ri], remote.descs.offsets[ri], lengths,
                    bytes(notify) if notify is not None else None)
@@ -230,6 +233,7 @@ class Agent:
     def send_notification(self, peer: str, payload: bytes) -> Transfer:
         """A notification with no data; the handle is DONE once the peer has it."""
         self._check_open()
+        self._check_note(payload)
         meta = self._peer(peer)
         kind = self._choose(meta, np.empty(0, np.int64), None)
         xfer = Transfer(f"{self.name}#{next(self._counter)} NOTIFY {peer}", Op.WRITE, peer,
@@ -241,9 +245,22 @@ class Agent:
             raise e.for_transfer(xfer.name) from e
         return xfer
 
+    def _check_note(self, payload) -> None:
+        if len(payload) > self.config.max_note_bytes:  # (the peer's limit is likely ours)
+            raise TransferError(Fault.INVALID, f"a notification of {len(payload)} bytes: at "
+                                f"most {self.config.max_note_bytes} (AgentConfig."
+                                "max_note_bytes); send bigger data as a transfer")
+
     def _deliver(self, note: Notification) -> None:
+        if len(note.payload) > self.config.max_note_bytes:  # (any backend's: see _check_note)
+            with self._notes_cv:
+                self.notes_dropped += 1
+            return
         with self._notes_cv:
             self._notes.append(note)
+            while len(self._notes) > self.config.max_pending_notes:
+                self._notes.popleft()  # (kept in bound: see AgentConfig.max_pending_notes)
+                self.notes_dropped += 1
             self._notes_cv.notify_all()
 
     def notifications(self, timeout: float = 0.0) -> list[Notification]:

@@ -58,6 +58,13 @@ class AgentConfig:
     # idle vCPUs halt). Adaptive (transfer.sockio.Spin); 0 never polls; a connection not
     # admitted yet never polls.
     spin_us: float = 100.0
+    # Notifications (a message with a transfer, or alone): at most `max_note_bytes` each (a
+    # bigger one is a protocol error: its connection closes), and at most
+    # `max_pending_notes` kept until `Agent.notifications` drains them (past it the oldest
+    # go, counted in `Agent.notes_dropped`). Unbounded, a peer with a grant sent 64
+    # notifications of 16 MiB to an agent that never drained them (a daemon's): +1 GiB.
+    max_note_bytes: int = 64 << 10
+    max_pending_notes: int = 4096
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -71,6 +78,8 @@ class AgentConfig:
             raise ValueError("AgentConfig timeouts must be > 0")
         if not 0 <= self.spin_us <= 1e6:
             raise ValueError(f"AgentConfig.spin_us {self.spin_us} must be within 0..1e6")
+        if self.max_note_bytes < 0 or self.max_pending_notes < 0:
+            raise ValueError("AgentConfig.max_note_bytes and max_pending_notes must be >= 0")
         if not 0 <= self.tcp_port < 65536:
             raise ValueError(f"AgentConfig.tcp_port {self.tcp_port} out of range")
 

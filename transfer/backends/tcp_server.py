@@ -198,10 +198,16 @@ class _ServerConn:
                 self._read(header)
             elif kind is Kind.NOTIFY and len(header) == 2 and isinstance(header[1], bytes) \
                     and not plen:
+                self._check_note(header[1])
                 self.ctx.deliver(Notification(self.peer, header[1]))
                 self._send([frame(Kind.ACK, [header[0]])])
             else:
                 raise protocol_error(f"unexpected {kind.name} frame")
+
+    def _check_note(self, note: bytes) -> None:
+        limit = self.ctx.config.max_note_bytes
+        if len(note) > limit:
+            raise protocol_error(f"a notification of {len(note)} bytes (at most {limit})")
 
     def _validate(self, ids, offs, lens):
         check_ranges(self.ctx.regions.exported_sizes, ids, offs, lens)
@@ -212,6 +218,8 @@ class _ServerConn:
         seq, ids, offs, lens, note = desc_arrays(header)
         if int(lens.sum()) != plen:
             raise protocol_error(f"WRITE payload {plen} bytes != descriptors {lens.sum()}")
+        if note is not None:
+            self._check_note(note)
         try:
             regions = self._validate(ids, offs, lens)
         except TransferError as e:

@@ -371,3 +371,40 @@ def test_running_out_of_descriptors_pauses_accepting_never_stops_it():
                          timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                              os.path.dirname(os.path.abspath(__file__))))))
     assert "reply True" in out.stdout, out.stdout + out.stderr
+
+
+def test_notifications_are_bounded_in_size_and_in_number_kept(target):
+    """A peer's notifications: one past max_note_bytes is a protocol error (its connection
+    closes, nothing delivered), on NOTIFY and on a WRITE's note alike; past
+    max_pending_notes undrained, the oldest go (counted). Unbounded, 64 notifications of
+    16 MiB to an agent that never drained them (a daemon's) held +1 GiB."""
+    b, region, mem = target
+    limit, keep = b.config.max_note_bytes, b.config.max_pending_notes
+    q = lambda v: struct.pack("<q", v)  # noqa: E731
+    s = _raw_conn(b)
+    s.sendall(frame(Kind.NOTIFY, [1, b"x" * (limit + 1)]))
+    assert _reply_kind(s) == Kind.ERROR and _gone(s)  # said why, and closed
+    s.close()
+    s = _raw_conn(b)
+    s.sendall(frame(Kind.WRITE, [1, q(region.region_id), q(0), q(2), b"y" * (limit + 1)], 2)
+              + b"ok")
+    assert _reply_kind(s) == Kind.ERROR and _gone(s)
+    s.close()
+    assert b.notifications(timeout=0.3) == []
+    s = _raw_conn(b)
+    for i in range(keep + 10):
+        s.sendall(frame(Kind.NOTIFY, [i, i.to_bytes(4, "little")]))
+        assert _reply_kind(s) == Kind.ACK
+    s.close()
+    notes = b.notifications()
+    assert len(notes) == keep and b.notes_dropped == 10
+    assert notes[0].payload == (10).to_bytes(4, "little")  # the oldest went
+    with pytest.raises(TransferError, match="max_note_bytes"):
+        b.send_notification("anyone", b"z" * (limit + 1))
+
+
+def _gone(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:  # (closed with our bytes unread)
+        return True
