@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 import socket
 import struct
+import threading
 import time
 from typing import Sequence
 
@@ -37,6 +39,17 @@ log = logging.getLogger("kvtier.session")
 STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
+SCRATCH_KEEP_TOTAL = 256 << 20  # and all connections together: past it, each lets its own go
+# after its request (30 connections idle after one 32 MiB GET of SSD blocks each kept 1 GiB,
+# and the 768 connections a tenant may hold could keep 24 GiB, outside every memory cap)
+_scratch_kept = 0  # bytes of scratch all sessions hold (`_count_scratch`)
+_scratch_lock = threading.Lock()
+
+
+def _count_scratch(delta: int) -> None:
+    global _scratch_kept
+    with _scratch_lock:
+        _scratch_kept += delta
 SCRATCH_WINDOW = 16 << 20  # scratch a put's SSD / GPU blocks go through, written as it fills
 MIN_PAYLOAD_RATE = 4 << 20  # bytes/s a put's payload must keep up (see _bound_payload)
 MAX_OPEN_RESERVATIONS = 64  # per connection (a client has one open at a time, or a few)
@@ -102,14 +115,26 @@ class Session:
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         if self._scratch_bytes < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+            self._drop_scratch()
+            # in a mapping of its own, so that letting it go gives it back to the OS: from
+            # the heap it stayed there (glibc keeps what a thread's arena freed, and the
+            # daemon raises its trim threshold: tune_malloc_for_large_blocks)
+            self._scratch = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
             self._scratch_bytes = nbytes
+            _count_scratch(nbytes)
         return self._scratch[:nbytes]
 
     def trim_scratch(self) -> None:
         """After each request: scratch a big batch took (a put's or a GET's SSD / GPU blocks)
-        is let go rather than kept for the connection's idle life."""
-        if self._scratch_bytes > SCRATCH_KEEP:
+        is let go rather than kept for the connection's idle life, and so is any once all
+        connections keep more than SCRATCH_KEEP_TOTAL."""
+        n = self._scratch_bytes
+        if n and (n > SCRATCH_KEEP or _scratch_kept > SCRATCH_KEEP_TOTAL):
+            self._drop_scratch()
+
+    def _drop_scratch(self) -> None:
+        if self._scratch_bytes:
+            _count_scratch(-self._scratch_bytes)
             self._scratch, self._scratch_bytes = torch.empty(0, dtype=torch.uint8), 0
             self._rows = self._scratch.view(0, 0)
 
@@ -681,7 +706,8 @@ class Session:
                                          background_errors=s.background_errors))
 
     def close(self) -> None:
-        """The connection ended: its staging segment and agent capability go too."""
+        """The connection ended: its scratch, staging segment and agent capability go too."""
+        self._drop_scratch()
         if self.staging is not None:
             self.staging.close()
             self.staging = None

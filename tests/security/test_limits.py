@@ -544,6 +544,36 @@ def test_a_get_of_ssd_blocks_its_client_does_not_read_holds_a_window_not_its_bat
     assert all(np.array_equal(blocks[i], block_of(hs[i], bb)) for i in (0, 63, 64, n - 1))
 
 
+def test_scratch_kept_by_idle_connections_is_bounded_all_together(make_daemon):
+    """Each connection keeps the scratch its last request took (a GET of SSD blocks: two
+    16 MiB windows), up to 64 MiB, and all of them together at most SCRATCH_KEEP_TOTAL
+    (256 MiB): past it a connection lets its own go after its request, back to the OS.
+    30 connections idle after one 32 MiB GET each held 1 GiB (+33.7 MiB each), outside
+    every memory cap; the 768 connections a tenant may hold, 24 GiB."""
+    from kvstore.daemon.session import SCRATCH_KEEP_TOTAL
+    d, ns, hs = _ssd_daemon_holding(make_daemon, 32 << 20, "128MiB", 555)
+    bb, n = ns.block_bytes, len(hs)
+    before = rss_kib(d.pid)
+    conns = []
+    try:
+        for _ in range(20):
+            s = raw_conn(d, timeout=60)
+            assert call(s, hello_msg(ns)).op is w.Op.HELLO
+            reply = call(s, w.Get(hashes=w.pack_hashes(hs)))
+            assert reply.op is w.Op.GET and reply.payload_bytes == n * bb
+            got = bytearray(reply.payload_bytes)
+            w.recv_exact(s, memoryview(got))
+            conns.append(s)
+        grown = (rss_kib(d.pid) - before) << 10
+        assert grown < SCRATCH_KEEP_TOTAL + (128 << 20), f"{grown >> 20} MiB kept by 20 idle"
+        blocks = np.frombuffer(got, np.uint8).reshape(n, bb)  # (and the last reply exact)
+        assert all(np.array_equal(blocks[i], block_of(hs[i], bb)) for i in (0, n - 1))
+    finally:
+        for s in conns:
+            s.close()
+    still_serving(d)
+
+
 def _dram_daemon_holding(make_daemon, nbytes: int, seed: int, *args):
     """As _ssd_daemon_holding, the blocks in DRAM (no SSD tier)."""
     from kvstore.keys import Namespace
