@@ -68,6 +68,11 @@ class SsdTier:
         try:
             self._at_open = self.index.open()  # entries as found; `recover` checks them
             if self.slabs.headers_missing:
+                if self.index.db is None:  # (not opened: a full disk) its entries are unknown,
+                    # and headers written from none would say every slot is free
+                    raise TierIOError(f"the SSD tier at {self.path} lost its header file and "
+                                      "its index cannot open now (no disk space) to write "
+                                      "it again; the next open with room does")
                 self._restore_headers()
         except BaseException:
             self.slabs.close()

@@ -967,3 +967,61 @@ def test_a_block_adopted_from_its_header_keeps_the_index_entry_it_gets_at_open(t
     finally:
         tier.close()
     assert fsck(str(tmp_path)).num_recoverable == 0
+
+
+def test_a_lost_header_file_waits_for_an_index_that_cannot_open_for_want_of_space(
+        tmp_path, monkeypatch):
+    """headers.dat lost, and RocksDB unable to open the index (no disk space: it writes at
+    every open): the headers cannot be written again from the index now, and written from
+    nothing they would say every slot is free (the blocks lost, their slots reused). The
+    open fails, headers.dat stays missing, and the next open with room restores it."""
+    hs = hash_blocks(NS, list(range(4 * 8)))
+    tier = SsdTier(NS, str(tmp_path), 8)
+    tier.recover()
+    tier.write_n(tier.alloc_n(8), hs, _blocks(8))
+    tier.close()
+    os.unlink(tmp_path / "headers.dat")
+
+    def full(self):
+        raise Exception("IO error: While appending to file: No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(ssdindex.SlotIndex, "_open_db", full)
+        with pytest.raises(TierIOError, match="no disk space"):
+            SsdTier(NS, str(tmp_path), 8)
+    assert not os.path.exists(tmp_path / "headers.dat")
+    tier = SsdTier(NS, str(tmp_path), 8)
+    try:
+        assert sorted(h for h, _ in tier.recover()) == sorted(hs)
+    finally:
+        tier.close()
+
+
+def test_an_index_that_cannot_open_for_want_of_space_serves_from_the_headers(tmp_path,
+                                                                            monkeypatch):
+    """The index cannot open (no space): the tier opens all the same, its blocks found from
+    the slab headers and read intact, and the index is written once it opens again."""
+    hs = hash_blocks(NS, list(range(4 * 8)))
+    data = _blocks(8)
+    tier = SsdTier(NS, str(tmp_path), 8)
+    tier.recover()
+    slots = tier.alloc_n(8)
+    tier.write_n(slots, hs, data)
+    tier.close()
+    real = ssdindex.SlotIndex._open_db
+
+    def full(self):
+        raise Exception("IO error: While appending to file: No space left on device")
+    monkeypatch.setattr(ssdindex.SlotIndex, "_open_db", full)
+    tier = SsdTier(NS, str(tmp_path), 8)
+    try:
+        found = dict(tier.recover())
+        assert sorted(found) == sorted(hs)
+        out = torch.zeros_like(data)
+        assert tier.read_n([found[h] for h in hs], hs, out) == [True] * 8
+        assert torch.equal(out, data[[slots.index(found[h]) for h in hs]])
+        monkeypatch.setattr(ssdindex.SlotIndex, "_open_db", real)
+        monkeypatch.setattr(ssdindex, "RETRY_S", 0.0)
+        tier.index.flush()  # room again: opened and written
+        assert all(bytes(h) in tier.raw_db() for h in hs)
+    finally:
+        tier.close()
