@@ -137,7 +137,9 @@ class ServedConnection:
         except w.RemoteError as e:
             outcome = e.code.name.lower()
             self._send_error(e.code, str(e).split(": ", 1)[-1])
-            if e.code is w.ErrorCode.AUTH:
+            if e.code is w.ErrorCode.AUTH or not was_authenticated:
+                # (a refused first HELLO ends its connection: kept open, it held a place
+                # outside the lobby, beyond eviction, until its hello deadline)
                 raise ConnectionError("authentication failed") from e
         except StoreClosedError as e:
             outcome = "unavailable"
@@ -308,14 +310,20 @@ class DataPlane:
                 for key, _ in sel.select(max(0.0, min(wake))):
                     if key.data is None or self.stopping.is_set():
                         continue  # (woken to stop)
-                    if isinstance(key.data, _Waiting):
-                        self._read_first(key.data, sel)
-                    elif self._accept_some(key.data, listeners[key.data], sel):
-                        pause = ACCEPT_BACKOFF_S[0]
-                    else:  # out of descriptors: this listener rests a while
-                        sel.unregister(key.data)
-                        paused[key.data] = time.monotonic() + pause
-                        pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                    try:
+                        if isinstance(key.data, _Waiting):
+                            self._read_first(key.data, sel)
+                        elif self._accept_some(key.data, listeners[key.data], sel):
+                            pause = ACCEPT_BACKOFF_S[0]
+                        else:  # out of descriptors: this listener rests a while
+                            sel.unregister(key.data)
+                            paused[key.data] = time.monotonic() + pause
+                            pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                    except Exception:  # noqa: BLE001 - one connection's trouble (memory, a
+                        # limit) never ends the lobby: it alone accepts for the daemon
+                        log.exception("the data plane's lobby failed on one event; going on")
+                        if isinstance(key.data, _Waiting) and self._leave_lobby(key.data):
+                            self._drop(key.data, None, sel)
                 self._expire(sel)
         finally:
             with self.lock:
@@ -424,7 +432,7 @@ class DataPlane:
             self._start(waiting)
 
     def _start(self, waiting: _Waiting) -> None:
-        sock = waiting.sock
+        sock, conn = waiting.sock, None
         try:
             sock.setblocking(True)
             if not waiting.local:
@@ -433,13 +441,19 @@ class DataPlane:
             w.kernel_timeouts(sock, self.cfg.hello_timeout_s)
             conn = ServedConnection(sock, self, waiting.local, bytes(waiting.buf),
                                     waiting.deadline)
-        except OSError:
-            self._drop(waiting, None)
-            return
-        thread = threading.Thread(target=conn.run, name="kvtier-conn", daemon=True)
-        with self.lock:
-            self.conns[conn] = thread
-        thread.start()
+            thread = threading.Thread(target=conn.run, name="kvtier-conn", daemon=True)
+            with self.lock:
+                self.conns[conn] = thread
+            thread.start()
+        except Exception as e:  # noqa: BLE001 - no thread to be had (a limit, memory): this
+            # connection goes, the lobby stays (it died with it, and accepted no more)
+            if not isinstance(e, OSError):
+                log.warning("cannot start a connection's thread (%s): closing it", e)
+            if conn is not None:
+                with self.lock:
+                    self.conns.pop(conn, None)
+                self.metrics.retire(conn.tally)
+            self._drop(waiting, None)  # (its one count in the gauge, from its admission)
 
     def _leave_lobby(self, waiting: _Waiting) -> bool:
         """Take `waiting` out of the lobby's list; False if it was no longer there."""
@@ -539,7 +553,10 @@ class DataPlane:
                     conn.wake_if_idle()
             if not conns:
                 break
-            conns[0][1].join(timeout=0.05)
+            if conns[0][1].ident is not None:  # (one whose start failed is being dropped)
+                conns[0][1].join(timeout=0.05)
+            else:
+                time.sleep(0.05)
         with self.lock:
             left = len(self.conns)
         if left:

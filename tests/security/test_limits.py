@@ -393,9 +393,11 @@ def test_a_tenant_at_its_cap_and_silent_sockets_lock_no_other_tenant_out(make_da
             pushed = w.recv_frame(silent.pop(0), 1 << 30)
             assert pushed.msg.code == w.ErrorCode.UNAVAILABLE
             assert "authenticate" in pushed.msg.message
-        with raw_conn(d) as s:  # alice stays at her cap all the while
+        with raw_conn(d) as s:  # alice stays at her cap all the while, and a HELLO of
+            # hers refused there ends its connection (kept open until its hello deadline,
+            # two such did what the silent sockets did, beyond the lobby's eviction)
             reply = call(s, hello_msg(ALICE, "alice-secret"))
-            assert reply.msg.code == w.ErrorCode.UNAVAILABLE
+            assert reply.msg.code == w.ErrorCode.UNAVAILABLE and closed(s)
     finally:
         for s in alice + silent:
             s.close()

@@ -118,3 +118,50 @@ def test_connections_refused_at_the_limit_leave_no_tally_behind(tmp_path):
         plane.shutdown(1.0)
         registry.close()
     assert not metrics.requests._live
+
+
+def test_a_connection_whose_thread_cannot_start_is_closed_and_the_lobby_goes_on(
+        tmp_path, monkeypatch):
+    """New connections wait in one lobby thread, which starts each one's thread once its
+    first frame is in. A thread that would not start (a thread or pid limit, memory) took
+    the lobby down with it: the daemon accepted no more connections on either listener,
+    the connection stayed counted, and shutdown raised. Now that connection is closed and
+    uncounted, and the next one is served."""
+    import socket
+    import threading
+
+    from kvstore import wire as w
+    from kvstore.daemon.config import DaemonConfig
+    from kvstore.daemon.dataplane import DataPlane, listen
+    from kvstore.daemon.namespaces import Registry
+
+    cfg = DaemonConfig(port=0, data_dir=str(tmp_path), max_connections=16, local_socket=False)
+    registry = Registry(cfg)
+    metrics = Metrics(registry.hosted)
+    plane = DataPlane(cfg, registry, metrics, listen("127.0.0.1", 0))
+    plane.start()
+    real, refused = threading.Thread.start, []
+
+    def start(self):
+        if self.name == "kvtier-conn" and not refused:
+            refused.append(self)
+            raise RuntimeError("can't start new thread")
+        return real(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    hello = w.encode(w.Hello(token="x"), w.Op.HELLO, False)
+    try:
+        with socket.create_connection(("127.0.0.1", plane.port), timeout=5) as first:
+            first.sendall(hello)
+            assert first.recv(1) == b""  # closed
+        assert refused and plane.accepting and not plane.conns
+        with socket.create_connection(("127.0.0.1", plane.port), timeout=5) as second:
+            second.sendall(hello)
+            reply = w.recv_frame(second, 1 << 20)
+            assert reply.op is w.Op.ERROR  # served (the namespace fields are missing)
+        deadline = time.monotonic() + 10
+        while metrics.connections._value.get() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert metrics.connections._value.get() == 0
+    finally:
+        plane.shutdown(1.0)
+        registry.close()
