@@ -25,6 +25,7 @@ arena and its slot directory) and STAGE (a staging segment) carry file descripto
 """
 from __future__ import annotations
 
+import array
 import enum
 import os
 import re
@@ -747,7 +748,7 @@ class FrameReader:
         SHARE or STAGE). The caller owns (and must close) every descriptor returned."""
         if self.buffered.pending():
             raise ProtocolError("descriptors expected at a frame boundary, bytes were pending")
-        data, fds, flags, _ = socket.recv_fds(self.sock, self.CHUNK, MAX_FDS)
+        data, fds, flags = recv_fds(self.sock, self.CHUNK, MAX_FDS)
         try:
             if not data:
                 raise ConnectionError("peer closed the connection")
@@ -771,6 +772,20 @@ class FrameReader:
             except BaseException:  # (it may have changed the timeout before it failed)
                 self.rebound = self.rebound or self.standing is not None
                 raise
+
+
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
+    """socket.recv_fds, the descriptors close-on-exec from the start (MSG_CMSG_CLOEXEC,
+    which socket.recv_fds of Python 3.11 takes but never passes on): a program the client
+    process runs must not inherit the namespace's slot directory or a doorbell. (data,
+    descriptors, flags)"""
+    fds = array.array("i")
+    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
+                                           socket.MSG_CMSG_CLOEXEC)
+    for level, kind, cdata in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[:len(cdata) - (len(cdata) % fds.itemsize)])
+    return data, list(fds), flags
 
 
 def close_fds(fds) -> None:

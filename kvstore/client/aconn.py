@@ -104,7 +104,7 @@ class AsyncConnection:
                 while True:
                     await self._ready(self.loop.add_reader, self.loop.remove_reader)
                     try:
-                        data, fds, flags, _ = socket.recv_fds(self.sock, CHUNK, w.MAX_FDS)
+                        data, fds, flags = w.recv_fds(self.sock, CHUNK, w.MAX_FDS)
                         break
                     except BlockingIOError:
                         continue

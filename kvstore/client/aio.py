@@ -28,7 +28,7 @@ from kvstore.client.replies import (MAX_STAGE_BYTES, SPIN_US, STAGED_PUT_BYTES, 
                                     as_numpy, copy_row, flags_of, get_layout, payload_views,
                                     row_view, match_of, put_statuses, raise_unless_retryable,
                                     reusable_after, stage, stats_of)
-from kvstore.client.shm import VECTOR_READS, ArenaMap, open_arena
+from kvstore.client.shm import SHARE_REFUSALS, VECTOR_READS, ArenaMap, open_arena
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.putring import DIRECT_PUTS
@@ -126,8 +126,14 @@ class AsyncClient:
             return
         arena = None
         if info.arena_id:
-            reply, (arena_fd, dir_fd) = await conn.call_fds(w.Share(), 2)
-            arena = open_arena(reply, arena_fd, dir_fd, self.block_bytes)
+            try:
+                reply, (arena_fd, dir_fd) = await conn.call_fds(w.Share(), 2)
+            except w.RemoteError as e:  # (as map_arena: blocks go inline)
+                if e.code not in SHARE_REFUSALS:
+                    raise
+                reply = None
+            if reply is not None:
+                arena = open_arena(reply, arena_fd, dir_fd, self.block_bytes)
         old, self._arena = self._arena, arena
         if old is not None:
             old.close()

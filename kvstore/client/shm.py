@@ -20,7 +20,7 @@ import torch
 
 from kvstore import wire as w
 from kvstore.buffers import cpu_array
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import TierKind
 from kvstore.arena_layout import META_BYTES, arena_meta
 from kvstore.slotdir import DIRECT_READS, SlotDirectoryReader
@@ -148,20 +148,33 @@ def _first_false(mask: np.ndarray) -> int:
 
 def map_arena(conn, block_bytes: int) -> ArenaMap | None:
     """Ask the daemon (over `conn`, a local-socket connection) for the namespace's arena;
-    None when it has no DRAM tier."""
+    None when it has no DRAM tier, or will not pass its descriptors now (then blocks go
+    inline over the local socket: the client works all the same)."""
     if not conn.info.arena_id:
         return None
-    reply, (arena_fd, dir_fd) = conn.call_fds(w.Share(), 2)
+    try:
+        reply, (arena_fd, dir_fd) = conn.call_fds(w.Share(), 2)
+    except w.RemoteError as e:
+        if e.code not in SHARE_REFUSALS:
+            raise
+        log.warning("the daemon did not share its memory (%s): blocks go inline over the "
+                    "local socket", e)
+        return None
     return open_arena(reply, arena_fd, dir_fd, block_bytes)
+
+
+SHARE_REFUSALS = (w.ErrorCode.UNAVAILABLE, w.ErrorCode.QUOTA)  # a SHARE the client lives without
 
 
 def open_arena(info: w.ShareOk, arena_fd: int, dir_fd: int, block_bytes: int) -> ArenaMap | None:
     """`ArenaMap` of SHARE's descriptors, or None (blocks then go inline over the local
-    socket, as over TCP) when the system will not map them: e.g. a segment another process
-    sealed against writable mappings, or no address space left."""
+    socket, as over TCP) when the system will not map them (a segment another process
+    sealed against writable mappings, no address space left) or they do not hold an arena
+    of this namespace (its layout header overwritten: any same-host client of the
+    namespace can write the arena, and one that did so stopped every new client of it)."""
     try:
         return ArenaMap(info, arena_fd, dir_fd, block_bytes)
-    except OSError as e:
+    except (OSError, ValueError, KVStoreError) as e:
         log.warning("cannot map the daemon's shared memory (%s): blocks go inline over the "
                     "local socket", e)
         return None

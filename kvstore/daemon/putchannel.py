@@ -12,6 +12,7 @@ slot it still held back.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import threading
@@ -23,6 +24,7 @@ from kvstore.putring import PutRing, ring_bytes
 from kvstore.tuning import background_thread
 from transfer import ShmSegment
 
+WARN_EVERY_S = 10.0  # a channel's ungranted records are logged at most this often
 log = logging.getLogger("kvtier.puts")
 RING_CAPACITY = 1024
 GRANT_CAPACITY = 256
@@ -44,6 +46,8 @@ class PutChannel:
         self.batch = (0, 0.0)  # (a batch bigger than the stock the client puts, when last)
         self.lock = threading.Lock()
         self.closed = False
+        self._warned_at = -math.inf  # the last ungranted record logged
+        self._ignored = 0  # ungranted records since then
         self._top_up()
 
     def fds(self) -> list[int]:
@@ -59,8 +63,12 @@ class PutChannel:
             hashes, slots = self.ring.peek()
             mine = [(h, s) for h, s in zip(hashes, slots) if s in self.granted]
             if len(mine) < len(hashes):
-                log.warning("a put channel named %d slots it was not granted (ignored)",
-                            len(hashes) - len(mine))
+                self._ignored += len(hashes) - len(mine)
+                now = time.monotonic()  # (logged at most every WARN_EVERY_S: a client
+                if now - self._warned_at >= WARN_EVERY_S:  # writing its ring's header
+                    log.warning("a put channel named %d slots it was not granted (ignored)",
+                                self._ignored)  # made every drain log, 500 lines a second)
+                    self._warned_at, self._ignored = now, 0
             if mine:
                 self.granted.difference_update(s for _, s in mine)
                 self.store.commit_granted([h for h, _ in mine], [s for _, s in mine])

@@ -11,12 +11,15 @@ over TCP both are refused.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import math
 import mmap
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 from typing import Sequence
@@ -38,6 +41,9 @@ from transfer import ShmSegment
 log = logging.getLogger("kvtier.session")
 STATUS_CODES = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 MAX_STAGE_BYTES = 64 << 20  # one connection's staging segment at most
+MAX_STAGED_BYTES = 2 * MAX_STAGE_BYTES  # all its STAGEs together (a client grows its segment
+# by asking again, for more each time: doubling sums under twice the last)
+MAX_DESCRIPTOR_REPLIES = 16  # SHARE, STAGE and PUTS replies, per connection
 SCRATCH_KEEP = 64 << 20  # scratch a connection keeps between requests (more is freed after use)
 SCRATCH_KEEP_TOTAL = 256 << 20  # and all connections together: past it, each lets its own go
 # after its request (30 connections idle after one 32 MiB GET of SSD blocks each kept 1 GiB,
@@ -82,6 +88,14 @@ class StreamAborted(ConnectionError):
 TIER_CODES = {None: w.MISS, **{t: int(t) for t in TierKind}}  # a reply's byte per block
 
 
+def _unread(sock: socket.socket) -> int:
+    """Bytes sent on `sock` that its peer has not read yet (SIOCOUTQ; 0 where unknown)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except OSError:
+        return 0
+
+
 def tier_bytes(tiers: Sequence[TierKind | None]) -> bytes:
     """The tiers byte string of a GET or MATCH reply (a generator here was ~15 us of a 1 MiB
     GET's Python, its lines run with cold caches: see Session.get)."""
@@ -107,6 +121,8 @@ class Session:
         # (store, its DRAM rows, the same bytes as one flat memoryview)
         self._arena: tuple[object, np.ndarray | None, memoryview | None] = (None, None, None)
         self.staging: ShmSegment | None = None
+        self._staged_bytes = 0  # all its STAGEs together (MAX_STAGED_BYTES)
+        self._fd_replies = 0  # replies with descriptors sent (MAX_DESCRIPTOR_REPLIES)
         self.agent_key = b""
         self._rcvtimeo: bytes | None = None  # the socket's receive timeout, once read
         self._rcvtimeo_s = 0.0  # the same in seconds (0: none)
@@ -222,15 +238,42 @@ class Session:
             raise w.RemoteError(w.ErrorCode.PROTOCOL, f"{op} is only served on the daemon's "
                                 "local socket (same-host clients)")
 
+    def _same_host_fds(self, op: str) -> None:
+        """A request answered with descriptors (SHARE, STAGE, PUTS): on the local socket
+        only, MAX_DESCRIPTOR_REPLIES per connection, and only once the client has read every
+        reply before it. The kernel counts descriptors in replies not read yet against the
+        daemon's uid, up to its open-file limit, past which it passes none to anyone: one
+        tenant asking for them and never reading made every other tenant's SHARE fail."""
+        self._same_host(op)
+        if self._fd_replies >= MAX_DESCRIPTOR_REPLIES:
+            raise w.RemoteError(w.ErrorCode.QUOTA, f"this connection has had "
+                                f"{MAX_DESCRIPTOR_REPLIES} replies with descriptors (SHARE, "
+                                "STAGE, PUTS), the most one may: a client needs a few")
+        if _unread(self.sock):
+            raise w.RemoteError(w.ErrorCode.QUOTA, f"{op} while replies sent before it are "
+                                "not read yet: read each reply before the next request")
+        self._fd_replies += 1
+
+    def _send_fds(self, msg: w.Message, op: w.Op, fds: list[int]) -> None:
+        try:
+            w.send_frame_fds(self.sock, msg, op, fds)
+        except OSError as e:
+            if e.errno != errno.ETOOMANYREFS:
+                raise
+            raise w.RemoteError(w.ErrorCode.UNAVAILABLE, "the daemon cannot pass descriptors "
+                                "now (too many in flight, ETOOMANYREFS): blocks go inline "
+                                "over the local socket; raise the daemon's open-file limit"
+                                ) from e
+
     def share(self, msg: w.Share, payload_bytes: int) -> None:
-        self._same_host("SHARE")
+        self._same_host_fds("SHARE")
         dram = self.hosted.dram
         if dram is None:
             raise w.RemoteError(w.ErrorCode.NAMESPACE, "this namespace has no DRAM tier")
         fds = dram.share_fds()
         try:
-            w.send_frame_fds(self.sock, w.ShareOk(arena_id=dram.arena_id,
-                                                  num_slots=dram.num_slots), w.Op.SHARE, fds)
+            self._send_fds(w.ShareOk(arena_id=dram.arena_id, num_slots=dram.num_slots),
+                           w.Op.SHARE, fds)
         finally:
             w.close_fds(fds)
 
@@ -271,11 +314,12 @@ class Session:
 
     def puts(self, msg: w.Puts, payload_bytes: int) -> None:
         """Make this connection a put channel (kvstore.daemon.putchannel)."""
-        self._same_host("PUTS")
         if self.hosted.dram is None or self.drainer is None:
+            self._same_host("PUTS")
             raise w.RemoteError(w.ErrorCode.NAMESPACE, "no DRAM tier: puts need a request")
         if self.channel is not None:
             raise w.RemoteError(w.ErrorCode.PROTOCOL, "this connection is a put channel already")
+        self._same_host_fds("PUTS")
         self.channel = PutChannel(self.hosted)
         self.drainer.add(self.channel)
         # A put channel is silent by design: no idle timeout (its grants must outlive
@@ -284,7 +328,7 @@ class Session:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._rcvtimeo)
         fds = self.channel.fds()
         try:
-            w.send_frame_fds(self.sock, w.PutsOk(
+            self._send_fds(w.PutsOk(
                 arena_id=self.hosted.dram.arena_id, capacity=self.channel.ring.capacity,
                 grant_capacity=self.channel.ring.grant_capacity), w.Op.PUTS, fds)
         finally:
@@ -299,20 +343,42 @@ class Session:
     def _close_channel(self, store: bool = True) -> None:
         if self.channel is not None:
             channel, self.channel = self.channel, None
-            if self.drainer is not None:
-                self.drainer.remove(channel)
-            channel.close(store)
+            try:
+                if self.drainer is not None:
+                    self.drainer.remove(channel)
+                channel.close(store)
+            finally:  # no longer a (silent) put channel: the idle timeout is back (a
+                # re-HELLO after PUTS left the connection with none, for good)
+                self._rcvtimeo, self._rcvtimeo_s = None, 0.0
+                try:
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                         w.timeval(self.cfg.timeout_periods[0]))
+                except OSError:
+                    pass  # (the connection is closing)
 
     def stage(self, msg: w.Stage, payload_bytes: int) -> None:
+        """A staging segment for this connection's puts, bigger than the one it has (the
+        client keeps mapping the old one for as long as it likes: a connection asking again
+        and again held 1 GiB of shared memory for 16 STAGEs of 64 MiB). Its pages are left
+        for the client to touch (so they are the client's memory), and all of one
+        connection's STAGEs together are MAX_STAGED_BYTES at most."""
         self._same_host("STAGE")
         if not 0 < msg.nbytes <= MAX_STAGE_BYTES:
             raise w.RemoteError(w.ErrorCode.PROTOCOL, f"a staging segment is 1 to "
                                 f"{MAX_STAGE_BYTES} bytes, not {msg.nbytes}")
-        self.close()
-        self.staging = ShmSegment.anonymous(msg.nbytes, "kvtier-stage")
+        have = self.staging.size if self.staging is not None else 0
+        if msg.nbytes <= have or self._staged_bytes + msg.nbytes > MAX_STAGED_BYTES:
+            raise w.RemoteError(w.ErrorCode.QUOTA, f"a STAGE of {msg.nbytes} bytes: this "
+                                f"connection's segment has {have} (a STAGE asks for more), "
+                                f"and its STAGEs came to {self._staged_bytes} of the "
+                                f"{MAX_STAGED_BYTES} one connection may have")
+        self._same_host_fds("STAGE")
+        self._close_staging()
+        self._staged_bytes += msg.nbytes
+        self.staging = ShmSegment.anonymous(msg.nbytes, "kvtier-stage", prefault=False)
         fd = self.staging.share_fd(writable=True)
         try:
-            w.send_frame_fds(self.sock, w.StageOk(nbytes=msg.nbytes), w.Op.STAGE, [fd])
+            self._send_fds(w.StageOk(nbytes=msg.nbytes), w.Op.STAGE, [fd])
         finally:
             os.close(fd)
 
@@ -708,6 +774,9 @@ class Session:
     def close(self) -> None:
         """The connection ended: its scratch, staging segment and agent capability go too."""
         self._drop_scratch()
+        self._close_staging()
+
+    def _close_staging(self) -> None:
         if self.staging is not None:
             self.staging.close()
             self.staging = None

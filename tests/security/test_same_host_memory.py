@@ -15,6 +15,7 @@ import pytest
 
 from kvstore import Client
 from kvstore import wire as w
+from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
 from transfer.shm import F_ADD_SEALS, F_SEAL_FUTURE_WRITE
 
@@ -50,10 +51,7 @@ def test_share_and_stage_need_the_local_socket_and_a_hello(secured):
         assert frame.op is w.Op.ERROR and not fds and closed(u)
     with local_conn(secured, ALICE, "alice-secret") as u:  # a wrong token ends it
         reply = call(u, hello_msg(ALICE, "bob-secret"))
-        assert reply.msg.code == w.ErrorCode.FORBIDDEN
-        w.send_frame(u, w.Share(), w.Op.SHARE, False)
-        frame, fds = w.FrameReader(u).frame_with_fds(0)
-        assert frame.op is w.Op.ERROR and not fds
+        assert reply.msg.code == w.ErrorCode.FORBIDDEN and closed(u)
 
 
 def test_the_descriptors_are_this_namespaces_and_read_only_where_only_read(secured):
@@ -145,3 +143,122 @@ def test_processes_of_the_daemons_own_uid_cannot_reach_into_it():
     finally:
         d.close()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def _share(u) -> w.Frame:
+    """SHARE's reply (its descriptors closed)."""
+    w.send_frame(u, w.Share(), w.Op.SHARE, False)
+    frame, fds = w.FrameReader(u).frame_with_fds(0)
+    w.close_fds(fds)
+    return frame
+
+
+def test_replies_with_descriptors_wait_for_the_last_to_be_read_and_are_bounded(secured):
+    """The kernel counts descriptors in replies not read yet against the daemon's uid and
+    passes none past its open-file limit: one tenant asking for SHAREs and never reading
+    made every other tenant's SHARE fail. A SHARE (STAGE, PUTS) while an earlier reply is
+    unread is refused (QUOTA), and one connection gets MAX_DESCRIPTOR_REPLIES at most."""
+    import time
+
+    from kvstore.daemon.session import MAX_DESCRIPTOR_REPLIES
+    with local_conn(secured, ALICE, "alice-secret") as u:
+        call(u, hello_msg(ALICE, "alice-secret"))
+        w.send_frame(u, w.Share(), w.Op.SHARE, False)
+        w.send_frame(u, w.Share(), w.Op.SHARE, False)
+        time.sleep(0.5)  # (both served before the first reply is read)
+        reader = w.FrameReader(u)
+        first, fds = reader.frame_with_fds(0)
+        w.close_fds(fds)
+        assert first.op is w.Op.SHARE and len(fds) == 2
+        second, fds = reader.frame_with_fds(0)
+        assert second.msg.code == w.ErrorCode.QUOTA and "not read yet" in second.msg.message
+        assert not fds
+        for _ in range(MAX_DESCRIPTOR_REPLIES - 1):
+            assert _share(u).op is w.Op.SHARE
+        refused = _share(u)
+        assert refused.msg.code == w.ErrorCode.QUOTA and "the most one may" in refused.msg.message
+        assert call(u, w.Stats()).op is w.Op.STATS  # served on
+    with Client(secured.url, "bob-secret", BOB) as bob:  # and others are not touched
+        assert bob.transport == "shm"
+
+
+def test_a_stage_asks_for_more_and_a_connections_stages_are_bounded(secured):
+    """STAGE replaces the connection's staging segment, but the client may keep mapping the
+    old one: 16 STAGEs of 64 MiB held 1 GiB. A STAGE must ask for more than the segment
+    it has, and one connection's STAGEs come to MAX_STAGED_BYTES at most."""
+    from kvstore.daemon.session import MAX_STAGE_BYTES, MAX_STAGED_BYTES
+    with local_conn(secured, ALICE, "alice-secret") as u:
+        call(u, hello_msg(ALICE, "alice-secret"))
+        reader = w.FrameReader(u)
+
+        def stage(nbytes):
+            w.send_frame(u, w.Stage(nbytes=nbytes), w.Op.STAGE, False)
+            frame, fds = reader.frame_with_fds(0)
+            w.close_fds(fds)
+            return frame
+        assert stage(4096).op is w.Op.STAGE
+        assert stage(4096).msg.code == w.ErrorCode.QUOTA
+        sizes = [MAX_STAGE_BYTES // 2, MAX_STAGE_BYTES * 3 // 4, MAX_STAGE_BYTES]
+        ops = [stage(n) for n in sizes]
+        assert 4096 + sum(sizes) > MAX_STAGED_BYTES
+        assert [f.op for f in ops[:2]] == [w.Op.STAGE] * 2
+        assert ops[2].msg.code == w.ErrorCode.QUOTA
+
+
+def test_a_put_channel_ended_by_a_new_hello_gets_its_idle_timeout_back(make_daemon,
+                                                                      token_file):
+    """A put channel has no idle timeout (it is silent by design); a re-HELLO ends the
+    channel, and the connection's idle timeout must come back: it stayed off for the
+    connection's life, so a silent one held its thread and its place for good."""
+    d = make_daemon("--token-file", token_file, "--idle-timeout", "1")
+    with local_conn(d, ALICE, "alice-secret") as u:
+        call(u, hello_msg(ALICE, "alice-secret"))
+        w.send_frame(u, w.Puts(), w.Op.PUTS, False)
+        frame, fds = w.FrameReader(u).frame_with_fds(0)
+        w.close_fds(fds)
+        assert frame.op is w.Op.PUTS
+        assert call(u, hello_msg(ALICE, "alice-secret")).op is w.Op.HELLO
+        assert closed(u)  # within the socket's 5 s: the idle timeout (1 s) closed it
+
+
+def test_descriptors_a_client_keeps_are_close_on_exec(secured):
+    """A program the client's process starts must not inherit the namespace's slot
+    directory (every DRAM block's hash) or a put channel's doorbell: descriptors received
+    with SHARE and PUTS were not close-on-exec (the arena's and the ring's were)."""
+    with Client(secured.url, "alice-secret", ALICE) as c:
+        hs = hash_blocks(ALICE, np.arange(4 * 16))
+        c.put_n(hs, np.ones((4, ALICE.block_bytes), np.uint8))
+        assert c.get_n(hs, np.zeros((4, ALICE.block_bytes), np.uint8)).count(None) == 0
+        kinds = set()
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{name}")
+                flags = fcntl.fcntl(int(name), fcntl.F_GETFD)
+            except OSError:
+                continue
+            if target.startswith("/memfd:") or "eventfd" in target:
+                kinds.add(target.split(" ")[0])
+                assert flags & fcntl.FD_CLOEXEC, target
+        assert kinds, "the client holds no shared-memory descriptors"
+
+
+def test_a_clobbered_arena_header_sends_new_clients_inline_not_away(secured):
+    """Any same-host client of a namespace can write its arena: one that overwrote the
+    arena's layout header made every new client of the namespace fail to start
+    (ConfigError). It now goes inline over the local socket, and works."""
+    with local_conn(secured, ALICE, "alice-secret") as u:
+        call(u, hello_msg(ALICE, "alice-secret"))
+        w.send_frame(u, w.Share(), w.Op.SHARE, False)
+        _, (arena, directory) = w.FrameReader(u).frame_with_fds(0)
+        try:
+            m = mmap.mmap(arena, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            m[0:8] = b"GARBAGE!"
+            m.close()
+        finally:
+            w.close_fds([arena, directory])
+    with Client(secured.url, "alice-secret", ALICE) as c:
+        hs = hash_blocks(ALICE, np.arange(16) + 99)
+        want = np.stack([block_of(h, ALICE.block_bytes) for h in hs])
+        c.put_n(hs, want)
+        got = np.zeros_like(want)
+        assert c.get_n(hs, got) == [TierKind.DRAM] and np.array_equal(got, want)
