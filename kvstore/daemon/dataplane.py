@@ -71,7 +71,6 @@ class ServedConnection:
         whole by `deadline` (hello_timeout_s from now if None)."""
         self.sock, self.server = sock, server
         self.busy = False
-        self.pushed_out: str | None = None  # why another connection took its place
         self.tenant: str | None = None  # whose token this connection holds (counted per tenant)
         self.reader = w.FrameReader(sock, w.MAX_HELLO_HEADER_BYTES, deadline if deadline
                                     is not None else time.monotonic() + server.cfg.hello_timeout_s)
@@ -104,8 +103,7 @@ class ServedConnection:
             m.protocol_errors.inc()
             self._send_error(e.code, str(e))
         except (ConnectionError, OSError, TimeoutError):
-            if self.pushed_out:  # (else the client went away, timed out, or shutdown woke
-                self._send_error(w.ErrorCode.UNAVAILABLE, self.pushed_out)  # us: no answer)
+            pass  # the client went away, timed out, or shutdown woke us: no answer
         finally:
             self._close()
 
@@ -170,7 +168,6 @@ class ServedConnection:
             period, periods = self.server.cfg.timeout_periods
             self.reader.authenticated(periods)
             w.kernel_timeouts(self.sock, period)
-            self.server.authenticated(self)
 
     def _claim_tenant(self, hello: w.Hello) -> None:
         """Count this connection against the tenant its token grants, before the HELLO is
@@ -202,16 +199,6 @@ class ServedConnection:
             self.sock.close()
             self.server.metrics.retire(self.tally)
             self.server.forget(self)
-
-    def push_out(self, message: str) -> None:
-        """Closed from outside (it made room for another). Its own thread, the only writer
-        of its socket, tells the client why: the read it waits in ends (shutdown of the
-        reading side only) and it answers UNAVAILABLE before it closes."""
-        self.pushed_out = message
-        try:
-            self.sock.shutdown(socket.SHUT_RD)
-        except OSError:
-            pass
 
     def wake_if_idle(self) -> None:
         if not self.busy:
@@ -516,9 +503,6 @@ class DataPlane:
             if not self.tenant_conns[conn.tenant]:
                 del self.tenant_conns[conn.tenant]
             conn.tenant = None
-
-    def authenticated(self, conn: ServedConnection) -> None:
-        pass  # (it left the lobby when its first frame came: nothing to count)
 
     def forget(self, conn: ServedConnection) -> None:
         with self.lock:
