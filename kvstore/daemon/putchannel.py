@@ -12,7 +12,6 @@ slot it still held back.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import select
 import threading
@@ -20,6 +19,7 @@ import time
 
 from kvstore.daemon.namespaces import Hosted
 from kvstore.grants import BATCH_SHARE, GRANTED_SHARE
+from kvstore.logevery import LogEvery
 from kvstore.putring import PutRing, ring_bytes
 from kvstore.tuning import background_thread
 from transfer import ShmSegment
@@ -46,8 +46,8 @@ class PutChannel:
         self.batch = (0, 0.0)  # (a batch bigger than the stock the client puts, when last)
         self.lock = threading.Lock()
         self.closed = False
-        self._warned_at = -math.inf  # the last ungranted record logged
-        self._ignored = 0  # ungranted records since then
+        self._ungranted = LogEvery(WARN_EVERY_S)  # drains that met ungranted records
+        self._ignored = 0  # ungranted records since the last line
         self._top_up()
 
     def fds(self) -> list[int]:
@@ -64,11 +64,11 @@ class PutChannel:
             mine = [(h, s) for h, s in zip(hashes, slots) if s in self.granted]
             if len(mine) < len(hashes):
                 self._ignored += len(hashes) - len(mine)
-                now = time.monotonic()  # (logged at most every WARN_EVERY_S: a client
-                if now - self._warned_at >= WARN_EVERY_S:  # writing its ring's header
+                if self._ungranted.due() is not None:  # (a client writing its ring's header
+                    # made every drain log, 500 lines a second)
                     log.warning("a put channel named %d slots it was not granted (ignored)",
-                                self._ignored)  # made every drain log, 500 lines a second)
-                    self._warned_at, self._ignored = now, 0
+                                self._ignored)
+                    self._ignored = 0
             if mine:
                 self.granted.difference_update(s for _, s in mine)
                 self.store.commit_granted([h for h, _ in mine], [s for _, s in mine])

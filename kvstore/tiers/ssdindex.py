@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import errno
 import logging
-import math
 import os
 import shutil
 import struct
@@ -41,6 +40,7 @@ from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOption
 
 from kvstore.errors import TierIOError
 from kvstore.keys import HASH_BYTES
+from kvstore.logevery import LogEvery
 
 log = logging.getLogger("kvtier.ssd")
 ENTRY = struct.Struct("<QQ")  # slot, payload checksum
@@ -79,9 +79,8 @@ class SlotIndex:
             maxlen=QUEUE_KEEP)  # (hash, slot or DELETE, checksum), in the order they came
         self._write_lock = threading.Lock()  # takes the queue and writes it, one at a time
         self._failed_at: float | None = None
-        self._warned_at = -math.inf  # the last refusal logged (see write_queued)
-        self._unlogged = 0           # refusals since, not logged
-        self._recover_logged_at = -math.inf  # the last failed reopen logged (see _recover)
+        self._refusals = LogEvery(WARN_EVERY_S)  # writes refused (see write_queued)
+        self._reopen_failures = LogEvery(WARN_EVERY_S)  # failed reopens (see _recover)
         self.num_errors = 0        # writes or deletes RocksDB refused
         self.num_rebuilds = 0      # times the index was set aside and written afresh
         self.damaged = False       # the last open found it unreadable (recovery rebuilds)
@@ -185,13 +184,11 @@ class SlotIndex:
         try:
             self.flush()
         except TierIOError as e:  # logged once per WARN_EVERY_S: on a full disk every put
-            now = time.monotonic()  # that fills a group meets it, hundreds a second
-            if now - self._warned_at < WARN_EVERY_S:
-                self._unlogged += 1
+            unlogged = self._refusals.due()  # that fills a group meets it, hundreds a second
+            if unlogged is None:
                 return
-            more = f"; {self._unlogged} more like it since the last" if self._unlogged else ""
+            more = f"; {unlogged} more like it since the last" if unlogged else ""
             log.warning("%s (the queued entries wait; the slab headers hold them%s)", e, more)
-            self._warned_at, self._unlogged = now, 0
 
     def delete_n(self, hashes) -> None:
         """Delete entries now (with anything queued); TierIOError if RocksDB refuses."""
@@ -227,9 +224,8 @@ class SlotIndex:
             log.warning("SSD index %s reopened after an error", self.path)
             return
         except Exception as e:  # noqa: BLE001
-            now = time.monotonic()  # (on a full disk this comes every RETRY_S: logged less)
-            if now - self._recover_logged_at >= WARN_EVERY_S:
-                self._recover_logged_at = now
+            # (on a full disk this comes every RETRY_S: logged once per WARN_EVERY_S)
+            if self._reopen_failures.due() is not None:
                 log.error("SSD index %s does not reopen cleanly (%s): rebuilding it",
                           self.path, e)
         try:
