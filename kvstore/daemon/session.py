@@ -238,13 +238,12 @@ class Session:
             raise w.RemoteError(w.ErrorCode.PROTOCOL, f"{op} is only served on the daemon's "
                                 "local socket (same-host clients)")
 
-    def _same_host_fds(self, op: str) -> None:
-        """A request answered with descriptors (SHARE, STAGE, PUTS): on the local socket
-        only, MAX_DESCRIPTOR_REPLIES per connection, and only once the client has read every
-        reply before it. The kernel counts descriptors in replies not read yet against the
+    def _may_send_fds(self, op: str) -> None:
+        """A request answered with descriptors (SHARE, STAGE, PUTS, each on the local socket
+        only): MAX_DESCRIPTOR_REPLIES per connection, and only once the client has read
+        every reply before it. The kernel counts descriptors in replies not read yet against the
         daemon's uid, up to its open-file limit, past which it passes none to anyone: one
         tenant asking for them and never reading made every other tenant's SHARE fail."""
-        self._same_host(op)
         if self._fd_replies >= MAX_DESCRIPTOR_REPLIES:
             raise w.RemoteError(w.ErrorCode.QUOTA, f"this connection has had "
                                 f"{MAX_DESCRIPTOR_REPLIES} replies with descriptors (SHARE, "
@@ -266,10 +265,11 @@ class Session:
                                 ) from e
 
     def share(self, msg: w.Share, payload_bytes: int) -> None:
-        self._same_host_fds("SHARE")
+        self._same_host("SHARE")
         dram = self.hosted.dram
         if dram is None:
             raise w.RemoteError(w.ErrorCode.NAMESPACE, "this namespace has no DRAM tier")
+        self._may_send_fds("SHARE")
         fds = dram.share_fds()
         try:
             self._send_fds(w.ShareOk(arena_id=dram.arena_id, num_slots=dram.num_slots),
@@ -314,12 +314,12 @@ class Session:
 
     def puts(self, msg: w.Puts, payload_bytes: int) -> None:
         """Make this connection a put channel (kvstore.daemon.putchannel)."""
+        self._same_host("PUTS")
         if self.hosted.dram is None or self.drainer is None:
-            self._same_host("PUTS")
             raise w.RemoteError(w.ErrorCode.NAMESPACE, "no DRAM tier: puts need a request")
         if self.channel is not None:
             raise w.RemoteError(w.ErrorCode.PROTOCOL, "this connection is a put channel already")
-        self._same_host_fds("PUTS")
+        self._may_send_fds("PUTS")
         self.channel = PutChannel(self.hosted)
         self.drainer.add(self.channel)
         # A put channel is silent by design: no idle timeout (its grants must outlive
@@ -372,7 +372,7 @@ class Session:
                                 f"connection's segment has {have} (a STAGE asks for more), "
                                 f"and its STAGEs came to {self._staged_bytes} of the "
                                 f"{MAX_STAGED_BYTES} one connection may have")
-        self._same_host_fds("STAGE")
+        self._may_send_fds("STAGE")
         self._close_staging()
         self._staged_bytes += msg.nbytes
         self.staging = ShmSegment.anonymous(msg.nbytes, "kvtier-stage", prefault=False)
