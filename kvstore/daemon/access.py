@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
@@ -16,14 +17,19 @@ DATA_SOCKET = web.AppKey("data_socket", socket.socket)
 REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", Metrics)
 DATAPLANE = web.AppKey("dataplane", DataPlane)
+CLEARS = web.AppKey("clears", ThreadPoolExecutor)  # namespace clears wait here (see app.clear)
+
+
+def token_grant(request: web.Request) -> str | None:
+    """The tenant the request's bearer token grants (ADMIN for all), None for none."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""  # (schemes: any case)
+    return request.app[CONFIG].tenant_of(token)
 
 
 def grant_of(request: web.Request) -> str:
     """The tenant the request's bearer token grants (ADMIN for all); 401 without one."""
-    cfg = request.app[CONFIG]
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else ""  # (schemes: any case)
-    grant = cfg.tenant_of(token)
+    grant = token_grant(request)
     if grant is None:
         raise web.HTTPUnauthorized(text="bad or missing token: send Authorization: Bearer TOKEN\n",
                                    headers={"WWW-Authenticate": "Bearer"})

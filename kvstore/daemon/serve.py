@@ -151,9 +151,11 @@ def _raise_open_file_limit() -> None:
 
 
 async def serve(cfg: DaemonConfig) -> None:
-    from kvstore.daemon.access import DATAPLANE
+    from kvstore.daemon.access import DATAPLANE, token_grant
     from kvstore.daemon.app import create_app
     app = create_app(cfg)
+    gate = httpguard.Gate(trusted=lambda request: token_grant(request) is not None)
+    app.middlewares.append(gate.middleware)
     # (an idle kept-alive connection holds one of httpguard's slots: aiohttp's default
     # keeps it an hour, so 128 requests made and left idle locked the control plane out)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
@@ -165,7 +167,7 @@ async def serve(cfg: DaemonConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     http = None
     try:
-        http = await httpguard.listen(runner.server, cfg.host, cfg.http_port, httpguard.Gate())
+        http = await httpguard.listen(runner.server, cfg.host, cfg.http_port, gate)
         http_port = http.sockets[0].getsockname()[1]
         data_port = app[DATAPLANE].port
         freeze_gc_heap()  # what the start built, and each full pass's survivors after it

@@ -671,3 +671,95 @@ def test_half_sent_http_requests_cannot_starve_the_data_plane_of_descriptors(sec
     finally:
         for s in socks:
             s.close()
+
+
+def _http_get(daemon, path: str, token: str = "", timeout: float = 5) -> int:
+    import urllib.error
+    import urllib.request
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(daemon.http + path, headers=headers),
+                                    timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_kept_alive_strangers_cannot_lock_the_admin_out_of_the_control_port(secured):
+    """The control port refused every connection past its cap: a stranger holding the 128
+    slots with kept-alive connections, each sending a token-free /healthz now and then,
+    kept the admin's /stats (and /metrics scrapes, a pool's /cluster calls) out for as
+    long as it liked. Now a newcomer takes an idle connection's place, strangers' first;
+    here with the slots held and a thread opening new token-free connections meanwhile."""
+    import threading
+    from kvstore.daemon import httpguard
+    port = int(secured.http.rsplit(":", 1)[1])
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    socks, stop = [], threading.Event()
+
+    def hold() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(request)
+        s.recv(4096)
+        return s
+
+    def churn() -> None:
+        while not stop.is_set():
+            try:
+                socks.append(hold())
+            except OSError:
+                pass
+    try:
+        for _ in range(httpguard.MAX_HTTP_CONNECTIONS):
+            socks.append(hold())
+        churner = threading.Thread(target=churn, daemon=True)
+        churner.start()
+        answers = [_http_get(secured, "/stats", "admin-secret") for _ in range(20)]
+        assert answers == [200] * 20
+        assert _http_get(secured, "/metrics", "admin-secret") == 200
+    finally:
+        stop.set()
+        for s in list(socks):
+            s.close()
+
+
+def test_clears_stuck_behind_stalled_puts_leave_stats_answering(make_daemon, token_file):
+    """A clear waits for its namespace's requests to end, a PUT whose payload never comes
+    by its deadline. It waited in the default executor, where /stats, /metrics and the
+    cluster's snapshots run: a tenant stalling a PUT on each of six of its namespaces and
+    clearing them all left the admin's /stats unanswered. Clears wait in threads of their
+    own now."""
+    import threading
+    from kvstore.keys import Namespace
+    daemon = make_daemon("--token-file", token_file, "--reservation-timeout", "60")
+    socks, ids = [], []
+    try:
+        for i in range(6):
+            ns = Namespace(f"stall-{i}", num_layers=1, num_kv_heads=1, head_dim=64,
+                           tenant="alice")
+            s = raw_conn(daemon, timeout=30)
+            socks.append(s)
+            assert call(s, hello_msg(ns, "alice-secret")).op is w.Op.HELLO
+            hs = hash_blocks(ns, np.arange(16 * 8))
+            s.sendall(w.encode(w.Put(hashes=w.pack_hashes(hs)), w.Op.PUT, False,
+                               8 * ns.block_bytes) + b"x")  # and never the rest
+            ids.append(f"{ns.ns_id:016x}")
+        time.sleep(0.3)
+
+        def clear(ns_id: str) -> None:
+            import urllib.request
+            req = urllib.request.Request(daemon.http + f"/admin/namespaces/{ns_id}/clear",
+                                         data=b"", method="POST",
+                                         headers={"Authorization": "Bearer alice-secret"})
+            try:
+                urllib.request.urlopen(req, timeout=120).read()
+            except OSError:
+                pass
+        for ns_id in ids:
+            threading.Thread(target=clear, args=(ns_id,), daemon=True).start()
+        time.sleep(1.0)
+        assert _http_get(daemon, "/stats", "admin-secret", timeout=10) == 200
+        assert _http_get(daemon, "/metrics", "admin-secret", timeout=10) == 200
+    finally:
+        for s in socks:
+            s.close()
