@@ -174,8 +174,12 @@ def pack_hashes(hashes) -> bytes:
         out = b"".join(hashes)
     except TypeError:
         out = b"".join(bytes(h) for h in hashes)
-    if len(out) != HASH_BYTES * len(hashes):
-        raise ValueError(f"block hashes are {HASH_BYTES} bytes each")
+    if len(out) != HASH_BYTES * len(hashes) or (
+            len(hashes) > 1 and not all(map(HASH_BYTES.__eq__, map(len, hashes)))):
+        # (each checked: a 15-byte and a 17-byte hash made two keys the caller never named)
+        bad = next((i for i, h in enumerate(hashes) if len(h) != HASH_BYTES), 0)
+        raise ValueError(f"block hashes are {HASH_BYTES} bytes each; hash {bad} of "
+                         f"{len(hashes)} is {len(hashes[bad])}")
     return out
 
 
@@ -423,8 +427,16 @@ _OP_OF = {int(op): op for op in Op}
 
 
 def encode(msg: Message, op: Op, reply: bool, payload_bytes: int = 0) -> bytes:
-    """Prefix + header of one frame (the payload, if any, is sent after it)."""
+    """Prefix + header of one frame (the payload, if any, is sent after it). A request
+    whose header passes MAX_HEADER_BYTES raises TOO_LARGE here, before a byte is sent (the
+    daemon's refusal raced the request still going out: a broken pipe, then a retry sending
+    it all again, reported as a lost connection)."""
     header = _ENCODER.encode(msg)
+    if len(header) > MAX_HEADER_BYTES and not reply:
+        raise RemoteError(ErrorCode.TOO_LARGE,
+                          f"a {op.name} request of {len(header)} header bytes exceeds the "
+                          f"{MAX_HEADER_BYTES}-byte limit: send fewer blocks per call "
+                          f"(about {MAX_HEADER_BYTES // (HASH_BYTES + 2) // 1000}k hashes)")
     code = int(op) | (REPLY if reply else 0)
     return PREFIX.pack(MAGIC, PROTOCOL_VERSION, code, len(header), payload_bytes) + header
 

@@ -229,16 +229,29 @@ class AsyncClient:
             if self._puts is not None and self._puts.arena is arena:
                 return self._puts
             await self._drop_puts_locked()
+            if self._local is None:
+                return None  # the daemon went away: by request until one finds it again
             conn = None
             try:
                 conn = await self._open(self._local)
                 reply, fds = await conn.call_fds(w.Puts(), 2)
                 self._puts, self._puts_conn = DirectPuts(reply, fds, arena), conn
-            except (ConnectError, RequestTimeout, w.RemoteError, w.ProtocolError, OSError):
+            except (w.RemoteError, w.ProtocolError):
                 if conn is not None:
                     conn.close()
                 self.direct_puts = False  # e.g. no DRAM tier there: requests it is
                 return None
+            except (ConnectError, RequestTimeout, OSError):
+                # (it turned direct puts off for good, and an AttributeError followed once
+                # the local address was forgotten: see Client._direct_puts)
+                if conn is not None:
+                    conn.close()
+                self._local = None  # found again by the next new connection (_new_conn)
+                return None
+            except BaseException:  # cancelled: the connection may be mid-reply
+                if conn is not None:
+                    conn.close()
+                raise
             return self._puts
 
     def _lock(self) -> asyncio.Lock:
@@ -247,7 +260,11 @@ class AsyncClient:
         return self._puts_lock
 
     async def _flush_puts(self) -> None:
-        """What this client put with no request is committed before its next request."""
+        """What this client put with no request is committed before its next request.
+        A FLUSH that fails, times out or is cancelled ends the channel unflushed (its
+        connection may be one reply behind: a FLUSH cancelled mid-wait left it so, and every
+        later FLUSH read the one before's reply, the gets after it missing blocks just put
+        and removed blocks coming back); a timeout is raised, as a cancellation is."""
         if self._puts is None or not self._puts.pending():
             return
         async with self._lock():
@@ -255,16 +272,23 @@ class AsyncClient:
                 return
             try:
                 await self._puts_conn.call(w.Flush())
-            except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
-                await self._drop_puts_locked()  # the daemon went away; it committed what it had
+            except RequestTimeout:  # (an OSError: first)
+                await self._drop_puts_locked(flush=False)
+                raise
+            except (ConnectionError, OSError, w.ProtocolError, w.RemoteError):
+                await self._drop_puts_locked(flush=False)  # the daemon went away; it
+                # committed what it had
+            except BaseException:  # cancelled
+                await self._drop_puts_locked(flush=False)
+                raise
 
-    async def _drop_puts_locked(self) -> None:
+    async def _drop_puts_locked(self, flush: bool = True) -> None:
         puts, conn = self._puts, self._puts_conn
         self._puts = self._puts_conn = None
         if puts is None:
             return
         try:
-            if puts.pending():
+            if flush and puts.pending():
                 await conn.call(w.Flush())
         except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
             pass

@@ -91,6 +91,9 @@ class DirectPuts:
             new, seen, unseen = [], set(), self.unseen
             for i, h in enumerate(hashes):
                 h = bytes(h)
+                if len(h) != HASH_BYTES:
+                    raise ValueError(f"block hashes are {HASH_BYTES} bytes each; hash {i} "
+                                     f"of {len(hashes)} is {len(h)}")
                 if h not in seen and h not in unseen and directory.find(h) is None:
                     new.append(i)
                 seen.add(h)
@@ -192,11 +195,12 @@ class DirectPuts:
             if self.ring.pending():
                 self.conn.call(w.Flush())
 
-    def close(self) -> None:
-        """Flush, then end the channel (the daemon takes back the slots still granted).
-        Without a `conn`, the caller flushes and closes its connection first."""
+    def close(self, flush: bool = True) -> None:
+        """Flush (unless `flush` is False: the channel failed), then end the channel (the
+        daemon takes back the slots still granted). Without a `conn`, the caller flushes
+        and closes its connection first."""
         try:
-            if self.conn is not None:
+            if self.conn is not None and flush:
                 self.flush()
         finally:
             if self.conn is not None:

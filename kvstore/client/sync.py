@@ -73,6 +73,7 @@ class Client:
         self._arena: ArenaMap | None = None
         self._local: LocalAddress | None = None  # the daemon's local socket, once found
         self._puts: DirectPuts | None = None
+        self._puts_opening = threading.Lock()  # one thread opens the put channel at a time
         self.direct_puts = use_shm and direct_puts and DIRECT_PUTS
         self._touches = TouchLog()  # direct reads the daemon has not heard of yet
         self._toucher: ThreadPoolExecutor | None = None  # sends TOUCH batches off the read path
@@ -252,8 +253,11 @@ class Client:
         never a bare socket error."""
         try:
             return puts.put_n(hashes, rows)
-        except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
-            self._drop_puts()
+        except RequestTimeout:  # (its FLUSH: a request would wait as long again)
+            self._drop_puts(flush=False)
+            raise
+        except (ConnectionError, OSError, w.ProtocolError, w.RemoteError):
+            self._drop_puts(flush=False)
             return None
 
     def _direct_puts(self) -> DirectPuts | None:
@@ -261,36 +265,56 @@ class Client:
         arena = self._arena
         if not self.direct_puts or arena is None or arena.directory is None:
             return None
-        with self._lock:
-            puts = self._puts
+        puts = self._puts
         if puts is not None and puts.arena is arena:
             return puts
-        self._drop_puts()
-        try:
-            puts = DirectPuts.open(self._connect(self._local), arena)
-        except (ConnectError, RequestTimeout, w.RemoteError, w.ProtocolError, OSError):
-            self.direct_puts = False  # e.g. no DRAM tier there: requests it is
-            return None
-        with self._lock:
-            self._puts = puts
-        return puts
+        # (one opener at a time: threads making their first puts together each opened a
+        # channel, the last one kept, and the puts through the others were never flushed,
+        # a thread's get missing the block it had just put)
+        with self._puts_opening:
+            puts, local = self._puts, self._local
+            if puts is not None and puts.arena is arena:
+                return puts
+            self._drop_puts()
+            if local is None:
+                return None  # the daemon went away: by request until one finds it again
+            try:
+                puts = DirectPuts.open(self._connect(local), arena)
+            except (w.RemoteError, w.ProtocolError):
+                self.direct_puts = False  # e.g. no DRAM tier there: requests it is
+                return None
+            except (ConnectError, RequestTimeout, OSError):
+                # (it used to turn direct puts off for good, and a TypeError followed once
+                # the local address was forgotten: a client that only put never recovered
+                # from a daemon's restart)
+                self._local = None  # found again by the next new connection (_new_conn)
+                return None
+            with self._lock:
+                self._puts = puts
+            return puts
 
     def _flush_puts(self) -> None:
-        """What this client put with no request is committed before its next request."""
+        """What this client put with no request is committed before its next request.
+        Raises RequestTimeout when the daemon did not commit them in time (the channel is
+        dropped unflushed: flushing it again waited one more timeout, and the request after
+        it a third)."""
         puts = self._puts
         if puts is None:
             return
         try:
             puts.flush()
-        except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
-            self._drop_puts()  # the daemon went away; it committed what it had
+        except RequestTimeout:  # (an OSError: first)
+            self._drop_puts(flush=False)
+            raise
+        except (ConnectionError, OSError, w.ProtocolError, w.RemoteError):
+            self._drop_puts(flush=False)  # the daemon went away; it committed what it had
 
-    def _drop_puts(self) -> None:
+    def _drop_puts(self, flush: bool = True) -> None:
         with self._lock:
             puts, self._puts = self._puts, None
         if puts is not None:
             try:
-                puts.close()
+                puts.close(flush)
             except (ConnectionError, OSError, RequestTimeout, w.ProtocolError, w.RemoteError):
                 pass
 
@@ -391,7 +415,10 @@ class Client:
                 return
             if self._toucher is None:
                 self._toucher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-touch")
-            self._touch_sent = self._toucher.submit(self._send_touches, batch)
+            try:
+                self._touch_sent = self._toucher.submit(self._send_touches, batch)
+            except RuntimeError:
+                pass  # close() is shutting the helper down: only statistics are lost
 
     def _touches_landed(self) -> None:
         """Every TOUCH batch handed to the helper thread has been answered."""

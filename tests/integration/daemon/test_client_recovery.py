@@ -1,0 +1,244 @@
+"""The SDK against a daemon that stalls (SIGSTOP), dies and comes back, and against callers
+that cancel, race and pass bad batches: every answer still right, every error the one
+that says what happened, and no client left broken once the daemon is back."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvstore import AsyncClient, Client
+from kvstore import wire as w
+from kvstore.client import ConnectError, RequestTimeout
+from kvstore.keys import Namespace, hash_blocks
+
+from .conftest import block_of
+
+NS = Namespace("recovery", num_layers=1, num_kv_heads=1, head_dim=64)
+BB = NS.block_bytes
+
+
+def chain(seed: int, n: int) -> list[bytes]:
+    return hash_blocks(NS, np.arange(n * NS.block_tokens) + seed * 1_000_003)
+
+
+def blocks(hs) -> np.ndarray:
+    return np.stack([block_of(h, BB) for h in hs])
+
+
+def stopped(pid: int) -> None:
+    """SIGSTOP, returning once the kernel shows the process stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(200):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+
+
+def test_a_cancelled_flush_leaves_the_async_put_channel_no_reply_behind(make_daemon):
+    """A call cancelled while its FLUSH waited kept the put channel with that reply unread:
+    every later FLUSH read the one before's, returning before the daemon had committed
+    anything, and gets right after puts missed blocks just put."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+
+    async def main() -> None:
+        hs = chain(1, 61)
+        async with AsyncClient(d.url, namespace=NS) as c:
+            await c.put_n(hs[:1], blocks(hs[:1]))
+            assert c.uses_shm
+            stopped(d.pid)
+            try:
+                await c.put_n(hs[1:2], blocks(hs[1:2]))  # published in the ring, no request
+                task = asyncio.ensure_future(c.get_n(hs[:2], np.zeros((2, BB), np.uint8)))
+                await asyncio.sleep(0.1)  # its FLUSH waits for the stopped daemon
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            await asyncio.sleep(0.2)  # (the old channel's FLUSH reply comes meanwhile)
+            misses = 0
+            for i in range(2, 61):
+                await c.put_n(hs[i:i + 1], blocks(hs[i:i + 1]))
+                out = np.zeros((1, BB), np.uint8)
+                misses += (await c.get_n(hs[i:i + 1], out))[0] is None
+                assert np.array_equal(out[0], block_of(hs[i], BB)) or misses
+            assert misses == 0
+            await c.remove_n(hs[2:12])
+            assert await c.contains_n(hs[2:12]) == [False] * 10
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_put_only_client_recovers_once_the_daemon_is_back(make_daemon, kind):
+    """With the daemon gone, a put raised TypeError (Client) or AttributeError
+    (AsyncClient), and kept raising it after the daemon was back on its port: the put
+    channel was reopened at the local address just forgotten."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    hs = chain(2, 8)
+
+    def check(got) -> None:
+        out = np.zeros((2, BB), np.uint8)
+        with Client(d.url, namespace=NS) as reader:
+            assert None not in reader.get_n(hs[4:6], out)
+        assert np.array_equal(out, blocks(hs[4:6])) and got[0] is not None
+
+    if kind == "sync":
+        c = Client(d.url, namespace=NS)
+        try:
+            c.put_n(hs[:2], blocks(hs[:2]))
+            d.kill()
+            with pytest.raises(ConnectError):
+                c.get_n(hs[:2], np.zeros((2, BB), np.uint8))
+            with pytest.raises(ConnectError):
+                c.put_n(hs[2:4], blocks(hs[2:4]))
+            d.start()
+            check(c.put_n(hs[4:6], blocks(hs[4:6])))
+            c.put_n(hs[6:8], blocks(hs[6:8]))  # the put channel again
+            assert None not in c.get_n(hs[6:8], np.zeros((2, BB), np.uint8))
+        finally:
+            c.close()
+        return
+
+    async def main() -> None:
+        async with AsyncClient(d.url, namespace=NS) as c:
+            await c.put_n(hs[:2], blocks(hs[:2]))
+            d.kill()
+            with pytest.raises(ConnectError):
+                await c.get_n(hs[:2], np.zeros((2, BB), np.uint8))
+            with pytest.raises(ConnectError):
+                await c.put_n(hs[2:4], blocks(hs[2:4]))
+            d.start()
+            check(await c.put_n(hs[4:6], blocks(hs[4:6])))
+            await c.put_n(hs[6:8], blocks(hs[6:8]))
+            assert None not in await c.get_n(hs[6:8], np.zeros((2, BB), np.uint8))
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_stalled_daemon_times_a_read_out_once(make_daemon, kind):
+    """With puts waiting in the put channel and the daemon stopped, a get took three
+    timeouts to fail: its FLUSH, a second FLUSH as the channel closed, then the GET."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    hs = chain(3, 4)
+    timeout_s = 1.0
+    out = np.zeros((4, BB), np.uint8)
+
+    if kind == "sync":
+        with Client(d.url, namespace=NS, timeout_s=timeout_s) as c:
+            c.put_n(hs[:2], blocks(hs[:2]))
+            stopped(d.pid)
+            try:
+                c.put_n(hs[2:], blocks(hs[2:]))  # published in the ring, no request
+                t0 = time.monotonic()
+                with pytest.raises(RequestTimeout):
+                    c.get_n(hs, out)
+                took = time.monotonic() - t0
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            assert None not in c.get_n(hs, out) and np.array_equal(out, blocks(hs))
+    else:
+        async def main() -> float:
+            async with AsyncClient(d.url, namespace=NS, timeout_s=timeout_s) as c:
+                await c.put_n(hs[:2], blocks(hs[:2]))
+                stopped(d.pid)
+                try:
+                    await c.put_n(hs[2:], blocks(hs[2:]))
+                    t0 = time.monotonic()
+                    with pytest.raises(RequestTimeout):
+                        await c.get_n(hs, out)
+                    took = time.monotonic() - t0
+                finally:
+                    os.kill(d.pid, signal.SIGCONT)
+                assert None not in await c.get_n(hs, out) and np.array_equal(out, blocks(hs))
+                return took
+        took = asyncio.run(main())
+    assert took < 1.8 * timeout_s, took
+
+
+def test_threads_making_their_first_puts_together_open_one_put_channel(make_daemon):
+    """Threads of one fresh Client each opened a put channel of their own; the last one
+    was kept, the puts through the others never flushed, and a thread's get missed the
+    block it had just put."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    for rep in range(10):
+        hs = chain(10 + rep, 16)
+        misses, errors = [], []
+        with Client(d.url, namespace=NS) as c:
+            go = threading.Barrier(16)
+
+            def one(i: int) -> None:
+                try:
+                    go.wait()
+                    c.put_n(hs[i:i + 1], blocks(hs[i:i + 1]))
+                    out = np.zeros((1, BB), np.uint8)
+                    if c.get_n(hs[i:i + 1], out)[0] is None or \
+                            not np.array_equal(out[0], block_of(hs[i], BB)):
+                        misses.append(i)
+                except Exception as e:  # (reported below)
+                    errors.append(e)
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert not errors and not misses, (errors, misses)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_hashes_of_the_wrong_length_are_refused_even_when_the_lengths_add_up(make_daemon, kind):
+    """A 15-byte and a 17-byte hash packed to 32 bytes, and were stored under two keys the
+    caller never named."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    good = chain(4, 1)[0]
+    bad = [good[:15], good + b"x"]
+    data = blocks([good, good])
+
+    for opts in ({}, {"use_shm": False}, {"direct_puts": False}):
+        if kind == "sync":
+            with Client(d.url, namespace=NS, **opts) as c:
+                with pytest.raises(ValueError, match="16 bytes each"):
+                    c.put_n(bad, data)
+                with pytest.raises(ValueError, match="16 bytes each"):
+                    c.contains_n(bad)
+        else:
+            async def main(opts=opts) -> None:
+                async with AsyncClient(d.url, namespace=NS, **opts) as c:
+                    with pytest.raises(ValueError, match="16 bytes each"):
+                        await c.put_n(bad, data)
+                    with pytest.raises(ValueError, match="16 bytes each"):
+                        await c.contains_n(bad)
+            asyncio.run(main())
+    with Client(d.url, namespace=NS) as c:  # nothing stored under either key, nor any other
+        assert c.contains_n([good[:15] + good[:1], good[1:] + b"x", good]) == [False] * 3
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_batch_past_the_header_limit_is_refused_before_it_is_sent(make_daemon, kind):
+    """A request header over the daemon's limit raced the daemon's refusal: a broken
+    pipe, a retry sending it all again, and "lost the connection" for a daemon alive."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    many = [i.to_bytes(16, "little") for i in range(w.MAX_HEADER_BYTES // 16 + 1000)]
+    if kind == "sync":
+        with Client(d.url, namespace=NS, use_shm=False) as c:
+            for _ in range(3):
+                with pytest.raises(w.RemoteError) as e:
+                    c.contains_n(many)
+                assert e.value.code is w.ErrorCode.TOO_LARGE
+            assert c.contains_n(many[:10]) == [False] * 10
+        return
+
+    async def main() -> None:
+        async with AsyncClient(d.url, namespace=NS, use_shm=False) as c:
+            for _ in range(3):
+                with pytest.raises(w.RemoteError) as e:
+                    await c.contains_n(many)
+                assert e.value.code is w.ErrorCode.TOO_LARGE
+            assert await c.contains_n(many[:10]) == [False] * 10
+    asyncio.run(main())
