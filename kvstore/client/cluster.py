@@ -10,6 +10,8 @@ into a miss (or a replica serves it): never an error for a read, never wrong byt
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -24,7 +26,10 @@ from kvstore.cluster.ring import HashRing
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.api import MatchResult, PutStatus
+from kvstore.logevery import LogEvery
 from kvstore.wire import RemoteError
+
+log = logging.getLogger("kvtier.cluster")
 
 _RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 NODE_ERRORS = (ClientError, RemoteError, ConnectionError, OSError)
@@ -60,6 +65,7 @@ class ClusterClient:
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, str], object] = {}
         self._ring, self._ring_nodes = HashRing(), frozenset()
+        self._refused = LogEvery()  # the leader's refusals to locate (a token's, not a fault's)
         self._loop = _LoopThread()
         self._member = ClusterMember(parse_etcd_url(url), None)
         try:
@@ -127,12 +133,21 @@ class ClusterClient:
         headers = {"Content-Type": "application/msgpack"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        body = Locate(self.ns.ns_id, tuple(map(bytes, hashes)), dataclasses.asdict(self.ns))
         req = urllib.request.Request(f"{rec.control_url}/cluster/locate", method="POST",
-                                     data=Locate(self.ns.ns_id, tuple(map(bytes, hashes))).encode(),
-                                     headers=headers)
+                                     data=body.encode(), headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=min(self.timeout_s, 5.0)) as resp:
                 return Located.decode(resp.read())
+        except urllib.error.HTTPError as e:
+            skipped = self._refused.due() if e.code in (401, 403) else None
+            if skipped is not None:  # (not a leader's hiccup: a token that may not locate
+                # misses every block off the hash ring, and said nothing of it)
+                log.warning("the cluster leader %s refused to locate blocks (HTTP %d: %s); "
+                            "reads look only where the hash ring says (%d more refusals "
+                            "since the last line)", leader, e.code,
+                            e.read(200).decode("utf-8", "replace").strip(), skipped)
+            return None
         except (urllib.error.URLError, OSError, ClusterError):
             return None
 

@@ -3,7 +3,14 @@
 Runs on the daemon's event loop. `start()` registers the node under a lease, loads the
 members and follows them with a watch, and campaigns for the leader key. A background task
 refreshes the lease every ttl/3; if the lease was lost anyway (a long pause, a partition),
-the node registers again under a new one and campaigns again.
+or the node's key went, the node registers again under a new one and campaigns again.
+
+A node id is one daemon's: registering waits out a dead predecessor's key (its lease runs
+out within the TTL) and refuses to start beside a live daemon of the same id (which used to
+take its key over silently: the first daemon dropped out of the pool for good, its lease
+still holding the leader key). A record in etcd that does not decode (another version's, a
+hand-written one) is logged and skipped: it ended the watch, without a word, and joining
+nodes and new clients failed on it.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import aetcd
 from aetcd import transactions as txn
 
 from kvstore.cluster.records import ClusterError, EtcdAddress, NodeRecord
+from kvstore.logevery import LogEvery
 
 log = logging.getLogger("kvtier.cluster")
 
@@ -68,6 +76,8 @@ class ClusterMember:
         self._queues: list[asyncio.Queue] = []
         self._node_key = f"{address.prefix}/nodes/{record.node_id if record else ''}".encode()
         self._leader_key = f"{address.prefix}/leader".encode()
+        self._bad_records = LogEvery()  # records in etcd that do not decode
+        self._taken = LogEvery()  # this node's id held by another daemon
 
     @property
     def is_leader(self) -> bool:
@@ -128,13 +138,45 @@ class ClusterMember:
     # ------------------------------------------------------------------ internals
 
     async def _register(self) -> None:
-        self._lease = await self._client.lease(self.ttl_s)
-        await self._client.put(self._node_key, self.record.encode(), lease=self._lease)
+        """Put this node's record under a new lease, creating the key only where it is
+        absent: a predecessor's key (this node's own record, on the ports this daemon holds
+        now, is taken over at once) is waited out for the TTL and a little, in case its
+        lease is still running out; a live daemon's of the same id raises ClusterError."""
+        mine = self.record.encode()
+        deadline = time.monotonic() + self.ttl_s + 1.0
+        while True:
+            held = await self._client.get(self._node_key)
+            compare = ([txn.Create(self._node_key) == 0] if held is None else
+                       [txn.Value(self._node_key) == mine] if held.value == mine else None)
+            if compare is not None:
+                lease = await self._client.lease(self.ttl_s)  # (granted now: one granted
+                # before the wait would have run out during it)
+                won, _ = await self._client.transaction(
+                    compare=compare, success=[txn.Put(self._node_key, mine, lease)],
+                    failure=[])
+                if won:
+                    self._lease = lease
+                    return
+                await lease.revoke()
+                continue
+            if time.monotonic() > deadline:
+                try:
+                    other = NodeRecord.decode(held.value).data_addr
+                except ClusterError:
+                    other = "a record this build cannot read"
+                raise ClusterError(
+                    f"node id {self.record.node_id!r} is registered in {self.address.prefix} "
+                    f"by another live daemon ({other}); give each daemon its own --node-id")
+            await asyncio.sleep(0.25)
 
     async def _load(self) -> int:
         """Read the members and the leader; publish what changed since the last view."""
         nodes = await self._client.get_prefix(f"{self.address.prefix}/nodes/".encode())
-        seen = {rec.node_id: rec for rec in (NodeRecord.decode(kv.value) for kv in nodes)}
+        seen = {}
+        for kv in nodes:
+            rec = self._record(kv.key, kv.value)
+            if rec is not None:
+                seen[rec.node_id] = rec
         for node_id in set(self.members) - set(seen):
             del self.members[node_id]
             self._publish(Change.LEFT, node_id)
@@ -143,8 +185,25 @@ class ClusterMember:
                 self._publish(Change.JOINED, node_id)
             self.members[node_id] = rec
         leader = await self._client.get(self._leader_key)
-        self._set_leader(leader.value.decode() if leader else None)
+        self._set_leader(_text(leader.value) if leader else None)
         return nodes.header.revision
+
+    def _record(self, key: bytes, value: bytes) -> NodeRecord | None:
+        """The record at a node key, or None (logged) when it does not decode or names
+        another node than its key."""
+        node_id = _text(key.rsplit(b"/", 1)[-1])
+        try:
+            rec = NodeRecord.decode(value)
+            if rec.node_id != node_id:
+                raise ClusterError(f"it names node {rec.node_id!r}")
+            return rec
+        except ClusterError as e:
+            skipped = self._bad_records.due()
+            if skipped is not None:
+                log.warning("etcd key %s holds no node record this build reads (%s): not a "
+                            "member (%d more such records since the last line)",
+                            _text(key), e, skipped)
+            return None
 
     async def _try_lead(self) -> None:
         if not self.campaign or self.leader_id is not None:
@@ -164,21 +223,37 @@ class ClusterMember:
                 if reply is None or reply.TTL <= 0:  # expired while we were away: join again
                     await self._register()
                     await self._try_lead()
+                    continue
+                held = await self._client.get(self._node_key)
+                if held is None:  # the key went (deleted by hand, etcd's data lost): join again
+                    await self._register()
+                    await self._try_lead()
+                elif held.value != self.record.encode():
+                    raise ClusterError(f"another daemon holds node id {self.record.node_id!r}")
             except ETCD_ERRORS:
                 continue  # etcd unreachable for now; the watch side reports the outage
+            except ClusterError as e:
+                skipped = self._taken.due()
+                if skipped is not None:
+                    log.error("this node is out of the pool: %s (%d more since the last "
+                              "line)", e, skipped)
 
     async def _follow(self, start_revision: int) -> None:
-        """Watch from a revision; when the watch breaks (etcd restarted, a network fault),
-        read the state again and watch on from there."""
+        """Watch from a revision; when the watch breaks (etcd restarted, a network fault,
+        anything else: it must not end), read the state again and watch on from there."""
         while True:
             try:
                 await self._watch(start_revision)
-            except ETCD_ERRORS:
+            except Exception as e:
+                if not isinstance(e, ETCD_ERRORS):
+                    log.exception("following the pool's members failed; reading them again")
                 await asyncio.sleep(0.5)
                 try:
                     start_revision = await self._load() + 1
                     await self._try_lead()
-                except ETCD_ERRORS:
+                except Exception as e:
+                    if not isinstance(e, ETCD_ERRORS):
+                        log.exception("reading the pool's members failed; trying again")
                     continue
 
     async def _watch(self, start_revision: int) -> None:
@@ -191,18 +266,19 @@ class ClusterMember:
                 self._on_node_event(event)
 
     def _on_node_event(self, event) -> None:
-        node_id = event.kv.key.rsplit(b"/", 1)[-1].decode()
-        if event.kind == "PUT":
+        node_id = _text(event.kv.key.rsplit(b"/", 1)[-1])
+        rec = self._record(event.kv.key, event.kv.value) if event.kind == "PUT" else None
+        if rec is not None:
             joined = node_id not in self.members
-            self.members[node_id] = NodeRecord.decode(event.kv.value)
+            self.members[node_id] = rec
             if joined:
                 self._publish(Change.JOINED, node_id)
-        elif self.members.pop(node_id, None) is not None:
+        elif self.members.pop(node_id, None) is not None:  # gone, or a record not readable
             self._publish(Change.LEFT, node_id)
 
     async def _on_leader_event(self, event) -> None:
         if event.kind == "PUT":
-            self._set_leader(event.kv.value.decode())
+            self._set_leader(_text(event.kv.value))
             return
         self._set_leader(None)
         await self._try_lead()
@@ -219,6 +295,11 @@ class ClusterMember:
 
 
 STOP_STEP_S = 2.0
+
+
+def _text(raw: bytes) -> str:
+    """An etcd key or value as text (one not UTF-8 is no reason to fail)."""
+    return raw.decode("utf-8", "replace")
 
 
 async def _bounded(aw, timeout_s: float) -> None:

@@ -178,8 +178,11 @@ def _agent(request: web.Request) -> ClusterAgent:
 SHIP_BACKOFF_MAX_S = 5.0  # the longest wait between reports to a leader that refuses them
 
 
-def _leader_only(request: web.Request) -> ClusterAgent:
-    require_admin(request)
+def _leader_only(request: web.Request, admin: bool = True) -> ClusterAgent:
+    if admin:
+        require_admin(request)
+    else:
+        grant_of(request)  # (401 without a token the daemon knows)
     agent = _agent(request)
     if not agent.member.is_leader:
         raise web.HTTPConflict(text=f"not the leader; the leader is {agent.member.leader_id}\n")
@@ -193,11 +196,12 @@ BODY_GRACE_S = 10.0  # a report's body must come within this plus its length at
 MIN_BODY_RATE = 4 << 20  # bytes/s (as a data-plane put's payload): else 408 and closed
 
 
-async def _leader_call(request: web.Request, message, act) -> web.Response:
-    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader.
+async def _leader_call(request: web.Request, message, act, admin: bool = True) -> web.Response:
+    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader
+    (`act` may raise HTTP errors: a tenant's request is checked there, `admin` False).
     The body is read within a deadline: a sender trickling it held its connection (one of
     the control plane's capped slots) for as long as it liked."""
-    agent = _leader_only(request)
+    agent = _leader_only(request, admin)
     size = request.content_length or MAX_CONTROL_BODY
     try:
         async with asyncio.timeout(BODY_GRACE_S + size / MIN_BODY_RATE):
@@ -224,7 +228,17 @@ async def post_snapshot(request: web.Request) -> web.Response:
 
 
 async def post_locate(request: web.Request) -> web.Response:
-    return await _leader_call(request, Locate, lambda svc, req: svc.locate(req).encode())
+    """Any token may locate the blocks of its own namespaces: a tenant's request names its
+    namespace (Locate.namespace), checked to be that tenant's. Admin only, it was refused to
+    tenants (403), whose pool clients then looked only where the hash ring says, and missed
+    every block put through a preferred node."""
+    grant = grant_of(request)
+
+    def locate(svc: MetadataService, req: Locate) -> bytes:
+        if grant != ADMIN and req.tenant() != grant:
+            raise web.HTTPForbidden(text=f"namespace {req.ns_id:016x} is not this token's\n")
+        return svc.locate(req).encode()
+    return await _leader_call(request, Locate, locate, admin=False)
 
 
 async def get_nodes(request: web.Request) -> web.Response:

@@ -133,3 +133,82 @@ async def test_an_observer_follows_without_registering(etcd):
     finally:
         await watcher.stop()
         await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_second_node_of_one_id_is_refused_and_the_first_stays(etcd):
+    """A second daemon started with a live daemon's node id took its key over without a
+    word: the first dropped out of the pool for good (its lease still holding the leader
+    key). It is refused now, once a predecessor's lease would have run out."""
+    addr = address(etcd)
+    a = member(addr, "a")
+    await a.start()
+    watcher = ClusterMember(addr, None, ttl_s=TTL)
+    await watcher.start()
+    twin = ClusterMember(addr, NodeRecord("a", "127.0.0.1:1", "http://127.0.0.1:2"), ttl_s=TTL)
+    try:
+        with pytest.raises(ClusterError, match="own --node-id"):
+            await twin.start()
+        await twin.stop()
+        assert watcher.members["a"] == a.record and watcher.leader_id == "a"
+    finally:
+        await watcher.stop()
+        await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_crashed_nodes_successor_of_its_id_waits_its_key_out(etcd):
+    addr = address(etcd)
+    a = member(addr, "a")
+    await a.start()
+    await a.stop(graceful=False)  # (its key stays until the lease runs out)
+    again = ClusterMember(addr, NodeRecord("a", "127.0.0.1:3", "http://127.0.0.1:4"), ttl_s=TTL)
+    await again.start()
+    try:
+        assert again.members["a"] == again.record
+    finally:
+        await again.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_record_that_does_not_decode_is_skipped_and_the_watch_goes_on(etcd):
+    """A node key holding no record this build reads ended the watch silently (departures
+    went unseen for good), and joining nodes and new clients failed on it."""
+    addr = address(etcd)
+    a = member(addr, "a")
+    await a.start()
+    junk = f"{addr.prefix}/nodes/junk".encode()
+    try:
+        await a._client.put(junk, b"not-a-record")
+        await a._client.put(f"{addr.prefix}/nodes/liar".encode(), member(addr, "x").record.encode())
+        b = member(addr, "b")
+        await b.start()  # (its load reads the junk)
+        watcher = ClusterMember(addr, None, ttl_s=TTL)
+        await watcher.start()
+        try:
+            assert set(watcher.members) == {"a", "b"}
+            await a.wait_for(lambda m: "b" in m.members, 5)
+            await b.stop()
+            await a.wait_for(lambda m: "b" not in m.members, 5)  # the watch still runs
+            await watcher.wait_for(lambda m: "b" not in m.members, 5)
+        finally:
+            await watcher.stop()
+    finally:
+        await a._client.delete(junk)
+        await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_node_whose_key_was_deleted_registers_again(etcd):
+    addr = address(etcd)
+    a = member(addr, "a")
+    await a.start()
+    watcher = ClusterMember(addr, None, ttl_s=TTL)
+    await watcher.start()
+    try:
+        await watcher._client.delete(a._node_key)
+        await watcher.wait_for(lambda m: "a" not in m.members, 5)
+        await watcher.wait_for(lambda m: "a" in m.members, 3 * TTL)
+    finally:
+        await watcher.stop()
+        await a.stop()
