@@ -103,6 +103,31 @@ def _default_gpu_bytes() -> int:
     return (1 << 30) if torch.cuda.is_available() else 0
 
 
+class _BadRequests(logging.Filter):
+    """aiohttp logs each malformed request it answers 400 as an ERROR with its traceback (11
+    lines): anyone who can connect could flood the log. Those become one WARNING line per
+    10 s, saying how many came between; every other record passes as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kvstore.logevery import LogEvery
+        self.every = LogEvery()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        skipped = self.every.due()
+        if skipped is None:
+            return False
+        record.msg, record.args = "malformed HTTP request answered %d (%s; %d more since " \
+            "the last line)", (exc.code, str(exc.message).splitlines()[0][:200], skipped)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        return True
+
+
 def run(args: argparse.Namespace) -> int:
     lifetime.exit_with_parent()  # started by `kvtier cluster` / `kvtier demo`: end with it
     cfg = build_config(args)
@@ -112,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     _raise_open_file_limit()
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_BadRequests())
     if not cfg.inspectable:
         _not_dumpable()
     try:

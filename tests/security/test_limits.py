@@ -763,3 +763,18 @@ def test_clears_stuck_behind_stalled_puts_leave_stats_answering(make_daemon, tok
     finally:
         for s in socks:
             s.close()
+
+
+def test_malformed_http_requests_cannot_flood_the_log(make_daemon):
+    """Each malformed request a stranger sent the control port was logged as an ERROR with
+    its 11-line traceback; now one WARNING line per 10 s says how many came."""
+    daemon = make_daemon()
+    port = int(daemon.http.rsplit(":", 1)[1])
+    for _ in range(50):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHo\x01st: x\r\n\r\n")
+            assert b" 400 " in s.recv(100)
+    assert _http_get(daemon, "/healthz") == 200
+    time.sleep(0.2)
+    out = daemon.output()
+    assert "Traceback" not in out and out.count("malformed HTTP request") == 1, out[-2000:]
