@@ -63,7 +63,8 @@ class DirectPuts:
                              len(arena.array) // 2)
         self.refused = (0, -REFUSED_RETRY_S)  # (batch size, when): the last FLUSH that fell short
         self.unseen: set[bytes] = set()  # put, maybe not committed yet (EXISTS if put again)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # put_n, flush and close, one at a time
+        self.closed = False  # (under the lock: a put never publishes into a closed ring)
 
     @classmethod
     def open(cls, conn: Connection, arena: ArenaMap) -> "DirectPuts":
@@ -84,6 +85,8 @@ class DirectPuts:
         if directory.closed or not directory.writer_alive():
             return None  # the daemon (or this namespace's store) is gone: ask it anew
         with self.lock:
+            if self.closed:
+                return None  # another thread ended the channel (its FLUSH failed)
             if not self.ring.pending():
                 self.unseen.clear()  # all committed: the slot directory shows them now
             if len(hashes) == 1 and self.grants and self.ring.room():
@@ -185,25 +188,31 @@ class DirectPuts:
 
     def pending(self) -> bool:
         """Are puts published that the daemon has not committed yet?"""
-        return bool(self.ring.pending())
+        return not self.closed and bool(self.ring.pending())
 
     def flush(self) -> None:
         """Every put so far is committed (visible to any request) when this returns."""
-        if not self.ring.pending():
+        if not self.pending():
             return  # nothing waits: a put that returned before this call has published
         with self.lock:
-            if self.ring.pending():
+            if not self.closed and self.ring.pending():
                 self.conn.call(w.Flush())
 
     def close(self, flush: bool = True) -> None:
         """Flush (unless `flush` is False: the channel failed), then end the channel (the
-        daemon takes back the slots still granted). Without a `conn`, the caller flushes
-        and closes its connection first."""
-        try:
-            if self.conn is not None and flush:
-                self.flush()
-        finally:
-            if self.conn is not None:
-                self.conn.close()
-            os.close(self.doorbell)
-            self.segment.close()
+        daemon commits what the ring holds and takes back the slots still granted). Under
+        the lock: closed under a put in another thread, the ring and doorbell went while it
+        published (a STORED block lost, 8 bytes rung into whatever reused the doorbell's
+        number). Without a `conn`, the caller flushes and closes its connection first."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                if self.conn is not None and flush and self.ring.pending():
+                    self.conn.call(w.Flush())
+            finally:
+                self.closed = True
+                if self.conn is not None:
+                    self.conn.close()
+                os.close(self.doorbell)
+                self.segment.close()

@@ -254,10 +254,10 @@ class Client:
         try:
             return puts.put_n(hashes, rows)
         except RequestTimeout:  # (its FLUSH: a request would wait as long again)
-            self._drop_puts(flush=False)
+            self._drop_puts(flush=False, failed=puts)
             raise
         except (ConnectionError, OSError, w.ProtocolError, w.RemoteError):
-            self._drop_puts(flush=False)
+            self._drop_puts(flush=False, failed=puts)
             return None
 
     def _direct_puts(self) -> DirectPuts | None:
@@ -275,6 +275,8 @@ class Client:
             puts, local = self._puts, self._local
             if puts is not None and puts.arena is arena:
                 return puts
+            if self._closed:
+                return None
             self._drop_puts()
             if local is None:
                 return None  # the daemon went away: by request until one finds it again
@@ -304,14 +306,22 @@ class Client:
         try:
             puts.flush()
         except RequestTimeout:  # (an OSError: first)
-            self._drop_puts(flush=False)
+            self._drop_puts(flush=False, failed=puts)
             raise
         except (ConnectionError, OSError, w.ProtocolError, w.RemoteError):
-            self._drop_puts(flush=False)  # the daemon went away; it committed what it had
+            self._drop_puts(flush=False, failed=puts)  # the daemon went away; it
+            # committed what it had
 
-    def _drop_puts(self, flush: bool = True) -> None:
+    def _drop_puts(self, flush: bool = True, failed: DirectPuts | None = None) -> None:
+        """End the put channel. With `failed` (a channel whose FLUSH failed), end that one,
+        and forget it only if it is still this client's: a thread whose FLUSH failed late
+        must not end a channel another thread has opened since."""
         with self._lock:
-            puts, self._puts = self._puts, None
+            puts = self._puts
+            if failed is not None and puts is not failed:
+                puts = failed  # (ended all the same: its connection is in doubt)
+            else:
+                self._puts = None
         if puts is not None:
             try:
                 puts.close(flush)
@@ -581,7 +591,8 @@ class Client:
             self._toucher.shutdown(wait=True)
         self._send_all_touches()
         self._closed = True
-        self._drop_puts()
+        with self._puts_opening:  # (no thread opens one after this)
+            self._drop_puts()
         self._drop_idle()
         if self._arena is not None:
             self._arena.close()

@@ -242,3 +242,33 @@ def test_a_batch_past_the_header_limit_is_refused_before_it_is_sent(make_daemon,
                 assert e.value.code is w.ErrorCode.TOO_LARGE
             assert await c.contains_n(many[:10]) == [False] * 10
     asyncio.run(main())
+
+
+def test_a_put_channel_ended_by_one_thread_waits_for_a_put_in_another(make_daemon, monkeypatch):
+    """A thread whose FLUSH failed ended the put channel (ring, doorbell, connection)
+    while another thread was inside a put on it: that put published into a ring no one
+    drained, rang a closed doorbell (or whatever file reused its number) and said STORED
+    for a block the daemon never got. Ending a channel now waits for its put in flight."""
+    import kvstore.client.putpath as putpath
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    hs = chain(6, 2)
+    with Client(d.url, namespace=NS) as c:
+        c.put_n(hs[:1], blocks(hs[:1]))
+        puts = c._puts
+        assert puts is not None
+        real = putpath.copy_bytes
+
+        def slow(*a, **kw):
+            time.sleep(0.3)  # (the put holds the channel this long)
+            return real(*a, **kw)
+        monkeypatch.setattr(putpath, "copy_bytes", slow)
+        got = []
+        putter = threading.Thread(target=lambda: got.append(c.put_n(hs[1:], blocks(hs[1:]))))
+        putter.start()
+        time.sleep(0.1)
+        c._drop_puts(flush=False, failed=puts)  # what a failed FLUSH in this thread does
+        putter.join()
+        monkeypatch.setattr(putpath, "copy_bytes", real)
+        assert got and got[0][0] is not None
+    with Client(d.url, namespace=NS) as reader:
+        assert reader.contains_n(hs[1:]) == [True]
