@@ -10,7 +10,6 @@ into a miss (or a replica serves it): never an error for a read, never wrong byt
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import urllib.error
@@ -66,6 +65,7 @@ class ClusterClient:
         self._clients: dict[tuple[str, str], object] = {}
         self._ring, self._ring_nodes = HashRing(), frozenset()
         self._refused = LogEvery()  # the leader's refusals to locate (a token's, not a fault's)
+        self.index_refused = False  # the leader's index is not this token's (a tenant's)
         self._loop = _LoopThread()
         self._member = ClusterMember(parse_etcd_url(url), None)
         try:
@@ -133,31 +133,37 @@ class ClusterClient:
         headers = {"Content-Type": "application/msgpack"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        body = Locate(self.ns.ns_id, tuple(map(bytes, hashes)), dataclasses.asdict(self.ns))
         req = urllib.request.Request(f"{rec.control_url}/cluster/locate", method="POST",
-                                     data=body.encode(), headers=headers)
+                                     data=Locate(self.ns.ns_id, tuple(map(bytes, hashes))).encode(),
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=min(self.timeout_s, 5.0)) as resp:
+                self.index_refused = False
                 return Located.decode(resp.read())
         except urllib.error.HTTPError as e:
-            skipped = self._refused.due() if e.code in (401, 403) else None
-            if skipped is not None:  # (not a leader's hiccup: a token that may not locate
-                # misses every block off the hash ring, and said nothing of it)
-                log.warning("the cluster leader %s refused to locate blocks (HTTP %d: %s); "
-                            "reads look only where the hash ring says (%d more refusals "
-                            "since the last line)", leader, e.code,
-                            e.read(200).decode("utf-8", "replace").strip(), skipped)
+            if e.code in (401, 403):  # the index is the admin's: a tenant's token asks
+                # every member instead (`_candidates`); it looked only where the hash ring
+                # says, and missed every block put through a preferred node, silently
+                self.index_refused = True
+                skipped = self._refused.due()
+                if skipped is not None:
+                    log.info("the cluster index is not this token's (HTTP %d from the leader "
+                             "%s): reads ask every member (%d more since the last line)",
+                             e.code, leader, skipped)
             return None
         except (urllib.error.URLError, OSError, ClusterError):
             return None
 
     def _candidates(self, hashes: Sequence[bytes]) -> list[list[str]]:
-        """Per hash, the nodes to try in order: index holders, then ring owners."""
+        """Per hash, the nodes to try in order: index holders, then ring owners; where the
+        index is not this token's, ring owners and then every other member."""
         located = self.locate(hashes)
+        rest = sorted(self._member.members) if located is None and self.index_refused else []
         out = []
         for i, h in enumerate(hashes):
             nodes = list(located.holders[i]) if located else []
-            out.append(nodes + [n for n in self._owners(bytes(h)) if n not in nodes])
+            nodes += [n for n in self._owners(bytes(h)) if n not in nodes]
+            out.append(nodes + [n for n in rest if n not in nodes])
         return out
 
     # ------------------------------------------------------------ data
@@ -212,6 +218,15 @@ class ClusterClient:
         if located is not None:
             return [bool(h) for h in located.holders]
         found = [False] * len(hashes)
+        if self.index_refused:  # every member asked once, for the whole batch
+            for node in sorted(self._member.members):
+                try:
+                    got = self._node_client(node).contains_n(hashes)
+                except NODE_ERRORS:
+                    self._forget(node)
+                    continue
+                found = [a or b for a, b in zip(found, got)]
+            return found
         for i, h in enumerate(hashes):
             for node in self._owners(bytes(h)):
                 try:

@@ -78,10 +78,11 @@ class ClusterMember:
         self._leader_key = f"{address.prefix}/leader".encode()
         self._bad_records = LogEvery()  # records in etcd that do not decode
         self._taken = LogEvery()  # this node's id held by another daemon
+        self.out = False  # another daemon took this node's id: no member, never the leader
 
     @property
     def is_leader(self) -> bool:
-        return self.record is not None and self.leader_id == self.record.node_id
+        return self.record is not None and not self.out and self.leader_id == self.record.node_id
 
     def subscribe(self) -> asyncio.Queue:
         """A queue that receives every MembershipEvent this member sees from now on."""
@@ -137,11 +138,12 @@ class ClusterMember:
 
     # ------------------------------------------------------------------ internals
 
-    async def _register(self) -> None:
-        """Put this node's record under a new lease, creating the key only where it is
-        absent: a predecessor's key (this node's own record, on the ports this daemon holds
-        now, is taken over at once) is waited out for the TTL and a little, in case its
-        lease is still running out; a live daemon's of the same id raises ClusterError."""
+    async def _register(self, lease=None) -> None:
+        """Put this node's record under a new lease (or `lease`, one still alive), creating
+        the key only where it is absent: a predecessor's key (this node's own record, on the
+        ports this daemon holds now, is taken over at once) is waited out for the TTL and a
+        little, in case its lease is still running out; a live daemon's of the same id
+        raises ClusterError."""
         mine = self.record.encode()
         deadline = time.monotonic() + self.ttl_s + 1.0
         while True:
@@ -149,15 +151,19 @@ class ClusterMember:
             compare = ([txn.Create(self._node_key) == 0] if held is None else
                        [txn.Value(self._node_key) == mine] if held.value == mine else None)
             if compare is not None:
-                lease = await self._client.lease(self.ttl_s)  # (granted now: one granted
-                # before the wait would have run out during it)
+                fresh = lease is None
+                if fresh:
+                    lease = await self._client.lease(self.ttl_s)  # (granted now: one
+                    # granted before the wait would have run out during it)
                 won, _ = await self._client.transaction(
                     compare=compare, success=[txn.Put(self._node_key, mine, lease)],
                     failure=[])
                 if won:
                     self._lease = lease
                     return
-                await lease.revoke()
+                if fresh:
+                    await lease.revoke()
+                    lease = None
                 continue
             if time.monotonic() > deadline:
                 try:
@@ -206,7 +212,7 @@ class ClusterMember:
             return None
 
     async def _try_lead(self) -> None:
-        if not self.campaign or self.leader_id is not None:
+        if not self.campaign or self.out or self.leader_id is not None:
             return
         won, _ = await self._client.transaction(
             compare=[txn.Create(self._leader_key) == 0],
@@ -219,24 +225,47 @@ class ClusterMember:
         while True:
             await asyncio.sleep(self.ttl_s / 3)
             try:
+                if self.out:  # (the daemon that took this id may be gone by now)
+                    await self._register()
+                    self.out = False
+                    log.warning("this node is back in the pool as %s", self.record.node_id)
+                    await self._try_lead()
+                    continue
                 reply = await self._lease.refresh()
                 if reply is None or reply.TTL <= 0:  # expired while we were away: join again
                     await self._register()
                     await self._try_lead()
                     continue
                 held = await self._client.get(self._node_key)
-                if held is None:  # the key went (deleted by hand, etcd's data lost): join again
-                    await self._register()
-                    await self._try_lead()
+                if held is None:  # the key went (deleted by hand, etcd's data lost): put it
+                    await self._register(self._lease)  # back under the lease (which may
+                    await self._try_lead()  # hold the leader key)
                 elif held.value != self.record.encode():
                     raise ClusterError(f"another daemon holds node id {self.record.node_id!r}")
             except ETCD_ERRORS:
                 continue  # etcd unreachable for now; the watch side reports the outage
             except ClusterError as e:
-                skipped = self._taken.due()
-                if skipped is not None:
-                    log.error("this node is out of the pool: %s (%d more since the last "
-                              "line)", e, skipped)
+                await self._leave_pool(e)
+
+    async def _leave_pool(self, why: ClusterError) -> None:
+        """Another daemon holds this node's id: stop acting as a member (the leader least of
+        all: two daemons of one id both led) and let go of the lease, and with it the leader
+        key if this node held it; `_keepalive` tries to come back now and then."""
+        skipped = self._taken.due()
+        if skipped is not None:
+            log.error("this node is out of the pool: %s (%d more since the last line)",
+                      why, skipped)
+        if self.out:
+            return
+        self.out = True
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                await lease.revoke()
+            except ETCD_ERRORS:
+                pass  # it runs out on its own
+        if self.leader_id == self.record.node_id:
+            self._set_leader(None)
 
     async def _follow(self, start_revision: int) -> None:
         """Watch from a revision; when the watch breaks (etcd restarted, a network fault,

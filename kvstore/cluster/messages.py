@@ -6,11 +6,9 @@ version); a record of another tag, a field of the wrong type or a block hash tha
 """
 from __future__ import annotations
 
-import msgspec
-
 from kvstore.cluster.records import ClusterError
 from kvstore.events import KVEvent, TierKind
-from kvstore.keys import HashField, Namespace
+from kvstore.keys import HashField
 from transfer.codec import Record
 
 
@@ -39,25 +37,10 @@ class Snapshot(Message, tag="snapshot/2"):
 
 
 class Locate(Message, tag="locate/2"):
-    """Which nodes hold each of `hashes` (namespace `ns_id`), and the longest prefix per node.
-    `namespace`: the namespace's fields (`Namespace` keyword arguments), which a tenant's
-    client sends so that the leader can check `ns_id` is that tenant's (an admin's may
-    leave it empty)."""
+    """Which nodes hold each of `hashes` (namespace `ns_id`), and the longest prefix per node."""
 
     ns_id: int
     hashes: tuple[HashField, ...]
-    namespace: dict[str, str | int] = msgspec.field(default_factory=dict)
-
-    def tenant(self) -> str:
-        """The tenant of `namespace`, checked to be the namespace `ns_id` names; raises
-        ClusterError when it is missing, malformed or another namespace's."""
-        try:
-            ns = Namespace(**self.namespace)
-        except (TypeError, ValueError) as e:
-            raise ClusterError(f"locate needs its namespace's fields: {e}") from e
-        if ns.ns_id != self.ns_id:
-            raise ClusterError(f"the namespace sent is {ns.ns_id:016x}, not {self.ns_id:016x}")
-        return ns.tenant
 
 
 class Located(Message, tag="located/2"):

@@ -60,7 +60,9 @@ class MetadataService:
                 idx.remove_node(node_id)
 
     def locate(self, req: Locate) -> Located:
-        idx = self.index(req.ns_id)
+        idx = self.indexes.get(req.ns_id)
+        if idx is None:  # (not `index`: each namespace asked about would stay, empty)
+            return Located(tuple(() for _ in req.hashes), ())
         match = idx.query(req.hashes)
         prefix = sorted(((n, match.length(n)) for n in match.nodes()), key=lambda p: (-p[1], p[0]))
         return Located(tuple(idx.holders(req.hashes)), tuple(prefix))
@@ -178,11 +180,8 @@ def _agent(request: web.Request) -> ClusterAgent:
 SHIP_BACKOFF_MAX_S = 5.0  # the longest wait between reports to a leader that refuses them
 
 
-def _leader_only(request: web.Request, admin: bool = True) -> ClusterAgent:
-    if admin:
-        require_admin(request)
-    else:
-        grant_of(request)  # (401 without a token the daemon knows)
+def _leader_only(request: web.Request) -> ClusterAgent:
+    require_admin(request)
     agent = _agent(request)
     if not agent.member.is_leader:
         raise web.HTTPConflict(text=f"not the leader; the leader is {agent.member.leader_id}\n")
@@ -196,12 +195,11 @@ BODY_GRACE_S = 10.0  # a report's body must come within this plus its length at
 MIN_BODY_RATE = 4 << 20  # bytes/s (as a data-plane put's payload): else 408 and closed
 
 
-async def _leader_call(request: web.Request, message, act, admin: bool = True) -> web.Response:
-    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader
-    (`act` may raise HTTP errors: a tenant's request is checked there, `admin` False).
+async def _leader_call(request: web.Request, message, act) -> web.Response:
+    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader.
     The body is read within a deadline: a sender trickling it held its connection (one of
     the control plane's capped slots) for as long as it liked."""
-    agent = _leader_only(request, admin)
+    agent = _leader_only(request)
     size = request.content_length or MAX_CONTROL_BODY
     try:
         async with asyncio.timeout(BODY_GRACE_S + size / MIN_BODY_RATE):
@@ -228,17 +226,7 @@ async def post_snapshot(request: web.Request) -> web.Response:
 
 
 async def post_locate(request: web.Request) -> web.Response:
-    """Any token may locate the blocks of its own namespaces: a tenant's request names its
-    namespace (Locate.namespace), checked to be that tenant's. Admin only, it was refused to
-    tenants (403), whose pool clients then looked only where the hash ring says, and missed
-    every block put through a preferred node."""
-    grant = grant_of(request)
-
-    def locate(svc: MetadataService, req: Locate) -> bytes:
-        if grant != ADMIN and req.tenant() != grant:
-            raise web.HTTPForbidden(text=f"namespace {req.ns_id:016x} is not this token's\n")
-        return svc.locate(req).encode()
-    return await _leader_call(request, Locate, locate, admin=False)
+    return await _leader_call(request, Locate, lambda svc, req: svc.locate(req).encode())
 
 
 async def get_nodes(request: web.Request) -> web.Response:

@@ -8,8 +8,9 @@ open files" while /healthz said 200. A connection whose request head is not in b
 deadline is closed then, and an idle kept-alive one after KEEPALIVE_S.
 
 At the cap, a new connection takes the place of an idle one (no request being handled:
-between requests, or before its first head is whole): one that never sent a token that
-the daemon knows first, then the one idle longest. Only when every connection is handling
+between requests, or before its first head is whole): a stranger's (no request on it
+carried a token the daemon knows) that was served already, the longest idle first; then
+one not served yet, the oldest first; then a trusted one, the longest idle first. Only when every connection is handling
 a request is the new one closed at once. Refusing every newcomer instead let a stranger
 lock the control port: 128 kept-alive connections, each sending a token-free /healthz
 every 10 s (so the keep-alive timer never fired), kept the admin's /stats out 40 of 40
@@ -60,7 +61,11 @@ class Gate:
         for conn in self.open.values():  # (128 at most, and only at the cap)
             if conn.busy:
                 continue
-            r = (conn.trusted, conn.last)
+            # strangers' kept-alive connections first (the longest idle first), then ones
+            # yet to be served (the oldest first: a stranger cannot make its own look
+            # younger than a client's just-opened one by sending bytes), then trusted ones
+            r = ((2, conn.last) if conn.trusted else (0, conn.last) if conn.served
+                 else (1, conn.opened))
             if rank is None or r < rank:
                 victim, rank = conn, r
         if victim is None:
@@ -79,6 +84,7 @@ class Gate:
         if conn is None:
             return await handler(request)
         conn.busy += 1
+        conn.served = True
         try:
             if not conn.trusted and self.trusted(request):
                 conn.trusted = True
@@ -99,7 +105,9 @@ class _Guarded(asyncio.Protocol):
         self.tail = b""  # the last bytes seen, for a head end split across two reads
         self.busy = 0  # requests being handled (Gate.middleware)
         self.trusted = False  # a request on it carried a known token
-        self.last = 0.0  # loop time of its last bytes in or request handled
+        self.served = False  # a request on it reached its handler
+        self.opened = self.last = 0.0  # loop time of its connect; of its last bytes in or
+        # request handled
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         gate = self.gate
@@ -108,7 +116,8 @@ class _Guarded(asyncio.Protocol):
             transport.abort()  # (connection_lost follows: nothing to undo)
             return
         loop = asyncio.get_running_loop()
-        self.transport, self.admitted, self.last = transport, True, loop.time()
+        self.transport, self.admitted = transport, True
+        self.opened = self.last = loop.time()
         gate.open[transport] = self
         self.timer = loop.call_later(gate.deadline_s, self._expire)
         self.inner.connection_made(transport)

@@ -212,3 +212,23 @@ async def test_a_node_whose_key_was_deleted_registers_again(etcd):
     finally:
         await watcher.stop()
         await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_node_whose_id_was_taken_while_away_stops_leading(etcd):
+    """A node whose lease ran out (a partition past the TTL) while another daemon took its
+    id went on believing it led, beside the daemon that did."""
+    addr = address(etcd)
+    a = ClusterMember(addr, NodeRecord("x", "127.0.0.1:5", "http://127.0.0.1:6"), ttl_s=TTL)
+    await a.start()
+    assert a.is_leader
+    await a._lease.revoke()  # (its lease gone behind its back, as in a long partition)
+    b = ClusterMember(addr, NodeRecord("x", "127.0.0.1:7", "http://127.0.0.1:8"), ttl_s=TTL)
+    await b.start()
+    try:
+        await b.wait_for(lambda m: m.is_leader, 3 * TTL)
+        await a.wait_for(lambda m: m.out and m.members.get("x") == b.record, 3 * TTL)
+        assert not a.is_leader
+    finally:
+        await b.stop()
+        await a.stop()
