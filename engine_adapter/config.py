@@ -46,6 +46,10 @@ class ModelConfig:
     hidden_act: str = "silu"               # the gate's activation: SUPPORTED_ACTIVATIONS
     sliding_window: int | None = None      # a query sees this many keys, itself included...
     sliding_layers: tuple[int, ...] = ()   # ...on these layers (the others see everything)
+    # which weights of `name`: the KV namespace's revision. A model loaded from a directory
+    # or without a name gets a fingerprint of its weights here, so two checkpoints whose
+    # names agree (two runs' `final/` directories) never share KV blocks
+    revision: str = "main"
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -20,6 +20,7 @@ only here: `_save_loop` encodes right before `put_n`, `_load_encoded` decodes ri
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ import kernels
 from engine_adapter.kvcodec import BlockCodec
 from kvstore.api import PutStatus, leading_hits
 from kvstore.keys import BlockHash
+
+log = logging.getLogger("kvtier.connector")
 
 
 class KVStoreLike(Protocol):
@@ -133,7 +136,13 @@ class StoreConnector:
         staging = self.codec.staging(n, self.kv_cache.device)
         good = self._get_prefix(hashes, staging, prefix)
         if good:
-            good = self.codec.decode(staging[:good], self.kv_cache, self._ids(block_ids[:good]))
+            try:
+                good = self.codec.decode(staging[:good], self.kv_cache, self._ids(block_ids[:good]))
+            except Exception:  # bytes no encoder of ours wrote: a miss, recomputed, never a
+                self.stats.lookup_errors += 1  # failed request
+                log.exception("decoding %d %s blocks from the store failed; recomputing them",
+                              good, self.codec.name)
+                good = None
         return self._counted(good, n, prefix)
 
     def _get_prefix(self, hashes: Sequence[BlockHash], dsts, prefix: bool) -> int | None:

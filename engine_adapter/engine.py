@@ -34,7 +34,8 @@ class LLMEngine:
         mc = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.ns = Namespace(mc.name, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype,
-                            config.block_tokens, tenant=config.tenant, codec=config.kv_codec)
+                            config.block_tokens, revision=mc.revision, tenant=config.tenant,
+                            codec=config.kv_codec)
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.max_model_len = config.model_len(mc)
         self.runner = ModelRunner(model, config)

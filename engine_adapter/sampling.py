@@ -6,12 +6,17 @@ to a decode worker.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from engine_adapter.errors import InvalidRequestError
+
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS)
+MAX_TOKENS = 1 << 31  # (a request cannot run longer than its context allows anyway)
 
 
 @dataclass(frozen=True)
@@ -28,10 +33,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if type(self.max_tokens) is not int or not 0 < self.max_tokens <= MAX_TOKENS:
+            raise InvalidRequestError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], "
+                                      f"got {self.max_tokens!r}")
+        if self.seed is not None and (type(self.seed) is not int
+                                      or not -(1 << 63) <= self.seed < 1 << 64):
+            # (2**70 passed, and failed as a 500 when the request went to its worker; a
+            # torch generator takes [-2**63, 2**64))
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64), got "
+                                      f"{self.seed!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:  # (1e-50 divided the logits into inf and NaN:
+            object.__setattr__(self, "temperature", 0.0)  # the sampler raised, and took the
+            # worker's engine thread with it) as vLLM does, a temperature this small is greedy
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -7,6 +7,7 @@ the value over (e.g. `asyncio.AbstractEventLoop.call_soon_threadsafe`).
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Callable, NamedTuple, Sequence
@@ -16,6 +17,8 @@ import torch
 from engine_adapter.engine import LLMEngine
 from engine_adapter.request import Request
 from engine_adapter.sampling import SamplingParams
+
+log = logging.getLogger("kvtier.engine")
 
 # Called with (request, error): error is None for progress, else the request failed.
 Callback = Callable[[Request | None, BaseException | None], None]
@@ -75,7 +78,22 @@ class EngineLoop:
             except queue.Empty:
                 pass
             if self.engine.has_unfinished:
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:  # (it ended this thread: every request after it hung)
+                    log.exception("an engine step failed: its requests end with that error")
+                    self._fail_all(e)
+
+    def _fail_all(self, error: Exception) -> None:
+        """End every request in flight with `error` (the engine gives back their blocks)."""
+        for request_id, callback in list(self._callbacks.items()):
+            self._callbacks.pop(request_id, None)
+            self._reqs.pop(request_id, None)
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("aborting %s after a failed step failed", request_id)
+            callback(None, error)
 
     def _handle(self, item: _Add | _Abort) -> None:
         if isinstance(item, _Abort):

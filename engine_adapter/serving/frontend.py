@@ -172,15 +172,16 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     app, m = request.app, request.app[METRICS_KEY]
     try:
         body = await request.json()
-    except json.JSONDecodeError as e:
-        return _error(400, f"the body is not JSON: {e}", "invalid_request_error")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (it was a 500)
+        return _error(400, f"the body is not JSON in UTF-8: {e}", "invalid_request_error")
     try:
         req = api.parse(body, chat, app[CFG_KEY].model)
         params = SamplingParams.from_dict(req.params)
         ids = _tokenize(app, req)
         if not ids:
             raise api.BadRequest("the prompt is empty")
-    except (api.BadRequest, ValueError, TypeError) as e:  # InvalidRequestError is a ValueError
+    except (api.BadRequest, ValueError, TypeError, OverflowError) as e:  # InvalidRequestError
+        # is a ValueError; int(1e999) an OverflowError
         m.requests.labels("invalid").inc()
         return _error(400, str(e), "invalid_request_error")
     rid = f"cmpl-{uuid.uuid4().hex[:16]}"

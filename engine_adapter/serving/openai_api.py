@@ -51,7 +51,9 @@ def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
     if chat:
         prompt = body.get("messages")
         if not isinstance(prompt, list) or not prompt or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
+                isinstance(m, dict) and isinstance(m.get("content"), str)
+                and isinstance(m.get("role"), str) for m in prompt):  # (no role: the chat
+            # template raised, a 500)
             raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
     else:
         prompt = body.get("prompt")
@@ -60,14 +62,19 @@ def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                             and all(isinstance(t, int) for t in prompt))):
             raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):  # (a list here raised AttributeError: a 500)
+        raise BadRequest("'stream_options' must be an object, e.g. {\"include_usage\": true}")
     return ApiRequest(chat, str(body.get("model") or default_model), prompt, _params(body, chat),
-                      bool(body.get("stream", False)),
-                      bool((body.get("stream_options") or {}).get("include_usage", False)))
+                      bool(body.get("stream", False)), bool(options.get("include_usage", False)))
 
 
 def _params(body: dict, chat: bool) -> dict:
     max_tokens = body.get("max_completion_tokens") if chat else None
-    max_tokens = max_tokens or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+    if max_tokens is None:  # (not `or`: 0 became the default, silently)
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
     p: dict = {"max_tokens": int(max_tokens), "temperature": float(body.get("temperature", 1.0)),
                "top_p": float(body.get("top_p", 1.0))}
     stop = body.get("stop")

@@ -85,7 +85,7 @@ def build_engine(cfg: WorkerConfig):
         from kvstore.client import Client
         mc = model.config
         ns = Namespace(mc.name, mc.num_layers, mc.num_kv_heads, mc.head_dim, ecfg.dtype,
-                       ecfg.block_tokens, tenant=ecfg.tenant)
+                       ecfg.block_tokens, revision=mc.revision, tenant=ecfg.tenant)
         store = Client(cfg.store_url, namespace=ns)
     return LLMEngine(model, ecfg, tokenizer=tokenizer, store=store)
 

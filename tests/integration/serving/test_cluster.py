@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -91,6 +92,31 @@ def test_decode_loads_the_handed_off_prompt_from_the_pool(cluster):
 def test_bad_request_is_a_clear_400(cluster):
     status, msg = cluster.post_json("/v1/completions", {"prompt": "hi", "n": 3})
     assert status == 400 and "n = 1" in msg["error"]["message"]
+
+
+def test_odd_requests_are_a_400_or_served_and_the_workers_serve_on(cluster):
+    """Each of these was a 500, or (a temperature of NaN or 1e-50: the sampler raised in
+    the worker's engine thread, which ended) left every later request to that worker
+    hanging."""
+    for path, body, why in (
+            ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, "temperature"),
+            ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, "seed"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 1e300}, "max_tokens"),
+            ("/v1/completions", {"prompt": "hi", "stream_options": [1]}, "stream_options"),
+            ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "role")):
+        status, msg = cluster.post_json(path, body)
+        assert status == 400 and why in msg["error"]["message"], (body, status, msg)
+    req = urllib.request.Request(cluster.url + "/v1/completions",
+                                 b'{"prompt": "' + bytes([0xff, 0xfe]) + b'"}',  # not UTF-8
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 400
+    for _ in range(2):  # (both workers, whichever the router picks)
+        status, msg = cluster.post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                            "temperature": 1e-50})
+        assert status == 200 and msg["usage"]["completion_tokens"] == 2, msg
 
 
 def test_killed_decode_worker_ends_its_stream_with_an_error(cluster):

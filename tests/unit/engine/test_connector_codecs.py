@@ -119,3 +119,23 @@ def test_bf16_cache_with_int8(models, prompts):
 def test_unknown_codec_is_refused_by_name():
     with pytest.raises(ValueError, match="kv_codec must be one of raw, int8, fp8_e4m3, zstd"):
         EngineConfig(kv_codec="int4")
+
+
+def test_a_zstd_block_whose_length_cannot_be_is_a_miss_not_a_failed_request(models, prompts):
+    """A DRAM slot carries no checksum: bytes no encoder wrote (all 0xFF: a frame length
+    past the slot) in a prompt's first block made decode view zero blocks and raise, and
+    the request failed instead of recomputing."""
+    model, cfg = models["bfloat16"], config("zstd", "bfloat16")
+    prompt = prompts[2]
+    expect = run(model, prompt, cfg=cfg)[0].token_ids
+    probe = LLMEngine(model, cfg)
+    hashes = probe.add_request(prompt, GREEDY).block_hashes
+    store = open_store(probe.ns)
+    try:
+        store.put_n(hashes[:1], torch.full((1, probe.ns.block_bytes), 0xFF, dtype=torch.uint8))
+        engine = LLMEngine(model, cfg, store=store)
+        out = engine.generate([prompt], GREEDY)[0]
+        engine.close()
+        assert out.token_ids == expect and out.num_loaded_tokens == 0
+    finally:
+        store.close()

@@ -125,3 +125,30 @@ def test_missing_weights_are_named():
     state = {k: v for k, v in hf.state_dict().items() if not k.endswith("layers.1.mlp.up_proj.bias")}
     with pytest.raises(ModelLoadError, match=r"missing \['layers.1.mlp.up_proj.bias'\]"):
         from_state_dict(model_config_from_hf(hf.config), state)
+
+
+def test_checkpoints_sharing_a_directory_name_get_their_own_kv_namespace(tmp_path):
+    """from_hf_dir named the model after its directory alone: two runs' `final/`
+    checkpoints got one KV namespace, and one model was handed the other's KV."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from engine_adapter.config import EngineConfig
+    from engine_adapter.engine import LLMEngine
+    from engine_adapter.loader import from_hf_dir
+    dirs = []
+    for i, run in enumerate(("run1", "run2")):
+        torch.manual_seed(100 + i)
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256)
+        path = tmp_path / run / "final"
+        HFLlama(cfg).save_pretrained(path, safe_serialization=True)
+        dirs.append(str(path))
+    a, b, a_again = from_hf_dir(dirs[0]), from_hf_dir(dirs[1]), from_hf_dir(dirs[0])
+    ecfg = EngineConfig(num_blocks=16, block_tokens=4, max_num_batched_tokens=64)
+    ns = [LLMEngine(m, ecfg).ns for m in (a, b, a_again)]
+    assert a.config.name == b.config.name == "final"
+    assert ns[0] != ns[1] and ns[0].ns_id != ns[1].ns_id
+    assert ns[0] == ns[2]  # the same weights: the same blocks, in any process

@@ -68,3 +68,60 @@ def test_a_seeded_row_draws_the_same_alone_and_in_a_mixed_batch():
     assert {d[0] for d in together} == {int(logits[0].argmax())}
     assert {d[1] for d in together} <= set(logits[1].topk(5).indices.tolist())
     assert {d[3] for d in together} <= set(logits[3].topk(3).indices.tolist())
+
+
+def test_a_temperature_that_is_not_a_number_is_refused_and_a_tiny_one_is_greedy():
+    """1e-50 and NaN passed the `< 0` check; the sampler divided the logits into inf and
+    NaN, torch.multinomial raised inside engine.step(), and in a worker that ended its
+    engine thread: every request after it hung."""
+    import math
+
+    from engine_adapter.errors import InvalidRequestError
+    from engine_adapter.sampling import SamplingParams
+    for bad in (math.nan, math.inf, -1.0):
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            SamplingParams(temperature=bad)
+    assert SamplingParams(temperature=1e-50).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
+def test_a_failed_engine_step_fails_its_requests_and_the_loop_serves_on():
+    import threading
+
+    from engine_adapter.config import EngineConfig, ModelConfig
+    from engine_adapter.engine import LLMEngine
+    from engine_adapter.loader import random_model
+    from engine_adapter.sampling import SamplingParams
+    from engine_adapter.serving.engine_loop import EngineLoop
+    mc = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                     name="loop")
+    engine = LLMEngine(random_model(mc, seed=3),
+                       EngineConfig(num_blocks=64, block_tokens=4, max_num_batched_tokens=256))
+    real, calls = engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a kernel failed")
+        return real()
+    engine.step = step
+    loop = EngineLoop(engine)
+    try:
+        results, done = {}, {name: threading.Event() for name in ("first", "second")}
+
+        def callback(name):
+            def f(req, err):
+                if err is not None or req.finished:
+                    results[name] = err if err is not None else req.output_token_ids
+                    done[name].set()
+            return f
+        loop.submit("first", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3),
+                    callback("first"))
+        assert done["first"].wait(30)
+        assert isinstance(results["first"], RuntimeError)
+        loop.submit("second", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3),
+                    callback("second"))
+        assert done["second"].wait(30) and len(results["second"]) == 3
+    finally:
+        loop.close()
