@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -59,9 +60,19 @@ class ConnectorStats:
     save_errors: int = 0          # blocks whose put_n raised
     save_unencodable_blocks: int = 0  # zstd frames too big for their slot: not stored
     save_refused_blocks: int = 0  # the store answered NO_SPACE (full): not stored
+    store_down_skips: int = 0     # lookups and saves skipped while the store was down
 
 
 _STOP = object()
+# After the store times out or its connection fails, lookups and saves skip it for a while
+# (recomputing, dropping saves), doubling from DOWN_FIRST_S to DOWN_MAX_S while it keeps
+# failing: a stopped daemon cost every new request the client's whole timeout (30 s each,
+# every decode of the engine waiting behind it) and close() a timeout per queued save.
+# The save thread probes it (one CONTAINS) at the end of each pause, so the engine's thread
+# never waits on a store already seen down; the first failure still costs one call's timeout.
+DOWN_FIRST_S, DOWN_MAX_S = 1.0, 30.0
+OUTAGES = (ConnectionError, TimeoutError)  # (the SDK's ConnectError and RequestTimeout)
+_PROBE_HASH = bytes(16)
 
 
 class StoreConnector:
@@ -78,20 +89,58 @@ class StoreConnector:
         self.stats = ConnectorStats()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
         self._staging = kv_cache.new_empty((0, *kv_cache.shape[1:]))
+        self._down_until, self._down_for = 0.0, 0.0  # the store is skipped until then
         self._thread = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
         self._thread.start()
         self._closed = False
+
+    def _store_up(self) -> bool:
+        """Is the store to be asked (not seen down since)? Counts a skip."""
+        if self._down_for:
+            self.stats.store_down_skips += 1
+            return False
+        return True
+
+    def _failed(self, error: Exception) -> None:
+        """A store call raised: an outage (timeout, lost connection) pauses the store until
+        the save thread's probe finds it back."""
+        if not isinstance(error, OUTAGES):
+            return
+        self._down_for = min(max(2 * self._down_for, DOWN_FIRST_S), DOWN_MAX_S)
+        self._down_until = time.monotonic() + self._down_for
+        log.warning("the KV store failed (%s: %s); requests recompute and saves are dropped "
+                    "until it answers again (next try in %.0f s)", type(error).__name__, error,
+                    self._down_for)
+
+    def _succeeded(self) -> None:
+        if self._down_for:
+            log.info("the KV store answers again")
+            self._down_for = 0.0
+
+    def _probe(self) -> None:
+        """In the save thread, once a pause is over: is the store back?"""
+        try:
+            self.store.contains_n([_PROBE_HASH])
+        except Exception as e:
+            self._failed(e)
+            return
+        self._succeeded()
 
     def num_prefix_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` the store holds (0 if the store fails)."""
         if not hashes:
             return 0
         self.stats.lookups += 1
-        try:
-            return int(self.store.match_prefix(hashes).num_blocks)
-        except Exception:  # a store outage means recompute, never a failed request
-            self.stats.lookup_errors += 1
+        if not self._store_up():
             return 0
+        try:
+            found = int(self.store.match_prefix(hashes).num_blocks)
+        except Exception as e:  # a store outage means recompute, never a failed request
+            self.stats.lookup_errors += 1
+            self._failed(e)
+            return 0
+        self._succeeded()
+        return found
 
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
         """Load blocks the store matched into cache blocks `block_ids`; returns the length of
@@ -149,13 +198,19 @@ class StoreConnector:
         """Read into `dsts`: how many leading blocks hit (None when the store failed,
         counted as a lookup error, not as misses). `prefix`: the store stops at the first
         miss (get_prefix_n), else it reads them all (get_n)."""
+        if not self._store_up():
+            return None
         try:
             if prefix:
-                return int(self.store.get_prefix_n(hashes, dsts).num_blocks)
-            return leading_hits(self.store.get_n(hashes, dsts))
-        except Exception:
+                found = int(self.store.get_prefix_n(hashes, dsts).num_blocks)
+            else:
+                found = leading_hits(self.store.get_n(hashes, dsts))
+        except Exception as e:
             self.stats.lookup_errors += 1
+            self._failed(e)
             return None
+        self._succeeded()
+        return found
 
     def _counted(self, good: int | None, n: int, prefix: bool) -> int:
         if good is None:
@@ -202,11 +257,22 @@ class StoreConnector:
 
     def _save_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            wait = None if not self._down_for else self._down_until - time.monotonic()
+            try:
+                item = self._queue.get(timeout=max(wait, 0.01)) if wait is not None else \
+                    self._queue.get()
+            except queue.Empty:
+                self._probe()
+                continue
+            if wait is not None and wait <= 0 and item is not _STOP:
+                self._probe()
             try:
                 if item is _STOP:
                     return
                 hashes, staged = item
+                if not self._store_up():
+                    self.stats.save_dropped_blocks += len(hashes)
+                    continue
                 try:
                     encoded, keep = self.codec.encode(staged)  # raw: the blocks as they are
                     if not all(keep):
@@ -217,8 +283,10 @@ class StoreConnector:
                     refused = sum(1 for st in statuses if st is PutStatus.NO_SPACE)
                     self.stats.saved_blocks += len(hashes) - refused
                     self.stats.save_refused_blocks += refused
-                except Exception:
+                    self._succeeded()
+                except Exception as e:
                     self.stats.save_errors += len(hashes)
+                    self._failed(e)
             finally:
                 self._queue.task_done()
 
