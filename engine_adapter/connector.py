@@ -89,42 +89,56 @@ class StoreConnector:
         self.stats = ConnectorStats()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
         self._staging = kv_cache.new_empty((0, *kv_cache.shape[1:]))
-        self._down_until, self._down_for = 0.0, 0.0  # the store is skipped until then
+        # the breaker: `_down` (lookups and saves skip the store) from an outage until a probe
+        # answers; `_pause` the last wait between probes, kept through a probe's answer
+        # (half-open) and cleared by a real call that succeeds, so a store whose CONTAINS
+        # answers while its GETs time out still backs off
+        self._down, self._pause, self._down_until = False, 0.0, 0.0
         self._thread = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
         self._thread.start()
         self._closed = False
 
+    @property
+    def store_down(self) -> bool:
+        """Is the store being skipped (seen down, not answering a probe since)?"""
+        return self._down
+
     def _store_up(self) -> bool:
-        """Is the store to be asked (not seen down since)? Counts a skip."""
-        if self._down_for:
+        """Is the store to be asked? Counts a skip."""
+        if self._down:
             self.stats.store_down_skips += 1
             return False
         return True
+
+    def _pause_more(self) -> None:
+        self._pause = min(max(2 * self._pause, DOWN_FIRST_S), DOWN_MAX_S)
+        self._down_until = time.monotonic() + self._pause
 
     def _failed(self, error: Exception) -> None:
         """A store call raised: an outage (timeout, lost connection) pauses the store until
         the save thread's probe finds it back."""
         if not isinstance(error, OUTAGES):
             return
-        self._down_for = min(max(2 * self._down_for, DOWN_FIRST_S), DOWN_MAX_S)
-        self._down_until = time.monotonic() + self._down_for
+        self._pause_more()
+        self._down = True
         log.warning("the KV store failed (%s: %s); requests recompute and saves are dropped "
                     "until it answers again (next try in %.0f s)", type(error).__name__, error,
-                    self._down_for)
+                    self._pause)
 
     def _succeeded(self) -> None:
-        if self._down_for:
+        if self._pause:
             log.info("the KV store answers again")
-            self._down_for = 0.0
+            self._pause = 0.0
 
     def _probe(self) -> None:
-        """In the save thread, once a pause is over: is the store back?"""
+        """In the save thread, once a pause is over: is the store back? Any failure, not
+        only an outage's (a daemon refusing UNAVAILABLE at its cap), waits a longer pause."""
         try:
             self.store.contains_n([_PROBE_HASH])
-        except Exception as e:
-            self._failed(e)
+        except Exception:
+            self._pause_more()
             return
-        self._succeeded()
+        self._down = False  # (half-open: `_pause` kept until a real call succeeds)
 
     def num_prefix_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` the store holds (0 if the store fails)."""
@@ -257,7 +271,7 @@ class StoreConnector:
 
     def _save_loop(self) -> None:
         while True:
-            wait = None if not self._down_for else self._down_until - time.monotonic()
+            wait = None if not self._down else self._down_until - time.monotonic()
             try:
                 item = self._queue.get(timeout=max(wait, 0.01)) if wait is not None else \
                     self._queue.get()
@@ -300,4 +314,6 @@ class StoreConnector:
             return
         self._closed = True
         self._queue.put(_STOP)
-        self._thread.join()
+        # (not waiting out a probe of a store that does not answer: its timeout is the
+        # client's, 30 s by default; the thread ends once the probe does)
+        self._thread.join(None if not self._down else DOWN_FIRST_S)

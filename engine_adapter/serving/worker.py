@@ -220,7 +220,8 @@ async def _blocks_committed(engine, hashes: tuple[bytes, ...]) -> None:
     BLOCK_WAIT_S (the engine then recomputes what is missing: slower, never wrong)."""
     store, loop = engine.connector.store, asyncio.get_running_loop()
     deadline = loop.time() + BLOCK_WAIT_S
-    while hashes and loop.time() < deadline:
+    while hashes and loop.time() < deadline and not engine.connector.store_down:  # (a store
+        # seen down: not a client timeout per handoff)
         try:
             held = await loop.run_in_executor(None, store.contains_n, list(hashes))
         except Exception:  # a store outage: the engine falls back to recompute

@@ -232,8 +232,10 @@ class ClusterMember:
                     await self._try_lead()
                     continue
                 reply = await self._lease.refresh()
-                if reply is None or reply.TTL <= 0:  # expired while we were away: join again
-                    await self._register()
+                if reply is None or reply.TTL <= 0:  # expired while we were away: join again,
+                    self.out = True  # no leader meanwhile (another daemon may hold the id now,
+                    await self._register()  # and lead: both did until the wait ran out)
+                    self.out = False
                     await self._try_lead()
                     continue
                 held = await self._client.get(self._node_key)

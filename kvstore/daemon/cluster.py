@@ -129,7 +129,8 @@ class ClusterAgent:
     async def ship_once(self) -> None:
         leader = self.member.leader_id
         rec = self.member.members.get(leader) if leader else None
-        if rec is None:
+        if rec is None or self.member.out:  # (out: another daemon reports under this id)
+            self._reported_to = None  # (back in the pool: snapshots first)
             return
         if leader != self._reported_to:
             self._reported_to, self._known = leader, set()
