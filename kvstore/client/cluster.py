@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Sequence
@@ -29,6 +30,7 @@ from kvstore.logevery import LogEvery
 from kvstore.wire import RemoteError
 
 log = logging.getLogger("kvtier.cluster")
+ASK_INDEX_AGAIN_S = 60.0  # a token the leader's index refused asks it again after this
 
 _RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 NODE_ERRORS = (ClientError, RemoteError, ConnectionError, OSError)
@@ -66,6 +68,7 @@ class ClusterClient:
         self._ring, self._ring_nodes = HashRing(), frozenset()
         self._refused = LogEvery()  # the leader's refusals to locate (a token's, not a fault's)
         self.index_refused = False  # the leader's index is not this token's (a tenant's)
+        self._ask_again_at = 0.0  # when a refused token asks the index again
         self._loop = _LoopThread()
         self._member = ClusterMember(parse_etcd_url(url), None)
         try:
@@ -130,6 +133,8 @@ class ClusterClient:
         rec = self._member.members.get(leader) if leader else None
         if rec is None or not hashes:
             return None
+        if self.index_refused and time.monotonic() < self._ask_again_at:
+            return None  # (refused lately: not a round trip to a 403 before every read)
         headers = {"Content-Type": "application/msgpack"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -145,6 +150,7 @@ class ClusterClient:
                 # every member instead (`_candidates`); it looked only where the hash ring
                 # says, and missed every block put through a preferred node, silently
                 self.index_refused = True
+                self._ask_again_at = time.monotonic() + ASK_INDEX_AGAIN_S
                 skipped = self._refused.due()
                 if skipped is not None:
                     log.info("the cluster index is not this token's (HTTP %d from the leader "

@@ -313,11 +313,25 @@ def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, t
         with ClusterClient(pool.url, token="alice-token", namespace=alice,
                            prefer_node="n1") as writer:
             assert writer.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 30
+        asked = []
+        real = urllib.request.urlopen
+
+        def counted(req, *a, **kw):  # (the real call, counted)
+            asked.append(getattr(req, "full_url", req))
+            return real(req, *a, **kw)
         with ClusterClient(pool.url, token="alice-token", namespace=alice) as reader:
             assert reader.contains_n(hashes) == [True] * 30
             out, tiers = read(reader, hashes)
             assert check_bytes(hashes, out, tiers) == 30
             assert reader.index_refused
+            import kvstore.client.cluster as cluster_client
+            cluster_client.urllib.request.urlopen = counted
+            try:
+                for _ in range(3):  # refused once: not asked again before every read
+                    assert check_bytes(hashes, *read(reader, hashes)) == 30
+            finally:
+                cluster_client.urllib.request.urlopen = real
+            assert not [u for u in asked if u.endswith("/cluster/locate")]
         leader = pool.nodes[pool.view("n0", "s3cret")["leader"]]
         req = urllib.request.Request(leader.http + "/cluster/locate", method="POST",
                                      data=Locate(alice.ns_id, tuple(hashes[:3])).encode(),
