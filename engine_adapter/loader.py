@@ -11,10 +11,10 @@ import os
 from typing import Any, Mapping
 
 import torch
-import xxhash
 
 from engine_adapter.config import ModelConfig
 from engine_adapter.errors import ModelLoadError
+from engine_adapter.fingerprint import weights_revision  # noqa: F401 (also loader's API)
 from engine_adapter.model import LlamaForCausalLM
 from engine_adapter.hf_config import model_config_from_hf
 
@@ -123,18 +123,6 @@ def from_transformers(hf_model: Any, dtype: str = "float32", name: str | None = 
     if name is None:
         cfg = dataclasses.replace(cfg, revision=weights_revision(state))
     return from_state_dict(cfg, state, dtype)
-
-
-def weights_revision(weights: Mapping[str, torch.Tensor]) -> str:
-    """A fingerprint of a model's weights (names, dtypes, shapes and bytes), for the KV
-    namespace's revision: two checkpoints with one name never share blocks. xxh3_128, ~0.1 s
-    a GB."""
-    h = xxhash.xxh3_128()
-    for key in sorted(weights):
-        t = weights[key].detach().contiguous().cpu()
-        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
-    return "w-" + h.hexdigest()[:32]
 
 
 def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine_adapter.fingerprint import weights_revision
 from engine_adapter.plugins.base import StoreSpec, coded, dtype_name, open_store
 from kvstore.api import BlockStore, leading_hits
 from kvstore.keys import Namespace, hash_blocks
@@ -35,8 +36,12 @@ class GenerateStats(NamedTuple):
 
 
 def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, tenant: str = "",
-                  codec: str = "raw") -> Namespace:
-    """The kvtier namespace of a transformers decoder (its KV layout and dtype)."""
+                  codec: str = "raw", revision: str | None = None) -> Namespace:
+    """The kvtier namespace of a transformers decoder (its KV layout and dtype). Its
+    revision is `revision` if given (the caller's word for which weights these are), else a
+    fingerprint of the model's weights as they are in memory: a name (`model_id`, the
+    config's `_name_or_path`) does not say which weights, and two checkpoints of one name
+    must not share KV."""
     cfg = model.config.get_text_config(decoder=True)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -44,7 +49,7 @@ def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, te
         model=model_id or cfg._name_or_path or type(model).__name__,
         num_layers=cfg.num_hidden_layers, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=head_dim, dtype=dtype_name(model.dtype), block_tokens=block_tokens, tenant=tenant,
-        codec=codec)
+        codec=codec, revision=revision or weights_revision(model.state_dict()))
 
 
 def cache_to_blocks(cache, num_blocks: int, block_tokens: int, first_block: int = 0) -> torch.Tensor:
@@ -83,11 +88,14 @@ class KVTierGenerate:
     """`generate` with kvtier prefix offload for one transformers model."""
 
     def __init__(self, model, store: BlockStore | StoreSpec, *, model_id: str | None = None,
-                 block_tokens: int = 16, tenant: str = "", codec: str = "raw") -> None:
+                 block_tokens: int = 16, tenant: str = "", codec: str = "raw",
+                 revision: str | None = None) -> None:
         """`store`: a StoreSpec, or a store of this model's namespace (with `codec`, which
-        this wrapper encodes before each put and decodes after each get)."""
+        this wrapper encodes before each put and decodes after each get). `revision`: a
+        name for these weights (default: a fingerprint of them, ~0.1 s a GB, taken here;
+        weights changed in place afterwards need a new KVTierGenerate)."""
         self.model = model
-        self.ns = namespace_for(model, model_id, block_tokens, tenant, codec)
+        self.ns = namespace_for(model, model_id, block_tokens, tenant, codec, revision)
         self.owns_store = isinstance(store, StoreSpec)
         if not self.owns_store and getattr(getattr(store, "ns", self.ns), "codec") != codec:
             raise ValueError(f"the store's namespace holds {store.ns.codec} blocks, not {codec}: "

@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("transformers")
 
 from engine_adapter.plugins.base import StoreSpec
-from engine_adapter.plugins.hf import KVTierGenerate, blocks_to_cache, cache_to_blocks, enable_kvtier
+from engine_adapter.plugins.hf import (KVTierGenerate, blocks_to_cache, cache_to_blocks, enable_kvtier,
+                                       namespace_for)
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
@@ -202,3 +203,34 @@ def test_a_sliding_window_model_is_generated_plainly(tmp_path):
         assert kv.last.bypassed
     finally:
         kv.close()
+
+
+def test_models_of_one_name_share_kv_only_when_their_weights_are_equal(tmp_path):
+    """Two checkpoints under one model_id (a retrained one in the same place): the second
+    must compute its own KV, never load the first's; a copy of the first loads it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(1)
+    old = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(2)
+    retrained = LlamaForCausalLM(cfg).eval()
+    copy = LlamaForCausalLM(cfg).eval()
+    copy.load_state_dict(old.state_dict())
+    ids = torch.randint(0, 96, (1, 48))
+    spec = StoreSpec(path=str(tmp_path))
+    runs = {}
+    for name, model in (("old", old), ("retrained", retrained), ("copy", copy)):
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+        kv = KVTierGenerate(model, spec, model_id="m")
+        try:
+            assert torch.equal(kv.generate(ids, max_new_tokens=4, do_sample=False), expected)
+            runs[name] = (kv.ns.revision, kv.last.num_loaded_tokens)
+        finally:
+            kv.close()
+    assert runs["old"][1] == 0 and runs["retrained"][1] == 0
+    assert runs["retrained"][0] != runs["old"][0]
+    assert runs["copy"] == (runs["old"][0], 32)  # two 16-token blocks of the 48 loaded
+    # the caller may vouch for the weights itself: one name then, whatever the bytes
+    named = [namespace_for(m, "m", revision="v7") for m in (old, retrained)]
+    assert named[0] == named[1] and named[0].revision == "v7"

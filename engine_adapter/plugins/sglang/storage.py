@@ -25,6 +25,7 @@ import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from engine_adapter.fingerprint import checkpoint_revision
 from engine_adapter.plugins.base import StoreSpec, dtype_name, release_store, shared_store
 from engine_adapter.plugins.sglang.layout import PageGeometry, PoolPages, geometry_of
 from kvstore.keys import Namespace
@@ -53,13 +54,18 @@ def page_hashes(seed: bytes, keys: Sequence[str]) -> list[bytes]:
 
 
 def namespace_for(config: HiCacheStorageConfig, geom: PageGeometry, tenant: str = "",
-                  codec: str = "raw") -> Namespace:
-    """One kvtier namespace per model, KV dtype and page size (SGLang's storage model name
-    already carries the host pool's page-format tag when it has one)."""
-    return Namespace(model=config.model_name or "sglang", num_layers=geom.num_layers,
+                  codec: str = "raw", revision: str = "") -> Namespace:
+    """One kvtier namespace per model, its weights, KV dtype and page size (SGLang's storage
+    model name already carries the host pool's page-format tag when it has one). The
+    weights are named by `revision` (the `kvtier_revision` option) if set, else by the
+    checkpoint's revision (`engine_adapter.fingerprint.checkpoint_revision` of the model
+    name: a local checkpoint's content, a hub id's commit)."""
+    name = config.model_name or "sglang"
+    weights = revision or checkpoint_revision(name)
+    return Namespace(model=name, num_layers=geom.num_layers,
                      num_kv_heads=geom.num_kv_heads, head_dim=geom.head_dim,
                      dtype=dtype_name(geom.dtype), block_tokens=geom.page_size,
-                     revision="sglang-hicache", tenant=tenant, codec=codec)
+                     revision=f"sglang-hicache:{weights}", tenant=tenant, codec=codec)
 
 
 def _stored(statuses) -> list[bool]:
@@ -70,7 +76,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
     """SGLang calls `KVTierHiCacheStorage(storage_config, kwargs)` and then
     `register_mem_pool_host(pool)`; the store opens there, once the page geometry is known.
     Options come from the backend's extra config (`kvtier_url`, `kvtier_token`,
-    `kvtier_path`, `kvtier_dram_blocks`, `kvtier_ssd_blocks`, `kvtier_tenant`, `kvtier_codec`:
+    `kvtier_path`, `kvtier_dram_blocks`, `kvtier_ssd_blocks`, `kvtier_tenant`, `kvtier_revision`
+    (a name for the weights; default: their fingerprint), `kvtier_codec`:
     blocks stored compressed, docs/compression.md)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
@@ -82,6 +89,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.spec = StoreSpec.from_options(options)   # fails here on a missing store option
         self.tenant = str(options.get("kvtier_tenant", ""))
         self.codec = str(options.get("kvtier_codec", "raw"))
+        self.revision = str(options.get("kvtier_revision") or "")
         self.store = None
 
     # ------------------------------------------------------------------ set-up
@@ -90,7 +98,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         geom = geometry_of(mem_pool_host)
         self.close()
-        self.ns = namespace_for(self.config, geom, self.tenant, self.codec)
+        self.ns = namespace_for(self.config, geom, self.tenant, self.codec, self.revision)
         self.seed = key_seed(self.ns, shard_of(self.config))
         self.pages = PoolPages(geom, mem_pool_host.kv_buffer)
         chunk = max(1, min(MAX_BATCH_PAGES, STAGING_BYTES // geom.block_bytes))

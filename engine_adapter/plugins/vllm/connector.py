@@ -14,7 +14,9 @@ Enable it with (pinned against vLLM 0.32 / 0.33):
 Extra config keys: `kvtier_url` + `kvtier_token` (a `kvtier serve` daemon; engine instances
 pointed at one daemon share their prefixes; the token also comes from $KVTIER_TOKEN) or
 `kvtier_path` (an in-process store; scheduler and worker must share the process, as in
-vLLM's uniproc CPU path), `kvtier_tenant`, `kvtier_async_load` (load between scheduler
+vLLM's uniproc CPU path), `kvtier_tenant`, `kvtier_revision` (a name for the weights;
+default: the checkpoint's content fingerprint or hub commit, engine_adapter.fingerprint),
+`kvtier_async_load` (load between scheduler
 steps), `kvtier_save_decode` (also save the blocks that decoding fills, so a follow-up turn
 that repeats the answer finds it), `kvtier_dram_blocks`, `kvtier_ssd_blocks`.
 Blocks are keyed by kvtier's own hash of the token ids, never by vLLM's block hash. Loads
@@ -29,6 +31,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
+from engine_adapter.fingerprint import checkpoint_revision
 from engine_adapter.plugins.base import StoreSpec, dtype_name, release_store, shared_store
 from engine_adapter.plugins.vllm.metadata import KVTierMetadata
 from engine_adapter.plugins.vllm.scheduler_side import SchedulerSide
@@ -43,7 +46,10 @@ if TYPE_CHECKING:
 
 
 def namespace_for(vllm_config: "VllmConfig", tp_rank: int = 0) -> Namespace:
-    """kvtier namespace of the model vLLM serves (its paged KV layout and cache dtype)."""
+    """kvtier namespace of the model vLLM serves (its paged KV layout and cache dtype). Its
+    revision names the weights: `kvtier_revision` if set, else the checkpoint's
+    (`engine_adapter.fingerprint.checkpoint_revision`: a local checkpoint's content, a hub
+    id's commit)."""
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     dtype = model.dtype if cache.cache_dtype in (None, "auto") else cache.cache_dtype
@@ -53,9 +59,18 @@ def namespace_for(vllm_config: "VllmConfig", tp_rank: int = 0) -> Namespace:
     return Namespace(model=name, num_layers=model.get_num_layers(parallel),
                      num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                      dtype=dtype_name(dtype).replace("fp8_e4m3", "float8_e4m3fn"),
-                     block_tokens=cache.block_size, revision=str(model.revision or "main"),
+                     block_tokens=cache.block_size, revision=model_revision(vllm_config, extra),
                      tenant=str(extra.get("kvtier_tenant", "")),
                      codec=str(extra.get("kvtier_codec", "raw")))
+
+
+def model_revision(vllm_config: "VllmConfig", extra: dict) -> str:
+    if extra.get("kvtier_revision"):
+        return str(extra["kvtier_revision"])
+    model = vllm_config.model_config
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    return checkpoint_revision(str(model.model), model.revision,
+                               hub_dirs=(download_dir,) if download_dir else ())
 
 
 def _flag(extra: dict, key: str) -> bool:
