@@ -17,6 +17,7 @@ from engine_adapter.errors import ModelLoadError
 from engine_adapter.fingerprint import weights_revision  # noqa: F401 (also loader's API)
 from engine_adapter.model import LlamaForCausalLM
 from engine_adapter.hf_config import model_config_from_hf
+from kvstore import env
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -153,16 +154,70 @@ def _hf_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
-def load_hf_gguf(path: str | None = None, gguf_file: str | None = None):
-    """(transformers model, tokenizer) from a GGUF file, offline; default SmolLM2-135M."""
+def load_hf_gguf(path: str | None = None, gguf_file: str | None = None, cache: bool = True):
+    """(transformers model, tokenizer) from a GGUF file, offline; default SmolLM2-135M.
+
+    De-quantizing a GGUF file through transformers takes ~20 s for SmolLM2 on a 2-core host,
+    each time. With `cache`, the first load saves what transformers made of it
+    (`save_pretrained`: its float32 weights, config, generation config and tokenizer) under
+    $KVTIER_CACHE/hf-gguf, keyed by the file's size and mtime, and later loads read that
+    (~2 s): the same tensors, bit for bit."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path is None:
         path, gguf_file = smollm2_path()
+    saved = _gguf_cache_dir(path, gguf_file) if cache and gguf_file else None
+    if saved is not None and os.path.exists(os.path.join(saved, "done")):
+        hf = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+        hf.config._name_or_path = path  # (as loaded from the GGUF file: a name plugins use)
+        return hf.eval(), AutoTokenizer.from_pretrained(saved)
     hf = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    if saved is not None:
+        _save_converted(hf, tokenizer, saved)
     return hf.eval(), tokenizer
+
+
+def _gguf_cache_dir(path: str, gguf_file: str) -> str | None:
+    try:
+        st = os.stat(os.path.join(path, gguf_file))
+    except OSError:
+        return None  # (from_pretrained says what is missing)
+    stem = os.path.splitext(os.path.basename(gguf_file))[0]
+    return os.path.join(env.cache_root(), "hf-gguf", f"{stem}-{st.st_size}-{st.st_mtime_ns}")
+
+
+def _save_converted(hf, tokenizer, final: str) -> None:
+    """Saved whole in a directory of its own, renamed into place (a reader sees all of it
+    or none; of processes converting at once, the first rename stays). A cache that cannot
+    be written is skipped: the next load converts again."""
+    import logging
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
+        # (transformers will not save_pretrained a model it loaded from GGUF: the weights,
+        # de-quantized already, go through safetensors, ties kept as ties)
+        from safetensors.torch import save_model
+        save_model(hf, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        hf.config.save_pretrained(tmp)
+        hf.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        open(os.path.join(tmp, "done"), "w").close()
+        os.replace(tmp, final)
+        tmp = None
+    except OSError as e:
+        if not os.path.exists(os.path.join(final, "done")):
+            logging.getLogger("kvtier.loader").info(
+                "could not keep the converted model in %s (%s): the next load converts "
+                "the GGUF file again", final, e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_smollm2(dtype: str = "float32"):

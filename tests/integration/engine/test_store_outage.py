@@ -42,7 +42,9 @@ def test_a_stalled_store_costs_one_timeout_not_one_per_request(make_daemon):  # 
             took.append(time.monotonic() - t0)
     finally:
         os.kill(d.pid, signal.SIGCONT)
-    assert took[0] >= 0.9 and max(took[1:]) < 0.5, took  # (each waited 1 s, 30 by default)
+    # one request at most waits out the timeout (the first to meet the outage, or none when
+    # the save thread met it first); before the breaker each waited 1 s (30 by default)
+    assert sorted(took)[-2] < 0.5, took
     deadline = time.monotonic() + 20
     while engine.connector.store_down:
         assert time.monotonic() < deadline, "the store was never tried again"
