@@ -20,7 +20,7 @@ from typing import Sequence
 from kvstore.buffers import byte_rows
 from kvstore.client.errors import ClientError
 from kvstore.cluster.membership import ClusterMember
-from kvstore.cluster.messages import Locate, Located
+from kvstore.cluster.messages import Locate, Located, TenantLocate
 from kvstore.cluster.records import ClusterError, parse_etcd_url
 from kvstore.cluster.ring import HashRing
 from kvstore.events import TierKind
@@ -30,6 +30,8 @@ from kvstore.logevery import LogEvery
 from kvstore.wire import RemoteError
 
 log = logging.getLogger("kvtier.cluster")
+TENANT_LOCATE = "locate-tenant"  # the leader's route for a namespace's own token
+TENANT_LOCATE_HASHES = 1 << 16  # hashes per tenant locate (~1.2 MiB: under MAX_TENANT_BODY)
 ASK_INDEX_AGAIN_S = 60.0  # a token the leader's index refused asks it again after this
 
 _RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
@@ -135,27 +137,43 @@ class ClusterClient:
             return None
         if self.index_refused and time.monotonic() < self._ask_again_at:
             return None  # (refused lately: not a round trip to a 403 before every read)
+        if not self.ns.tenant:
+            return self._locate(rec, "locate", Locate(self.ns.ns_id, tuple(map(bytes, hashes))))
+        # a tenant's namespace goes whole (its token may locate its own), in pieces the
+        # leader takes from a tenant (MAX_TENANT_BODY); the pieces' holders make the prefixes
+        holders: list[tuple[str, ...]] = []
+        for at in range(0, len(hashes), TENANT_LOCATE_HASHES):
+            got = self._locate(rec, TENANT_LOCATE,
+                               TenantLocate.of(self.ns, hashes[at:at + TENANT_LOCATE_HASHES]))
+            if got is None:
+                return None
+            holders += got.holders
+        if len(hashes) <= TENANT_LOCATE_HASHES:
+            return got
+        return Located(tuple(holders), leading_holders(holders))
+
+    def _locate(self, rec, what: str, msg) -> Located | None:
         headers = {"Content-Type": "application/msgpack"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        req = urllib.request.Request(f"{rec.control_url}/cluster/locate", method="POST",
-                                     data=Locate(self.ns.ns_id, tuple(map(bytes, hashes))).encode(),
-                                     headers=headers)
+        req = urllib.request.Request(f"{rec.control_url}/cluster/{what}", method="POST",
+                                     data=msg.encode(), headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=min(self.timeout_s, 5.0)) as resp:
                 self.index_refused = False
                 return Located.decode(resp.read())
         except urllib.error.HTTPError as e:
-            if e.code in (401, 403):  # the index is the admin's: a tenant's token asks
-                # every member instead (`_candidates`); it looked only where the hash ring
-                # says, and missed every block put through a preferred node, silently
+            if e.code in (401, 403, 404, 405):  # the index is not this token's (or the
+                # leader predates locate-tenant): ask every member instead (`_candidates`);
+                # it looked only where the hash ring says, and missed every block put
+                # through a preferred node, silently
                 self.index_refused = True
                 self._ask_again_at = time.monotonic() + ASK_INDEX_AGAIN_S
                 skipped = self._refused.due()
                 if skipped is not None:
                     log.info("the cluster index is not this token's (HTTP %d from the leader "
                              "%s): reads ask every member (%d more since the last line)",
-                             e.code, leader, skipped)
+                             e.code, rec.node_id, skipped)
             return None
         except (urllib.error.URLError, OSError, ClusterError):
             return None
@@ -273,3 +291,17 @@ class ClusterClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def leading_holders(holders: Sequence[Sequence[str]]) -> tuple[tuple[str, int], ...]:
+    """(node, how many leading blocks it holds), longest first (`Located.prefix` from
+    per-block holders)."""
+    run: dict[str, int] = {}
+    live = set(holders[0]) if holders else set()
+    for i, nodes in enumerate(holders):
+        live &= set(nodes)
+        if not live:
+            break
+        for n in live:
+            run[n] = i + 1
+    return tuple(sorted(run.items(), key=lambda p: (-p[1], p[0])))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvstore.cluster.records import ClusterError
 from kvstore.events import KVEvent, TierKind
-from kvstore.keys import HashField
+from kvstore.keys import HashField, Namespace
 from transfer.codec import Record
 
 
@@ -41,6 +41,36 @@ class Locate(Message, tag="locate/2"):
 
     ns_id: int
     hashes: tuple[HashField, ...]
+
+
+class TenantLocate(Message, tag="locate-tenant/1"):
+    """`Locate` for any token: the namespace whole, not its id. The leader computes the id
+    itself and checks the namespace's tenant against the token (an id alone would let a
+    tenant name another tenant's namespace)."""
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_tokens: int
+    revision: str
+    tenant: str
+    codec: str
+    hashes: tuple[HashField, ...]
+
+    @classmethod
+    def of(cls, ns: Namespace, hashes) -> "TenantLocate":
+        return cls(ns.model, ns.num_layers, ns.num_kv_heads, ns.head_dim, ns.dtype,
+                   ns.block_tokens, ns.revision, ns.tenant, ns.codec, tuple(map(bytes, hashes)))
+
+    def namespace(self) -> Namespace:
+        """ClusterError for fields no namespace has."""
+        try:
+            return Namespace(self.model, self.num_layers, self.num_kv_heads, self.head_dim,
+                             self.dtype, self.block_tokens, self.revision, self.tenant, self.codec)
+        except ValueError as e:
+            raise ClusterError(f"not a namespace: {e}") from e
 
 
 class Located(Message, tag="located/2"):

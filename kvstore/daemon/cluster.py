@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from kvstore.cluster.membership import Change, ClusterMember
-from kvstore.cluster.messages import EventBatch, Locate, Located, Snapshot
+from kvstore.cluster.messages import EventBatch, Locate, Located, Snapshot, TenantLocate
 from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
 from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import ADMIN, DaemonConfig
@@ -181,8 +181,9 @@ def _agent(request: web.Request) -> ClusterAgent:
 SHIP_BACKOFF_MAX_S = 5.0  # the longest wait between reports to a leader that refuses them
 
 
-def _leader_only(request: web.Request) -> ClusterAgent:
-    require_admin(request)
+def _leader_only(request: web.Request, admin: bool = True) -> ClusterAgent:
+    if admin:
+        require_admin(request)
     agent = _agent(request)
     if not agent.member.is_leader:
         raise web.HTTPConflict(text=f"not the leader; the leader is {agent.member.leader_id}\n")
@@ -192,15 +193,25 @@ def _leader_only(request: web.Request) -> ClusterAgent:
 MAX_CONTROL_BODY = 1 << 30  # a cluster snapshot, 18 bytes a block: ~60M blocks. aiohttp's
 # default (1 MiB, ~58k blocks) answered a bigger namespace's snapshot 413, for good: that
 # node's blocks never reached the leader's index. (Bodies are read after the token check.)
+MAX_TENANT_BODY = 4 << 20  # a tenant's locate: ~230k hashes (its namespace is in the body,
+# so it is read before the tenant check: a tenant's body is small and announced)
 BODY_GRACE_S = 10.0  # a report's body must come within this plus its length at
 MIN_BODY_RATE = 4 << 20  # bytes/s (as a data-plane put's payload): else 408 and closed
 
 
-async def _leader_call(request: web.Request, message, act) -> web.Response:
-    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader.
-    The body is read within a deadline: a sender trickling it held its connection (one of
-    the control plane's capped slots) for as long as it liked."""
-    agent = _leader_only(request)
+async def _leader_call(request: web.Request, message, act, admin: bool = True) -> web.Response:
+    """Decode the body as `message`, run `act(service, decoded) -> bytes` on the leader
+    (`act` may raise HTTP errors: with `admin` False any known token gets this far, and
+    `act` checks the request against it). The body is read within a deadline: a sender
+    trickling it held its connection (one of the control plane's capped slots) for as long
+    as it liked."""
+    if not admin and grant_of(request) != ADMIN:
+        size = request.content_length
+        if size is None or size > MAX_TENANT_BODY:
+            raise web.HTTPRequestEntityTooLarge(MAX_TENANT_BODY, size or 0, text=(
+                f"a tenant's request body must announce its length (Content-Length) and be "
+                f"at most {MAX_TENANT_BODY} bytes: locate fewer hashes at a time\n"))
+    agent = _leader_only(request, admin)
     size = request.content_length or MAX_CONTROL_BODY
     try:
         async with asyncio.timeout(BODY_GRACE_S + size / MIN_BODY_RATE):
@@ -227,7 +238,22 @@ async def post_snapshot(request: web.Request) -> web.Response:
 
 
 async def post_locate(request: web.Request) -> web.Response:
+    """The admin's: which nodes hold blocks of any namespace, named by its id."""
     return await _leader_call(request, Locate, lambda svc, req: svc.locate(req).encode())
+
+
+async def post_locate_tenant(request: web.Request) -> web.Response:
+    """Any token's, for namespaces it may use: the body names the namespace whole, its id
+    computed here and its tenant checked against the token (an admin's: any). A tenant's
+    pool client without it asked every member on each miss."""
+    grant = grant_of(request)
+
+    def locate(svc: MetadataService, req: TenantLocate) -> bytes:
+        ns = req.namespace()
+        if grant != ADMIN and ns.tenant != grant:
+            raise web.HTTPForbidden(text=f"this token is for tenant {grant!r}, not {ns.tenant!r}\n")
+        return svc.locate(Locate(ns.ns_id, req.hashes)).encode()
+    return await _leader_call(request, TenantLocate, locate, admin=False)
 
 
 async def get_nodes(request: web.Request) -> web.Response:
@@ -250,4 +276,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/cluster/events", post_events)
     app.router.add_post("/cluster/snapshot", post_snapshot)
     app.router.add_post("/cluster/locate", post_locate)
+    app.router.add_post("/cluster/locate-tenant", post_locate_tenant)
     app.router.add_get("/cluster/nodes", get_nodes)

@@ -1,6 +1,7 @@
 """A pool of real `kvtier serve --cluster` processes coordinated by a real etcd server."""
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -12,6 +13,7 @@ import pytest
 
 import kvstore
 from kvstore.client.cluster import ClusterClient
+from kvstore.cluster.messages import Located
 from kvstore.keys import hash_blocks
 from kvstore.store import PutStatus
 
@@ -295,17 +297,22 @@ def test_peers_and_clients_need_the_token(etcd, tmp_path):
         pool.stop()
 
 
-def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, tmp_path):
-    """/cluster/locate (the leader's index of every namespace) is the admin's: a tenant's
-    pool client got 403, said nothing, and looked only where the hash ring says, so
-    blocks another client of the tenant had put through a preferred node were misses.
-    Where the index is not its token's, a pool client asks every member."""
-    from kvstore.cluster.messages import Locate
+def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, tmp_path, monkeypatch):
+    """A tenant's pool client locates its own namespace through the leader's index (the
+    namespace whole, checked against its token): blocks another client of the tenant put
+    through a preferred node are hits, and a miss asks only the ring's owners (it asked
+    every member, a round trip each). /cluster/locate by namespace id stays the admin's;
+    against a leader without the tenant route, a client asks every member."""
+    import http.client
+
+    import kvstore.client.cluster as cluster_client
+    from kvstore.cluster.messages import Locate, TenantLocate
     from kvstore.keys import Namespace
     token_file = tmp_path / "tokens"
-    token_file.write_text("s3cret\nalice-token alice\n")
+    token_file.write_text("s3cret\nalice-token alice\nbob-token bob\n")
     pool = Pool(etcd, tmp_path, 3, "--token-file", str(token_file))
     alice = Namespace(NS.model, NS.num_layers, NS.num_kv_heads, NS.head_dim, tenant="alice")
+    bob = Namespace(NS.model, NS.num_layers, NS.num_kv_heads, NS.head_dim, tenant="bob")
     try:
         wait_until(lambda: len(pool.view("n0", "s3cret").get("members", ())) == 3, 15,
                    "three members")
@@ -313,32 +320,52 @@ def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, t
         with ClusterClient(pool.url, token="alice-token", namespace=alice,
                            prefer_node="n1") as writer:
             assert writer.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 30
-        asked = []
-        real = urllib.request.urlopen
-
-        def counted(req, *a, **kw):  # (the real call, counted)
-            asked.append(getattr(req, "full_url", req))
-            return real(req, *a, **kw)
         with ClusterClient(pool.url, token="alice-token", namespace=alice) as reader:
+            wait_until(lambda: (reader.locate(hashes) or Located((), ())).holders
+                       and all(reader.locate(hashes).holders), 15, "the leader's index")
+            assert not reader.index_refused
             assert reader.contains_n(hashes) == [True] * 30
-            out, tiers = read(reader, hashes)
-            assert check_bytes(hashes, out, tiers) == 30
-            assert reader.index_refused
-            import kvstore.client.cluster as cluster_client
-            cluster_client.urllib.request.urlopen = counted
-            try:
-                for _ in range(3):  # refused once: not asked again before every read
-                    assert check_bytes(hashes, *read(reader, hashes)) == 30
-            finally:
-                cluster_client.urllib.request.urlopen = real
-            assert not [u for u in asked if u.endswith("/cluster/locate")]
+            assert check_bytes(hashes, *read(reader, hashes)) == 30
+            asked: list[tuple[str, int]] = []
+            real_get = reader._get_from
+
+            def counted(node, hs, rows, idx):  # (the real call, its node counted)
+                asked.extend((node, i) for i in idx)
+                return real_get(node, hs, rows, idx)
+            reader._get_from = counted
+            missing = hash_blocks(alice, list(range(10**6, 10**6 + 8 * alice.block_tokens)))
+            assert read(reader, missing)[1] == [None] * 8
+            per_miss = collections.Counter(i for _, i in asked)
+            assert max(per_miss.values()) <= reader.replicas, asked  # (not every member)
         leader = pool.nodes[pool.view("n0", "s3cret")["leader"]]
-        req = urllib.request.Request(leader.http + "/cluster/locate", method="POST",
-                                     data=Locate(alice.ns_id, tuple(hashes[:3])).encode(),
-                                     headers={"Authorization": "Bearer alice-token"})
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(req, timeout=5)
-        assert err.value.code == 403  # (the index stays the admin's)
+
+        def post(path, body, token="alice-token", length=None):
+            conn = http.client.HTTPConnection(leader.http.split("//")[1], timeout=10)
+            headers = {"Content-Type": "application/msgpack",
+                       "Content-Length": str(len(body) if length is None else length)}
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            conn.request("POST", path, body=body, headers=headers)
+            status = conn.getresponse().status
+            conn.close()
+            return status
+        mine = TenantLocate.of(alice, hashes[:3]).encode()
+        assert post("/cluster/locate-tenant", mine) == 200
+        assert post("/cluster/locate-tenant", TenantLocate.of(bob, hashes[:3]).encode()) == 403
+        assert post("/cluster/locate-tenant", mine, token="bob-token") == 403
+        assert post("/cluster/locate-tenant", mine, token="") == 401
+        assert post("/cluster/locate-tenant", mine, token="s3cret") == 200  # (the admin's: any)
+        bad = TenantLocate("m", 1, 1, 64, "bogus", 16, "main", "alice", "raw", ()).encode()
+        assert post("/cluster/locate-tenant", bad) == 400
+        # a tenant's body is small and announced: refused before a byte of it is read
+        assert post("/cluster/locate-tenant", b"", length=64 << 20) == 413
+        # the index by namespace id stays the admin's
+        assert post("/cluster/locate", Locate(alice.ns_id, tuple(hashes[:3])).encode()) == 403
+        # a leader that predates the tenant route: every member is asked, nothing is missed
+        monkeypatch.setattr(cluster_client, "TENANT_LOCATE", "locate-from-the-future")
+        with ClusterClient(pool.url, token="alice-token", namespace=alice) as reader:
+            assert check_bytes(hashes, *read(reader, hashes)) == 30
+            assert reader.index_refused
     finally:
         pool.stop()
 

@@ -131,3 +131,27 @@ def test_holders_lists_live_nodes_per_hash():
     assert idx.holders([b"x", b"y", b"z"]) == [("b",), ("a", "b"), ()]
     idx.mark_stale("b")
     assert idx.holders([b"x", b"y"]) == [(), ("a",)]
+
+
+def test_prefixes_from_holders_agree_with_the_leaders_query():
+    """A tenant's pool client locates a big batch in pieces and makes the prefixes from
+    the pieces' holders (kvstore.client.cluster.leading_holders): the same as the leader's."""
+    import random
+
+    from kvstore.client.cluster import leading_holders
+    from kvstore.cluster.messages import Locate
+    from kvstore.daemon.cluster import MetadataService
+    rng = random.Random(5)
+    for trial in range(200):
+        svc = MetadataService()
+        index = svc.index(7)
+        for node in "abcd":
+            n = rng.randrange(0, 12)
+            ids = [i for i in range(n) if rng.random() > 0.1] + rng.sample(range(20), 3)
+            index.apply(stored(node, 0, ids))
+        if trial % 3 == 0:
+            index.remove_node("b")
+        hashes = tuple(h(i) for i in range(rng.randrange(1, 15)))
+        want = svc.locate(Locate(7, hashes))
+        assert leading_holders(want.holders) == want.prefix
+    assert leading_holders([]) == () and leading_holders([()]) == ()
