@@ -5,74 +5,105 @@ alone does not say which weights: a checkpoint retrained into the same directory
 model whose `main` moved on, would be handed the KV the old weights computed. So every
 engine names its weights by what they are:
 
-- `weights_revision`: a fingerprint of tensors in memory (our engine, the transformers plugin);
+- `weights_revision`: a fingerprint of tensors in memory and the config that runs them (our
+  engine, the transformers plugin);
 - `checkpoint_revision`: of a checkpoint an engine loads by path or hub id (the vLLM and
-  SGLang plugins): a local directory or file by the content of its config and weight files
-  (hashed once per file version, then remembered in a cache keyed by the file's identity and
-  change time), a hub id by the commit its revision resolves to in the local hub cache.
+  SGLang plugins): a local directory or file by the content of its files (every file but
+  the few that cannot change KV, such as tokenizer files and READMEs), hashed once per file
+  version and then remembered in a cache keyed by the file's identity and change time; a
+  hub id by the commit its revision resolves to in the engine's hub cache. An engine's
+  settings that change KV without changing files (config overrides, quantization, load
+  format) are mixed in by the plugin (`extra`).
 
 Equal weights get equal revisions on any host (the fingerprint is of bytes, not of paths or
 times), so a pool shared by many engines still shares their KV.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
 import re
 import tempfile
-from typing import Mapping
+from typing import Any, Mapping
 
 import xxhash
 
+from kvstore import env
+
 log = logging.getLogger("kvtier.fingerprint")
 
-# what a checkpoint directory's KV depends on: its config and its weights (not its tokenizer
-# files: they change token ids, which change block hashes already)
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".npz", ".h5")
-CONFIG_FILES = ("config.json", "params.json")
+# files of a checkpoint that cannot change its KV for given token ids (tokenizer files change
+# the token ids, which change block hashes already), and a trainer's state beside weights
+IGNORED = ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "added_tokens.json",
+           "chat_template*", "generation_config.json", "*.md", "README*", "LICENSE*", "NOTICE*",
+           "USE_POLICY*", "optimizer.*", "scheduler.pt", "rng_state*", "trainer_state.json",
+           "training_args.bin", "*.lock", "*.png", "*.jpg")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".npz", ".h5",
+                   ".msgpack", ".tensors", ".onnx")
 READ_BYTES = 8 << 20
 PROGRESS_BYTES = 1 << 30  # a progress bar for checkpoints at least this big
 COMMIT = re.compile(r"[0-9a-f]{40}")
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
-def weights_revision(weights: Mapping[str, "torch.Tensor"]) -> str:  # noqa: F821
-    """A fingerprint of a model's weights in memory (names, dtypes, shapes and bytes):
-    two checkpoints with one name never share blocks. xxh3_128, ~0.1 s a GB (a GPU tensor
-    is copied to the host one at a time)."""
+def weights_revision(weights: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> str:
+    """A fingerprint of a model's tensors in memory (names, dtypes, shapes and bytes) and of
+    the `config` that runs them (rope, norm epsilon...): two models of one name but other
+    weights or settings never share blocks. xxh3_128, ~0.1 s a GB (a GPU tensor is copied to
+    the host one at a time). ValueError for tensors that are not here (meta tensors of an
+    offloaded model): name the weights yourself then."""
     import torch
 
     h = xxhash.xxh3_128()
     for key in sorted(weights):
-        t = weights[key].detach().contiguous().cpu()
+        t = weights[key].detach()
+        if t.is_meta:
+            raise ValueError(f"cannot fingerprint {key!r}: a meta tensor (weights offloaded "
+                             "or not loaded); pass a revision that names these weights")
+        t = t.contiguous().cpu()
         h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
             h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    if config:
+        h.update(b"config|" + canonical(config))
     return "w-" + h.hexdigest()[:32]
 
 
-def checkpoint_revision(model: str, revision: str | None = None, *,
-                        hub_dirs: tuple[str, ...] = (), cache_path: str | None = None,
+def canonical(config: Mapping[str, Any]) -> bytes:
+    """A config as stable bytes (its name or path left out: where it was loaded from is not
+    what it is)."""
+    cfg = {k: v for k, v in config.items() if k not in ("_name_or_path", "name_or_path")}
+    return json.dumps(cfg, sort_keys=True, default=str).encode()
+
+
+def checkpoint_revision(model: str, revision: str | None = None, *, hub_dir: str | None = None,
+                        extra: bytes = b"", cache_path: str | None = None,
                         fallback: str | None = None) -> str:
     """The revision of the checkpoint an engine loads as `model` (a local directory or file,
-    or a hub id) at `revision` (the engine's, None for the default branch):
+    or a hub id) at `revision` (the engine's, None for the default branch), with the
+    engine's own settings that change KV (`extra`: config overrides, quantization...):
 
-    - a local path: "f-" + a fingerprint of its config and weight files' content;
-    - a hub id whose `revision` is a commit, or resolves to one in the local hub cache
-      (`hub_dirs` first, then $HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub): "hf-" +
+    - a local path: "f-" + a fingerprint of its files' content;
+    - a hub id whose `revision` is a commit, or resolves to one in the engine's hub cache
+      (`hub_dir`, else huggingface_hub's own: $HF_HUB_CACHE, $HF_HOME/hub...): "hf-" +
       the commit;
     - else the name alone: `fallback` if given, else `revision` or "main" (what the plugins
       used before: their blocks stay readable), with a warning (set the plugin's
-      `kvtier_revision` to say which weights these are)."""
+      `kvtier_revision` to say which weights these are).
+
+    `extra` is added as "+" and its own fingerprint (not to a fallback: that one stays the
+    name it always was)."""
+    suffix = "+" + xxhash.xxh3_64_hexdigest(extra) if extra else ""
     path = os.path.expanduser(model)
     if os.path.exists(path):
-        return "f-" + _files_fingerprint(path, cache_path)
+        return "f-" + _files_fingerprint(path, cache_path or default_cache_path()) + suffix
     if revision and COMMIT.fullmatch(revision):
-        return "hf-" + revision
-    commit = hub_commit(model, revision or "main", hub_dirs)
+        return "hf-" + revision + suffix
+    commit = hub_commit(model, revision or "main", hub_dir)
     if commit:
-        return "hf-" + commit
+        return "hf-" + commit + suffix
     log.warning("kvtier keys the KV of %r by its name and revision %r alone (no local "
                 "checkpoint and no hub commit found for it): other weights served under this "
                 "name would share its blocks. Set kvtier_revision to a name for these weights",
@@ -80,56 +111,81 @@ def checkpoint_revision(model: str, revision: str | None = None, *,
     return (revision or "main") if fallback is None else fallback
 
 
-def hub_commit(repo_id: str, revision: str, hub_dirs: tuple[str, ...] = ()) -> str | None:
-    """The commit `revision` (a branch or tag) of hub repo `repo_id` resolves to in a local
-    hub cache (models--org--name/refs/<revision>), or None."""
-    if repo_id.count("/") != 1 or ".." in repo_id or ".." in revision or revision.startswith("/"):
+def hub_commit(repo_id: str, revision: str, hub_dir: str | None = None) -> str | None:
+    """The commit `revision` (a branch or tag) of hub repo `repo_id` resolves to in the hub
+    cache the engine downloads into (`hub_dir`, else `hub_cache_root()`), or None. One cache
+    only: another one's refs may be stale."""
+    if (not repo_id or repo_id.count("/") > 1 or ".." in repo_id or repo_id.startswith("/")
+            or ".." in revision or revision.startswith("/")):
         return None  # (not a hub id, or a path out of the cache)
     folder = "models--" + repo_id.replace("/", "--")
-    for root in (*hub_dirs, *_hub_roots()):
-        try:
-            with open(os.path.join(root, folder, "refs", revision)) as f:
-                commit = f.read().strip()
-        except OSError:
-            continue
-        if COMMIT.fullmatch(commit):
-            return commit
-    return None
+    try:
+        with open(os.path.join(hub_dir or hub_cache_root(), folder, "refs", revision)) as f:
+            commit = f.read().strip()
+    except OSError:
+        return None
+    return commit if COMMIT.fullmatch(commit) else None
 
 
-def _hub_roots() -> list[str]:
-    roots = []
-    if os.environ.get("HF_HUB_CACHE"):
-        roots.append(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        roots.append(os.path.join(os.environ["HF_HOME"], "hub"))
-    roots.append(os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub"))
-    return roots
+def hub_cache_root() -> str:
+    """Where huggingface_hub keeps downloads (its own answer when installed, which the
+    engines use; else the same rules: $HF_HUB_CACHE, $HUGGINGFACE_HUB_CACHE, $HF_HOME/hub,
+    $XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub)."""
+    try:
+        from huggingface_hub import constants
+        return constants.HF_HUB_CACHE
+    except ImportError:
+        pass
+    expand = lambda p: os.path.expanduser(os.path.expandvars(p))  # noqa: E731
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return expand(os.environ[var])
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return os.path.join(expand(home), "hub")
 
 
 def checkpoint_files(path: str) -> list[str]:
-    """The files of a checkpoint whose content names its revision: a file itself, or a
-    directory's config and weight files (its top level, where engines look)."""
+    """The files of a checkpoint whose content names its revision: a file itself, or every
+    file under a directory (subdirectories too, hidden ones aside) but those in IGNORED.
+    Sorted by their path within the checkpoint."""
     if not os.path.isdir(path):
         return [path]
-    names = sorted(n for n in os.listdir(path)
-                   if n in CONFIG_FILES or n.endswith(WEIGHT_SUFFIXES))
-    return [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+    out = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            if name.startswith(".") or any(fnmatch.fnmatch(name, p) for p in IGNORED):
+                continue
+            full = os.path.join(root, name)
+            if os.path.isfile(full):  # (a dangling link: not part of it)
+                out.append(full)
+    return sorted(out, key=lambda f: os.path.relpath(f, path))
 
 
-def _files_fingerprint(path: str, cache_path: str | None) -> str:
-    files = [(f, os.stat(f)) for f in checkpoint_files(path)]
-    cache_path = cache_path or default_cache_path()
+def _files_fingerprint(path: str, cache_path: str) -> str:
+    files = checkpoint_files(path)
+    if os.path.isdir(path) and not any(f.endswith(WEIGHT_SUFFIXES) for f in files):
+        log.warning("no weight file in %s: its KV is named by its other files only (weights "
+                    "loaded from elsewhere are not seen; set kvtier_revision)", path)
+    stats = [(f, os.stat(f)) for f in files]
+    keys = [_identity(f, st) for f, st in stats]
     cache = _load_cache(cache_path)
-    keys = [_identity(f, st) for f, st in files]
-    todo = [(f, st, key) for (f, st), key in zip(files, keys) if key not in cache]
-    if todo:
-        for (_, _, key), digest in zip(todo, _hash_files(todo)):
-            cache[key] = digest
-        _save_cache(cache_path, cache)
-    h = xxhash.xxh3_128()  # (names within the checkpoint, sizes and contents: not paths)
-    for (f, st), key in zip(files, keys):
-        h.update(f"{os.path.basename(f)}|{st.st_size}|{cache[key]}\n".encode())
+    if any(k not in cache for k in keys):
+        # one process hashes, the others (a scheduler and its TP workers start together)
+        # wait for it and read what it found
+        with _Lock(cache_path + ".lock"):
+            cache = _load_cache(cache_path)
+            todo = [(f, st, k) for (f, st), k in zip(stats, keys) if k not in cache]
+            if todo:
+                for (_, _, key), digest in zip(todo, _hash_files(todo)):
+                    cache[key] = digest
+                _save_cache(cache_path, cache)
+    h = xxhash.xxh3_128()  # (paths within the checkpoint, sizes and contents)
+    base = path if os.path.isdir(path) else os.path.dirname(path)
+    for (f, st), key in zip(stats, keys):
+        name = os.path.relpath(f, base) if os.path.isdir(path) else os.path.basename(f)
+        h.update(f"{name}|{st.st_size}|{cache[key]}\n".encode())
     return h.hexdigest()
 
 
@@ -138,6 +194,21 @@ def _identity(path: str, st: os.stat_result) -> str:
     was, os.utime included)."""
     return (f"{os.path.realpath(path)}|{st.st_dev}|{st.st_ino}|{st.st_size}|"
             f"{st.st_mtime_ns}|{st.st_ctime_ns}")
+
+
+def file_digest(path: str, cache_path: str | None = None) -> str:
+    """xxh3_128 of one file's content, from the cache when this version of it was hashed."""
+    cache_path = cache_path or default_cache_path()
+    st = os.stat(path)
+    key = _identity(path, st)
+    cache = _load_cache(cache_path)
+    if key not in cache:
+        with _Lock(cache_path + ".lock"):
+            cache = _load_cache(cache_path)
+            if key not in cache:
+                cache[key] = _hash_files([(path, st, key)])[0]
+                _save_cache(cache_path, cache)
+    return cache[key]
 
 
 def _hash_files(todo: list) -> list[str]:
@@ -165,8 +236,31 @@ def _hash_files(todo: list) -> list[str]:
 
 
 def default_cache_path() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "kvtier", "fingerprints.json")
+    return os.path.join(env.cache_root(), "fingerprints.json")
+
+
+class _Lock:
+    """An exclusive flock on `path` for the block (none where it cannot be had: then each
+    process hashes for itself, which is slower, never wrong)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.fd = path, -1
+
+    def __enter__(self) -> "_Lock":
+        import fcntl
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError:
+            if self.fd >= 0:
+                os.close(self.fd)
+            self.fd = -1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # (releases the lock)
 
 
 def _load_cache(path: str) -> dict[str, str]:
@@ -182,15 +276,23 @@ def _load_cache(path: str) -> dict[str, str]:
 
 
 def _save_cache(path: str, cache: dict[str, str]) -> None:
-    """Written whole and renamed into place (processes fingerprinting at once each write a
-    whole file; the last one stays). A cache that cannot be written is skipped: the next
-    start hashes again."""
+    """Written whole and renamed into place. Entries of files gone are dropped. A cache that
+    cannot be written is skipped: the next start hashes again."""
+    live = {k: v for k, v in cache.items() if os.path.exists(k.split("|", 1)[0])}
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fingerprints-")
         with os.fdopen(fd, "w") as f:
-            json.dump({"version": CACHE_VERSION, "files": cache}, f)
+            json.dump({"version": CACHE_VERSION, "files": live}, f)
         os.replace(tmp, path)
+        tmp = None
     except OSError as e:
         log.info("kvtier could not keep weight fingerprints in %s (%s): they are computed "
                  "again at the next start", path, e)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

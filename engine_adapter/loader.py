@@ -7,7 +7,10 @@ import dataclasses
 import glob
 import importlib.util
 import json
+import logging
 import os
+import shutil
+import tempfile
 from typing import Any, Mapping
 
 import torch
@@ -122,8 +125,13 @@ def from_transformers(hf_model: Any, dtype: str = "float32", name: str | None = 
     cfg = model_config_from_hf(hf_model.config, name=name)
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     if name is None:
-        cfg = dataclasses.replace(cfg, revision=weights_revision(state))
+        cfg = dataclasses.replace(cfg, revision=weights_revision(state, _settings(cfg)))
     return from_state_dict(cfg, state, dtype)
+
+
+def _settings(cfg: ModelConfig) -> dict:
+    """What of a config changes KV besides the weights (not its name and revision)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("name", "revision")}
 
 
 def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
@@ -139,7 +147,7 @@ def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
         weights.update(load_file(file))
     # (the directory's name alone named the KV namespace: two runs' `final/` checkpoints
     # shared it, and one model was handed the other's KV)
-    cfg = dataclasses.replace(cfg, revision=weights_revision(weights))
+    cfg = dataclasses.replace(cfg, revision=weights_revision(weights, _settings(cfg)))
     return from_state_dict(cfg, {k: v.float() for k, v in weights.items()}, dtype)
 
 
@@ -154,14 +162,18 @@ def _hf_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
+GGUF_CACHE_FORMAT = 2  # what a kept conversion holds, and how it is keyed
+
+
 def load_hf_gguf(path: str | None = None, gguf_file: str | None = None, cache: bool = True):
     """(transformers model, tokenizer) from a GGUF file, offline; default SmolLM2-135M.
 
     De-quantizing a GGUF file through transformers takes ~20 s for SmolLM2 on a 2-core host,
-    each time. With `cache`, the first load saves what transformers made of it
-    (`save_pretrained`: its float32 weights, config, generation config and tokenizer) under
-    $KVTIER_CACHE/hf-gguf, keyed by the file's size and mtime, and later loads read that
-    (~2 s): the same tensors, bit for bit."""
+    each time. With `cache`, the first load keeps what transformers made of it (its float32
+    weights via safetensors, config, generation config and tokenizer) under
+    $KVTIER_CACHE/hf-gguf, keyed by the file's content (its xxh3, itself cached per file
+    version) and the transformers version, and later loads read that (~1 s): the same
+    tensors, bit for bit. A kept conversion that does not load is converted again."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -169,9 +181,16 @@ def load_hf_gguf(path: str | None = None, gguf_file: str | None = None, cache: b
         path, gguf_file = smollm2_path()
     saved = _gguf_cache_dir(path, gguf_file) if cache and gguf_file else None
     if saved is not None and os.path.exists(os.path.join(saved, "done")):
-        hf = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
-        hf.config._name_or_path = path  # (as loaded from the GGUF file: a name plugins use)
-        return hf.eval(), AutoTokenizer.from_pretrained(saved)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(saved)
+        except Exception as e:  # (damaged: a disk error, a file cut short)
+            logging.getLogger("kvtier.loader").warning(
+                "the kept conversion %s does not load (%s): converting %s again", saved, e, gguf_file)
+            shutil.rmtree(saved, ignore_errors=True)
+        else:
+            hf.config._name_or_path = path  # (as loaded from the GGUF file: a name plugins use)
+            return hf.eval(), tokenizer
     hf = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
     if saved is not None:
@@ -180,22 +199,23 @@ def load_hf_gguf(path: str | None = None, gguf_file: str | None = None, cache: b
 
 
 def _gguf_cache_dir(path: str, gguf_file: str) -> str | None:
+    import transformers
+
+    from engine_adapter.fingerprint import file_digest
     try:
-        st = os.stat(os.path.join(path, gguf_file))
+        digest = file_digest(os.path.join(path, gguf_file))
     except OSError:
         return None  # (from_pretrained says what is missing)
     stem = os.path.splitext(os.path.basename(gguf_file))[0]
-    return os.path.join(env.cache_root(), "hf-gguf", f"{stem}-{st.st_size}-{st.st_mtime_ns}")
+    return os.path.join(env.cache_root(), "hf-gguf", f"{stem}-{digest[:32]}-transformers"
+                        f"{transformers.__version__}-v{GGUF_CACHE_FORMAT}")
 
 
 def _save_converted(hf, tokenizer, final: str) -> None:
-    """Saved whole in a directory of its own, renamed into place (a reader sees all of it
-    or none; of processes converting at once, the first rename stays). A cache that cannot
-    be written is skipped: the next load converts again."""
-    import logging
-    import shutil
-    import tempfile
-
+    """Saved whole in a directory of its own, made durable, renamed into place (a reader
+    sees all of it or none; of processes converting at once, the first rename stays). A
+    conversion that cannot be kept (a full disk, no write access) is only logged: the next
+    load converts again."""
     tmp = None
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -208,9 +228,20 @@ def _save_converted(hf, tokenizer, final: str) -> None:
         hf.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         open(os.path.join(tmp, "done"), "w").close()
+        for name in os.listdir(tmp):
+            fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, final)
         tmp = None
-    except OSError as e:
+        fd = os.open(os.path.dirname(final), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except Exception as e:  # (safetensors raises its own error on a full disk)
         if not os.path.exists(os.path.join(final, "done")):
             logging.getLogger("kvtier.loader").info(
                 "could not keep the converted model in %s (%s): the next load converts "

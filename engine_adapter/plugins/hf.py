@@ -49,7 +49,15 @@ def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, te
         model=model_id or cfg._name_or_path or type(model).__name__,
         num_layers=cfg.num_hidden_layers, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=head_dim, dtype=dtype_name(model.dtype), block_tokens=block_tokens, tenant=tenant,
-        codec=codec, revision=revision or weights_revision(model.state_dict()))
+        codec=codec, revision=revision or model_revision(model))
+
+
+def model_revision(model) -> str:
+    """A fingerprint of the model as it runs: its weights and buffers (rotary frequencies
+    too, which the state dict leaves out) and its config (rope, norm epsilon...)."""
+    tensors = dict(model.state_dict())
+    tensors.update((f"buffer:{k}", v) for k, v in model.named_buffers())
+    return weights_revision(tensors, model.config.to_dict())
 
 
 def cache_to_blocks(cache, num_blocks: int, block_tokens: int, first_block: int = 0) -> torch.Tensor:

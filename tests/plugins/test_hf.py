@@ -232,5 +232,11 @@ def test_models_of_one_name_share_kv_only_when_their_weights_are_equal(tmp_path)
     assert runs["retrained"][0] != runs["old"][0]
     assert runs["copy"] == (runs["old"][0], 32)  # two 16-token blocks of the 48 loaded
     # the caller may vouch for the weights itself: one name then, whatever the bytes
+    # the same weights run with another rope: other KV, another namespace
+    cfg2 = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, rope_theta=5e5)
+    rope = LlamaForCausalLM(cfg2).eval()
+    rope.load_state_dict(old.state_dict())
+    assert namespace_for(rope, "m").revision != runs["old"][0]
     named = [namespace_for(m, "m", revision="v7") for m in (old, retrained)]
     assert named[0] == named[1] and named[0].revision == "v7"

@@ -25,7 +25,7 @@ import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from engine_adapter.fingerprint import checkpoint_revision
+from engine_adapter.fingerprint import canonical, checkpoint_revision
 from engine_adapter.plugins.base import StoreSpec, dtype_name, release_store, shared_store
 from engine_adapter.plugins.sglang.layout import PageGeometry, PoolPages, geometry_of
 from kvstore.keys import Namespace
@@ -58,16 +58,36 @@ def namespace_for(config: HiCacheStorageConfig, geom: PageGeometry, tenant: str 
     """One kvtier namespace per model, its weights, KV dtype and page size (SGLang's storage
     model name already carries the host pool's page-format tag when it has one). The
     weights are named by `revision` (the `kvtier_revision` option) if set, else by the
-    checkpoint's revision (`engine_adapter.fingerprint.checkpoint_revision` of the model
-    name: a local checkpoint's content, a hub id's commit)."""
+    checkpoint the server loads (`weights_of`)."""
     name = config.model_name or "sglang"
-    weights = revision or checkpoint_revision(name, fallback="")
+    weights = revision or weights_of(name)
     # (a name that resolves to no checkpoint keeps the revision it always had)
     return Namespace(model=name, num_layers=geom.num_layers,
                      num_kv_heads=geom.num_kv_heads, head_dim=geom.head_dim,
                      dtype=dtype_name(geom.dtype), block_tokens=geom.page_size,
                      revision=f"sglang-hicache:{weights}" if weights else "sglang-hicache",
                      tenant=tenant, codec=codec)
+
+
+def weights_of(model_name: str) -> str:
+    """The revision of the checkpoint SGLang serves: its --model-path at its --revision,
+    with the settings that change KV on top (config overrides, quantization, load format),
+    from the server's arguments; outside a server (a backend made by hand), of the storage
+    model name as a path or hub id. "" when neither resolves."""
+    args = None
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        args = get_server_args()
+    except Exception:  # (no server in this process, or an SGLang without it)
+        args = None
+    if args is None or not getattr(args, "model_path", None):
+        return checkpoint_revision(model_name, fallback="")
+    settings = {k: str(getattr(args, k, None)) for k in
+                ("json_model_override_args", "quantization", "load_format", "dtype",
+                 "kv_cache_dtype")}
+    return checkpoint_revision(str(args.model_path), getattr(args, "revision", None),
+                               hub_dir=getattr(args, "download_dir", None),
+                               extra=canonical(settings), fallback="")
 
 
 def _stored(statuses) -> list[bool]:

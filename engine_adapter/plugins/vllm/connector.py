@@ -31,7 +31,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
-from engine_adapter.fingerprint import checkpoint_revision
+from engine_adapter.fingerprint import canonical, checkpoint_revision
 from engine_adapter.plugins.base import StoreSpec, dtype_name, release_store, shared_store
 from engine_adapter.plugins.vllm.metadata import KVTierMetadata
 from engine_adapter.plugins.vllm.scheduler_side import SchedulerSide
@@ -65,12 +65,20 @@ def namespace_for(vllm_config: "VllmConfig", tp_rank: int = 0) -> Namespace:
 
 
 def model_revision(vllm_config: "VllmConfig", extra: dict) -> str:
+    """`kvtier_revision`, else the checkpoint's (its files' content or its hub commit, from
+    the cache vLLM downloads into) with what vLLM changes on top of it: the model config it
+    runs (overrides, rope scaling), quantization and load format."""
     if extra.get("kvtier_revision"):
         return str(extra["kvtier_revision"])
     model = vllm_config.model_config
-    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    load = getattr(vllm_config, "load_config", None)
+    hf_config = getattr(model, "hf_config", None)
+    settings = {"hf_config": hf_config.to_dict() if hf_config is not None else None,
+                "quantization": getattr(model, "quantization", None),
+                "load_format": str(getattr(load, "load_format", "")) if load else ""}
     return checkpoint_revision(str(model.model), model.revision,
-                               hub_dirs=(download_dir,) if download_dir else ())
+                               hub_dir=getattr(load, "download_dir", None) if load else None,
+                               extra=canonical(settings))
 
 
 def _flag(extra: dict, key: str) -> bool:
@@ -97,6 +105,7 @@ class KVTierConnector(KVConnectorBase_V1):
         is_worker = role == KVConnectorRole.WORKER
         self.ns = namespace_for(vllm_config, _tp_rank() if is_worker else 0)
         self.store = shared_store(self.ns, spec)
+        self._lora_revisions: dict[tuple, str] = {}
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if is_worker:
@@ -110,7 +119,31 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.lookup(request.request_id, list(request.prompt_token_ids or ()),
-                                          num_computed_tokens, request.all_token_ids)
+                                          num_computed_tokens, request.all_token_ids,
+                                          self._extra(request))
+
+    def _extra(self, request: "Request") -> bytes | None:
+        """What the request's KV depends on besides its token ids and the model, as vLLM's
+        own prefix cache keys it: the LoRA adapter (by name, path and the adapter files'
+        fingerprint), the multimodal inputs' content hashes, the cache salt. None for
+        prompt embeddings (their KV is not named by token ids at all)."""
+        if getattr(request, "prompt_embeds", None) is not None:
+            return None
+        parts = []
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            key = (lora.lora_name, getattr(lora, "lora_path", ""), getattr(lora, "lora_int_id", 0))
+            rev = self._lora_revisions.get(key)
+            if rev is None:  # (once per adapter and process: vLLM loads it once, too)
+                path = getattr(lora, "lora_path", "") or ""
+                rev = checkpoint_revision(path, fallback="") if path else ""
+                self._lora_revisions[key] = rev
+            parts.append(f"lora|{lora.lora_name}|{rev}")
+        for mm in getattr(request, "mm_features", None) or ():
+            parts.append(f"mm|{getattr(mm, 'identifier', '')}|{getattr(mm, 'mm_position', '')}")
+        if getattr(request, "cache_salt", None):
+            parts.append(f"salt|{request.cache_salt}")
+        return "\n".join(parts).encode()
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:

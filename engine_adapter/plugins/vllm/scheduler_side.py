@@ -27,6 +27,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None   # [first, end) blocks to load, until handed over
     is_async: bool = False
+    extra: bytes = b""             # mixed into every block hash (see SchedulerSide.lookup)
 
 
 class SchedulerSide:
@@ -38,14 +39,19 @@ class SchedulerSide:
         self.num_hit_tokens = 0
 
     def lookup(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int,
-               tokens: Sequence[int] = ()) -> tuple[int, bool]:
+               tokens: Sequence[int] = (), extra: bytes | None = b"") -> tuple[int, bool]:
         """`get_num_new_matched_tokens`: tokens past vLLM's own hit that kvtier can load.
-        `tokens`: the request's live token list, read later for decode saves."""
+        `tokens`: the request's live token list, read later for decode saves. `extra`: what
+        besides the token ids the request's KV depends on (its LoRA adapter, images, cache
+        salt), mixed into every block hash; None: KV its token ids do not name (prompt
+        embeddings), neither loaded nor saved."""
+        if extra is None:
+            return 0, False
         bt = self.ns.block_tokens
-        hashes = hash_blocks(self.ns, prompt)
+        hashes = hash_blocks(self.ns, prompt, extra=extra)
         loadable = (len(prompt) - 1) // bt   # vLLM must compute at least the last token
         hit = self.store.match_prefix(hashes[:loadable]).num_blocks if loadable else 0
-        self.requests[req_id] = _Request(hashes, hit, tokens, num_computed_tokens)
+        self.requests[req_id] = _Request(hashes, hit, tokens, num_computed_tokens, extra=extra)
         num_new = max(0, hit * bt - num_computed_tokens)
         return num_new, bool(num_new and self.async_load)
 
@@ -103,7 +109,8 @@ class SchedulerSide:
         num_full = min(num_full, len(req.tokens) // bt)
         if num_full > len(req.hashes):
             parent = req.hashes[-1] if req.hashes else None
-            req.hashes += hash_blocks(self.ns, list(req.tokens[len(req.hashes) * bt:num_full * bt]), parent=parent)
+            req.hashes += hash_blocks(self.ns, list(req.tokens[len(req.hashes) * bt:num_full * bt]),
+                                      parent=parent, extra=req.extra)
 
     def _take_load(self, meta: KVTierMetadata, req_id: str, req: _Request) -> None:
         first, end = req.load

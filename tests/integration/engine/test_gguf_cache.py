@@ -19,15 +19,40 @@ def test_the_kept_conversion_is_the_model_transformers_loads_from_the_gguf_file(
     oracle, tokenizer = load_hf_gguf(str(local), gguf)
     kept = list((tmp_path / "cache" / "hf-gguf").iterdir())
     assert len(kept) == 1 and (kept[0] / "done").exists()
-    cached, _ = load_hf_gguf(str(local), gguf)
+    import transformers
+    real, loads = transformers.AutoModelForCausalLM.from_pretrained, []
+
+    def counted(*a, **kw):  # (the real loader, its GGUF loads counted)
+        loads.append(kw.get("gguf_file"))
+        return real(*a, **kw)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", counted)
+    cached, cached_tokenizer = load_hf_gguf(str(local), gguf)
+    assert loads == [None]  # read from what was kept, not de-quantized again
     want, got = oracle.state_dict(), cached.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert cached.config.to_dict() == oracle.config.to_dict()
     assert cached.generation_config.to_dict() == oracle.generation_config.to_dict()
+    text = "The harbour town of Vell sits where <|im_start|>user ünïcode 12345"
+    assert cached_tokenizer(text).input_ids == tokenizer(text).input_ids
     ids = tokenizer("The harbour town of Vell sits where", return_tensors="pt").input_ids
     assert torch.equal(cached.generate(ids, max_new_tokens=4, do_sample=False),
                        oracle.generate(ids, max_new_tokens=4, do_sample=False))
-    # the file changed (another quantization saved under the same name): converted anew
-    before = _gguf_cache_dir(str(local), gguf)
-    os.utime(local / gguf, ns=(1, 10**18))
-    assert _gguf_cache_dir(str(local), gguf) not in (before, None)
+    # another file of the same size and times (a copy with `cp -p` of other weights):
+    # converted anew, never handed the first one's conversion
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy2(local / gguf, other / gguf)
+    with open(other / gguf, "r+b") as f:
+        f.seek(-4096, os.SEEK_END)
+        f.write(b"\x01" * 16)
+    st = os.stat(local / gguf)
+    os.utime(other / gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _gguf_cache_dir(str(other), gguf) not in (_gguf_cache_dir(str(local), gguf), None)
+    # a kept conversion damaged on disk is converted again, not a failed load
+    kept = _gguf_cache_dir(str(local), gguf)
+    with open(os.path.join(kept, "model.safetensors"), "r+b") as f:
+        f.truncate(1000)
+    loads.clear()
+    again, _ = load_hf_gguf(str(local), gguf)
+    assert loads[-1] == gguf and torch.equal(again.state_dict()["lm_head.weight"],
+                                             oracle.state_dict()["lm_head.weight"])

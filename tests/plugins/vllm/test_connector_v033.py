@@ -249,3 +249,37 @@ def test_decode_blocks_are_saved_when_asked(model_dir, tmp_path):
     assert None not in h.worker.store.get_n(hashes[1:], got)
     k, v = h.expected_kv(0, list(a.all_token_ids))
     assert torch.equal(got[0, 0, 0].reshape(-1, HEADS, HEAD_DIM), k[BLOCK:2 * BLOCK])
+
+
+def test_kv_of_other_inputs_than_the_token_ids_is_never_loaded(model_dir, tmp_path):
+    """A LoRA adapter, images or a cache salt change a request's KV for the same token ids
+    (vLLM's own prefix cache keys them too): such a request must not load blocks the plain
+    prompt stored, nor another adapter's; prompt embeddings are not named by token ids at
+    all, so kvtier stays out of them."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+    h = Harness(make_vllm_config(model_dir, tmp_path / "store"))
+    prefix, first, _ = shared_prompts()
+    run_to_end(h, {"a": make_request("a", first)})
+    connector = h.scheduler.connector
+
+    def matched(req_id, **kw):
+        req = Request(req_id, first, SamplingParams(max_tokens=2), None, **kw)
+        return connector.get_num_new_matched_tokens(req, 0)[0]
+    adapters = []
+    for name in ("ad1", "ad2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_model.safetensors").write_bytes(name.encode() * 100)
+        adapters.append(LoRARequest(name, len(adapters) + 1, str(tmp_path / name)))
+    assert matched("plain") == len(first) // BLOCK * BLOCK
+    assert matched("salted", cache_salt="tenant-x") == 0
+    assert matched("lora", lora_request=adapters[0]) == 0
+    assert matched("embeds", prompt_embeds=torch.zeros(len(first), 8)) == 0
+    # a LoRA request's own blocks are found again by the same adapter, not by another
+    lora = Request("lora-run", first, SamplingParams(max_tokens=2), None, lora_request=adapters[0])
+    h.scheduler.connector.scheduler_side.lookup("x", first, 0, (), connector._extra(lora))
+    hashes = h.scheduler.connector.scheduler_side.requests["x"].hashes
+    assert hashes != hash_blocks(h.worker.ns, first)
+    other = Request("o", first, SamplingParams(max_tokens=2), None, lora_request=adapters[1])
+    assert connector._extra(other) != connector._extra(lora)

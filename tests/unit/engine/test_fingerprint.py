@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from engine_adapter.fingerprint import checkpoint_revision, hub_commit, weights_revision
+from engine_adapter.fingerprint import checkpoint_revision, hub_cache_root, hub_commit, weights_revision
 
 COMMIT_A, COMMIT_B = "a" * 40, "0123456789abcdef0123456789abcdef01234567"
 
@@ -94,35 +94,71 @@ def test_a_hub_id_is_named_by_the_commit_its_revision_resolves_to(tmp_path, monk
     refs.mkdir(parents=True)
     (refs / "main").write_text(COMMIT_A)
     (refs / "v2").write_text(COMMIT_B + "\n")
-    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.chdir(tmp_path)  # (no local directory named org/model)
-    assert checkpoint_revision("org/model", cache_path=cache) == "hf-" + COMMIT_A
-    assert checkpoint_revision("org/model", "v2", cache_path=cache) == "hf-" + COMMIT_B
-    assert checkpoint_revision("org/model", COMMIT_B, cache_path=cache) == "hf-" + COMMIT_B
+    rev = lambda *a, **kw: checkpoint_revision(*a, hub_dir=str(hub), cache_path=cache, **kw)  # noqa: E731
+    assert rev("org/model") == "hf-" + COMMIT_A
+    assert rev("org/model", "v2") == "hf-" + COMMIT_B
+    assert rev("org/model", COMMIT_B) == "hf-" + COMMIT_B
     (refs / "main").write_text(COMMIT_B)  # main moved on: so does the namespace
-    assert checkpoint_revision("org/model", cache_path=cache) == "hf-" + COMMIT_B
-    # a download dir the engine names is looked in first
-    other = tmp_path / "downloads" / "models--org--model" / "refs"
-    other.mkdir(parents=True)
-    (other / "main").write_text(COMMIT_A)
-    assert checkpoint_revision("org/model", hub_dirs=(str(tmp_path / "downloads"),),
-                               cache_path=cache) == "hf-" + COMMIT_A
-    # refs that are not commits, and names that would leave the cache, resolve to nothing
+    assert rev("org/model") == "hf-" + COMMIT_B
+    # the engine's settings on top of the checkpoint (overrides, quantization) count too
+    assert rev("org/model", extra=b"rope x2") not in (rev("org/model"), rev("org/model", extra=b"fp8"))
+    # one cache, the engine's: another cache's refs may be stale
+    (tmp_path / "other" / "models--org--model" / "refs").mkdir(parents=True)
+    assert hub_commit("org/model", "main", str(tmp_path / "other")) is None
+    # single-name repos too; refs that are not commits, and names that would leave the
+    # cache, resolve to nothing
+    (hub / "models--gpt2" / "refs").mkdir(parents=True)
+    (hub / "models--gpt2" / "refs" / "main").write_text(COMMIT_A)
+    assert hub_commit("gpt2", "main", str(hub)) == COMMIT_A
     (refs / "bad").write_text("not-a-commit")
-    assert hub_commit("org/model", "bad") is None
-    assert hub_commit("org/model", "../../models--org--model/refs/main") is None
-    assert hub_commit("../x", "main") is None
+    assert hub_commit("org/model", "bad", str(hub)) is None
+    assert hub_commit("org/model", "../../models--org--model/refs/main", str(hub)) is None
+    assert hub_commit("../x", "main", str(hub)) is None
+
+
+def test_the_hub_cache_is_huggingface_hubs_own():
+    from huggingface_hub import constants
+    assert hub_cache_root() == constants.HF_HUB_CACHE
+
+
+def test_files_that_change_kv_count_and_files_that_cannot_do_not(tmp_path, cache):
+    base = write_checkpoint(tmp_path / "a", seed=4)
+    rev = lambda: checkpoint_revision(base, cache_path=cache)  # noqa: E731
+    first = rev()
+    for name in ("README.md", "generation_config.json", "tokenizer_config.json",
+                 "optimizer.pt", ".gitattributes"):
+        (tmp_path / "a" / name).write_text("anything")
+        assert rev() == first, name
+    for name in ("adapter_config.json", "hf_quant_config.json", "model.tensors",
+                 "flax_model.msgpack", "original/consolidated.00.pth"):
+        os.makedirs(os.path.dirname(os.path.join(base, name)), exist_ok=True)
+        with open(os.path.join(base, name), "w") as f:
+            f.write("v1")
+        one = rev()
+        with open(os.path.join(base, name), "w") as f:
+            f.write("v2")
+        assert rev() not in (one, first), name
+
+
+def test_a_directory_without_weights_says_so(tmp_path, caplog, cache):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="kvtier.fingerprint"):
+        checkpoint_revision(str(tmp_path / "m"), cache_path=cache)
+    assert "no weight file" in caplog.text
 
 
 def test_an_unresolvable_name_falls_back_to_name_and_revision_with_a_warning(
         tmp_path, monkeypatch, caplog, cache):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
-    monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.WARNING, logger="kvtier.fingerprint"):
-        assert checkpoint_revision("my-served-model", cache_path=cache) == "main"
-        assert checkpoint_revision("org/model", "v1", cache_path=cache) == "v1"
+        assert checkpoint_revision("my-served-model", hub_dir=str(tmp_path),
+                                   cache_path=cache) == "main"
+        assert checkpoint_revision("org/model", "v1", hub_dir=str(tmp_path),
+                                   cache_path=cache) == "v1"
+        assert checkpoint_revision("org/model", hub_dir=str(tmp_path), cache_path=cache,
+                                   fallback="") == ""
     assert "kvtier_revision" in caplog.text
 
 
@@ -137,3 +173,7 @@ def test_weights_revision_sees_bytes_names_dtypes_and_shapes():
     assert weights_revision(dict(w, a=w["a"].view(3, 4))) != base
     assert weights_revision(dict(w, b=w["b"].to(torch.bfloat16))) != base
     assert weights_revision(dict(w, empty=torch.empty(0))) != base
+    assert weights_revision(w, {"rope_theta": 1e4}) != weights_revision(w, {"rope_theta": 5e5})
+    assert weights_revision(w, {"a": 1, "_name_or_path": "/x"}) == weights_revision(w, {"a": 1})
+    with pytest.raises(ValueError, match="meta tensor"):
+        weights_revision({"a": torch.empty(3, device="meta")})
