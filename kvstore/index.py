@@ -252,11 +252,14 @@ class ClusterIndex:
 
     def holders(self, hashes: Sequence[BlockKey]) -> list[tuple[str, ...]]:
         """For each hash, the live (not stale) nodes holding it, in node-id order."""
-        out = []
+        out, names = [], {0: ()}  # (names per mask, made once: most masks repeat)
         for h in hashes:
             mask = self._holders.get(h, 0) & self._live_mask
-            out.append(tuple(sorted(node for bit, node in self._bit_to_node.items()
-                                    if mask >> bit & 1)) if mask else ())
+            got = names.get(mask)
+            if got is None:
+                got = names[mask] = tuple(sorted(node for bit, node in self._bit_to_node.items()
+                                                 if mask >> bit & 1))
+            out.append(got)
         return out
 
     def tiers_of(self, node_id: str, hashes: Sequence[BlockKey]) -> tuple[TierKind, ...]:

@@ -31,7 +31,7 @@ from kvstore.wire import RemoteError
 
 log = logging.getLogger("kvtier.cluster")
 TENANT_LOCATE = "locate-tenant"  # the leader's route for a namespace's own token
-TENANT_LOCATE_HASHES = 1 << 16  # hashes per tenant locate (~1.2 MiB: under MAX_TENANT_BODY)
+TENANT_LOCATE_HASHES = 8192  # hashes per tenant locate (the leader's cap: daemon.cluster)
 ASK_INDEX_AGAIN_S = 60.0  # a token the leader's index refused asks it again after this
 
 _RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
@@ -70,6 +70,7 @@ class ClusterClient:
         self._ring, self._ring_nodes = HashRing(), frozenset()
         self._refused = LogEvery()  # the leader's refusals to locate (a token's, not a fault's)
         self.index_refused = False  # the leader's index is not this token's (a tenant's)
+        self._no_route = False  # the last locate found no such route (an older leader)
         self._ask_again_at = 0.0  # when a refused token asks the index again
         self._loop = _LoopThread()
         self._member = ClusterMember(parse_etcd_url(url), None)
@@ -143,8 +144,13 @@ class ClusterClient:
         # leader takes from a tenant (MAX_TENANT_BODY); the pieces' holders make the prefixes
         holders: list[tuple[str, ...]] = []
         for at in range(0, len(hashes), TENANT_LOCATE_HASHES):
-            got = self._locate(rec, TENANT_LOCATE,
-                               TenantLocate.of(self.ns, hashes[at:at + TENANT_LOCATE_HASHES]))
+            piece = hashes[at:at + TENANT_LOCATE_HASHES]
+            got = self._locate(rec, TENANT_LOCATE, TenantLocate.of(self.ns, piece))
+            if got is None and self.index_refused and self._no_route:
+                # a leader older than the route: an admin's token still locates by id (a
+                # tenant's is refused there too, and asks every member)
+                got = self._locate(rec, "locate", Locate(self.ns.ns_id, tuple(map(bytes, hashes))))
+                return got
             if got is None:
                 return None
             holders += got.holders
@@ -158,13 +164,16 @@ class ClusterClient:
             headers["Authorization"] = f"Bearer {self.token}"
         req = urllib.request.Request(f"{rec.control_url}/cluster/{what}", method="POST",
                                      data=msg.encode(), headers=headers)
+        self._no_route = False
         try:
             with urllib.request.urlopen(req, timeout=min(self.timeout_s, 5.0)) as resp:
                 self.index_refused = False
                 return Located.decode(resp.read())
         except urllib.error.HTTPError as e:
-            if e.code in (401, 403, 404, 405):  # the index is not this token's (or the
-                # leader predates locate-tenant): ask every member instead (`_candidates`);
+            self._no_route = e.code in (404, 405)
+            if e.code in (401, 403, 404, 405, 409):  # the index is not this token's (or
+                # the leader predates locate-tenant, or cannot vouch that the index of this
+                # namespace's id is this namespace's): ask every member instead (`_candidates`);
                 # it looked only where the hash ring says, and missed every block put
                 # through a preferred node, silently
                 self.index_refused = True

@@ -43,6 +43,16 @@ class Locate(Message, tag="locate/2"):
     hashes: tuple[HashField, ...]
 
 
+class NamespaceRoot(Message, tag="ns-root/1"):
+    """A node names a namespace it reports to the leader by its whole root hash, not only the
+    64-bit id the index is keyed by: a tenant's locate is answered only for the namespace
+    whose root every reporting node gave (two namespaces sharing an id stay apart)."""
+
+    node_id: str
+    ns_id: int
+    root: HashField
+
+
 class TenantLocate(Message, tag="locate-tenant/1"):
     """`Locate` for any token: the namespace whole, not its id. The leader computes the id
     itself and checks the namespace's tenant against the token (an id alone would let a

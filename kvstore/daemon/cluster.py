@@ -17,12 +17,14 @@ import aiohttp
 from aiohttp import web
 
 from kvstore.cluster.membership import Change, ClusterMember
-from kvstore.cluster.messages import EventBatch, Locate, Located, Snapshot, TenantLocate
+from kvstore.cluster.messages import (EventBatch, Locate, Located, NamespaceRoot, Snapshot,
+                                      TenantLocate)
 from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
 from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.namespaces import Registry
 from kvstore.index import ClusterIndex
+from kvstore.keys import Namespace
 from kvstore.wire import netloc
 
 log = logging.getLogger("kvtier.cluster")
@@ -34,6 +36,21 @@ class MetadataService:
 
     def __init__(self) -> None:
         self.indexes: dict[int, ClusterIndex] = {}
+        self.roots: dict[int, set[bytes]] = {}  # ns id -> the root hashes nodes named it by
+
+    def note_root(self, msg: NamespaceRoot) -> None:
+        if bytes(msg.root)[:8] != msg.ns_id.to_bytes(8, "little"):
+            raise ClusterError(f"root {bytes(msg.root).hex()} is not namespace {msg.ns_id:016x}'s")
+        roots = self.roots.setdefault(msg.ns_id, set())
+        if len(roots) < 4:  # (more would be a node lying, or ids colliding: unverified either way)
+            roots.add(bytes(msg.root))
+
+    def verified(self, ns: Namespace) -> bool | None:
+        """Whether the index of `ns`'s id holds `ns` itself: True, False (another namespace
+        shares the id, or a node named none), None (no index of that id)."""
+        if ns.ns_id not in self.indexes:
+            return None
+        return self.roots.get(ns.ns_id) == {bytes(ns.root_hash)}
 
     def index(self, ns_id: int) -> ClusterIndex:
         return self.indexes.setdefault(ns_id, ClusterIndex())
@@ -68,6 +85,10 @@ class MetadataService:
         return Located(tuple(idx.holders(req.hashes)), tuple(prefix))
 
 
+class NoRoute(ClusterError):
+    """The leader has no such route (an older version)."""
+
+
 class ClusterAgent:
     def __init__(self, cfg: DaemonConfig, registry: Registry, data_port: int, http_port: int) -> None:
         host = cfg.advertise or cfg.host
@@ -78,6 +99,7 @@ class ClusterAgent:
         self.service = MetadataService()
         self._reported_to: str | None = None
         self._known: set[int] = set()   # namespaces the current leader has a snapshot of
+        self._rootless: set[str] = set()  # leaders without /cluster/namespace (older ones)
         self._after: dict[int, int] = {}  # per namespace: the last event seq shipped
         self._failing = False
         self._tasks: list[asyncio.Task] = []
@@ -134,10 +156,17 @@ class ClusterAgent:
             return
         if leader != self._reported_to:
             self._reported_to, self._known = leader, set()
+            self._rootless.discard(leader)  # (it may have been upgraded since)
         loop = asyncio.get_running_loop()
         for hosted in self.registry.hosted():
             ns_id = hosted.ns.ns_id
             if ns_id not in self._known:
+                if leader not in self._rootless:
+                    try:
+                        await self._post(rec, "namespace", NamespaceRoot(
+                            self.cfg.node_id, ns_id, bytes(hosted.ns.root_hash)).encode())
+                    except NoRoute:  # (a leader of an older version: snapshots only)
+                        self._rootless.add(leader)
                 seq, blocks = await loop.run_in_executor(None, hosted.snapshot)
                 await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, seq, blocks).encode())
                 self._known.add(ns_id)
@@ -155,6 +184,8 @@ class ClusterAgent:
     async def _post(self, rec: NodeRecord, what: str, body: bytes) -> bytes:
         async with self._http.post(f"{rec.control_url}/cluster/{what}", data=body,
                                    headers={**self.headers, "Content-Type": MSGPACK}) as resp:
+            if resp.status in (404, 405) and what == "namespace":
+                raise NoRoute(what)
             if resp.status != 200:
                 raise ClusterError(f"leader {rec.node_id} answered {resp.status} to {what}: "
                                    f"{(await resp.text())[:200]}")
@@ -166,6 +197,9 @@ class ClusterSlot:
     (after the app has started, when app state can no longer change)."""
 
     agent: ClusterAgent | None = None
+
+    def __init__(self) -> None:
+        self.tenant_locates: dict[str, int] = {}  # tenant -> its locates being answered
 
 
 SLOT = web.AppKey("cluster_slot", ClusterSlot)
@@ -193,8 +227,15 @@ def _leader_only(request: web.Request, admin: bool = True) -> ClusterAgent:
 MAX_CONTROL_BODY = 1 << 30  # a cluster snapshot, 18 bytes a block: ~60M blocks. aiohttp's
 # default (1 MiB, ~58k blocks) answered a bigger namespace's snapshot 413, for good: that
 # node's blocks never reached the leader's index. (Bodies are read after the token check.)
-MAX_TENANT_BODY = 4 << 20  # a tenant's locate: ~230k hashes (its namespace is in the body,
-# so it is read before the tenant check: a tenant's body is small and announced)
+# A tenant's locate: its namespace is in the body, so the body is read before the tenant
+# check. It is small, announced and quick (a tenant announcing 4 MiB and sending nothing kept
+# a connection busy, out of the gate's reach, for 11 s), at most TENANT_LOCATE_HASHES hashes
+# (233k copies of one hash cost the leader's event loop 0.4 s and a 29 MB reply each: the
+# lease keepalive missed, leadership moved) and TENANT_LOCATES at once per tenant (429).
+MAX_TENANT_BODY = 256 << 10
+TENANT_LOCATE_HASHES = 8192
+TENANT_LOCATES = 4
+TENANT_BODY_GRACE_S = 2.0
 BODY_GRACE_S = 10.0  # a report's body must come within this plus its length at
 MIN_BODY_RATE = 4 << 20  # bytes/s (as a data-plane put's payload): else 408 and closed
 
@@ -205,16 +246,18 @@ async def _leader_call(request: web.Request, message, act, admin: bool = True) -
     `act` checks the request against it). The body is read within a deadline: a sender
     trickling it held its connection (one of the control plane's capped slots) for as long
     as it liked."""
+    grace = BODY_GRACE_S
     if not admin and grant_of(request) != ADMIN:
         size = request.content_length
         if size is None or size > MAX_TENANT_BODY:
             raise web.HTTPRequestEntityTooLarge(MAX_TENANT_BODY, size or 0, text=(
                 f"a tenant's request body must announce its length (Content-Length) and be "
                 f"at most {MAX_TENANT_BODY} bytes: locate fewer hashes at a time\n"))
+        grace = TENANT_BODY_GRACE_S
     agent = _leader_only(request, admin)
     size = request.content_length or MAX_CONTROL_BODY
     try:
-        async with asyncio.timeout(BODY_GRACE_S + size / MIN_BODY_RATE):
+        async with asyncio.timeout(grace + size / MIN_BODY_RATE):
             raw = await request.read()
     except TimeoutError:
         slow = web.Response(status=408, text="the request body came too slowly\n")
@@ -237,6 +280,11 @@ async def post_snapshot(request: web.Request) -> web.Response:
                               lambda svc, snap: svc.apply_snapshot(snap) or b"ok")
 
 
+async def post_namespace(request: web.Request) -> web.Response:
+    return await _leader_call(request, NamespaceRoot,
+                              lambda svc, msg: svc.note_root(msg) or b"ok")
+
+
 async def post_locate(request: web.Request) -> web.Response:
     """The admin's: which nodes hold blocks of any namespace, named by its id."""
     return await _leader_call(request, Locate, lambda svc, req: svc.locate(req).encode())
@@ -252,8 +300,25 @@ async def post_locate_tenant(request: web.Request) -> web.Response:
         ns = req.namespace()
         if grant != ADMIN and ns.tenant != grant:
             raise web.HTTPForbidden(text=f"this token is for tenant {grant!r}, not {ns.tenant!r}\n")
+        verified = svc.verified(ns)
+        if verified is False:  # (answered by id alone, another namespace's holders could be
+            # told: nodes of an older version name no roots, and ids may collide)
+            raise web.HTTPConflict(text=f"the index of namespace {ns.ns_id:016x} cannot be "
+                                   "told apart from another's: ask the nodes\n")
+        if len(req.hashes) > TENANT_LOCATE_HASHES:
+            raise web.HTTPRequestEntityTooLarge(TENANT_LOCATE_HASHES, len(req.hashes), text=(
+                f"at most {TENANT_LOCATE_HASHES} hashes a request\n"))
         return svc.locate(Locate(ns.ns_id, req.hashes)).encode()
-    return await _leader_call(request, TenantLocate, locate, admin=False)
+    busy = request.app[SLOT].tenant_locates
+    if busy.get(grant, 0) >= TENANT_LOCATES:  # (before its body is read)
+        raise web.HTTPTooManyRequests(text=f"at most {TENANT_LOCATES} locates at once per token\n")
+    busy[grant] = busy.get(grant, 0) + 1
+    try:
+        return await _leader_call(request, TenantLocate, locate, admin=False)
+    finally:
+        busy[grant] -= 1
+        if not busy[grant]:
+            del busy[grant]
 
 
 async def get_nodes(request: web.Request) -> web.Response:
@@ -277,4 +342,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/cluster/snapshot", post_snapshot)
     app.router.add_post("/cluster/locate", post_locate)
     app.router.add_post("/cluster/locate-tenant", post_locate_tenant)
+    app.router.add_post("/cluster/namespace", post_namespace)
     app.router.add_get("/cluster/nodes", get_nodes)

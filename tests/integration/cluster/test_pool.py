@@ -320,10 +320,14 @@ def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, t
         with ClusterClient(pool.url, token="alice-token", namespace=alice,
                            prefer_node="n1") as writer:
             assert writer.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 30
+        # (in pieces of 7 hashes, as a batch past the leader's cap for tenants goes)
+        monkeypatch.setattr(cluster_client, "TENANT_LOCATE_HASHES", 7)
         with ClusterClient(pool.url, token="alice-token", namespace=alice) as reader:
             wait_until(lambda: (reader.locate(hashes) or Located((), ())).holders
                        and all(reader.locate(hashes).holders), 15, "the leader's index")
             assert not reader.index_refused
+            whole = reader.locate(hashes)
+            assert len(whole.holders) == 30 and whole.prefix[0][1] == 30
             assert reader.contains_n(hashes) == [True] * 30
             assert check_bytes(hashes, *read(reader, hashes)) == 30
             asked: list[tuple[str, int]] = []
@@ -359,8 +363,49 @@ def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, t
         assert post("/cluster/locate-tenant", bad) == 400
         # a tenant's body is small and announced: refused before a byte of it is read
         assert post("/cluster/locate-tenant", b"", length=64 << 20) == 413
+        conn = http.client.HTTPConnection(leader.http.split("//")[1], timeout=10)
+        conn.request("POST", "/cluster/locate-tenant", body=iter([mine]), encode_chunked=True,
+                     headers={"Authorization": "Bearer alice-token"})
+        assert conn.getresponse().status == 413  # (no length said)
+        conn.close()
+        many = TenantLocate.of(alice, [hashes[0]] * 9000).encode()
+        assert post("/cluster/locate-tenant", many) == 413
+        # a few locates at once per token: one whose body never comes holds a slot a
+        # moment (TENANT_BODY_GRACE_S), and past TENANT_LOCATES the rest are turned away
+        import socket
+        host, port = leader.http.split("//")[1].split(":")
+        held = []
+        for _ in range(4):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"POST /cluster/locate-tenant HTTP/1.1\r\nHost: x\r\n"
+                      b"Authorization: Bearer alice-token\r\nContent-Length: 100\r\n\r\n")
+            held.append(s)
+        try:
+            statuses = set()
+            deadline = time.monotonic() + 1.5
+            while 429 not in statuses and time.monotonic() < deadline:
+                statuses.add(post("/cluster/locate-tenant", mine))
+            assert 429 in statuses
+            assert post("/cluster/locate-tenant", mine, token="bob-token") != 429  # (per token)
+        finally:
+            for s in held:
+                s.close()
+        wait_until(lambda: post("/cluster/locate-tenant", mine) == 200, 10, "slots back")
         # the index by namespace id stays the admin's
         assert post("/cluster/locate", Locate(alice.ns_id, tuple(hashes[:3])).encode()) == 403
+        # two namespaces naming one id in the index (ids collide, or a node lies): a tenant
+        # is told nothing of the index by id alone, and its client asks every member
+        from kvstore.cluster.messages import NamespaceRoot
+        other_root = bytes(alice.root_hash)[:8] + b"\x00" * 8
+        assert post("/cluster/namespace", NamespaceRoot("n9", alice.ns_id, other_root).encode(),
+                    token="s3cret") == 200
+        assert post("/cluster/namespace", NamespaceRoot("n9", alice.ns_id, b"\x01" * 16).encode(),
+                    token="s3cret") == 400  # (a root that is not of that id)
+        assert post("/cluster/namespace", NamespaceRoot("n9", alice.ns_id, other_root).encode()) == 403
+        assert post("/cluster/locate-tenant", mine) == 409
+        with ClusterClient(pool.url, token="alice-token", namespace=alice) as reader:
+            assert check_bytes(hashes, *read(reader, hashes)) == 30
+            assert reader.index_refused
         # a leader that predates the tenant route: every member is asked, nothing is missed
         monkeypatch.setattr(cluster_client, "TENANT_LOCATE", "locate-from-the-future")
         with ClusterClient(pool.url, token="alice-token", namespace=alice) as reader:
