@@ -33,7 +33,7 @@ $(ADAPTERS): $(STAMP)
 transfer-adapters: $(ADAPTERS)
 
 test-main: $(STAMP) $(ADAPTERS)
-	$(PY) -m pytest tests
+	$(PY) -m pytest --durations=25 tests
 
 # The three configurations (no pool / colocated + pool / prefill-decode + pool) on the
 # long-context multi-turn workload; figures also in build/kvtier-demo.json (DESIGN.md rows).

@@ -62,6 +62,27 @@ def on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, before)
 
 
+_noted: int | None = None  # a stop signal noted while a daemon was starting
+
+
+def _note(signum, frame) -> None:
+    global _noted
+    _noted = signum
+
+
+def defer_stop_signals() -> None:
+    """SIGINT and SIGTERM are noted, not raised, until a daemon's event loop takes them over
+    (`noted_stop`): raised during its imports, KeyboardInterrupt could land inside an
+    extension's C++ initializer and abort the process (pybind11, "terminate called")."""
+    signal.signal(signal.SIGINT, _note)
+    signal.signal(signal.SIGTERM, _note)
+
+
+def noted_stop() -> int | None:
+    """The stop signal noted since `defer_stop_signals`, if any."""
+    return _noted
+
+
 @contextlib.contextmanager
 def teardown() -> Iterator[None]:
     """Stopping what was started: a SIGTERM meanwhile is raised once the block is done.

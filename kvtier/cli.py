@@ -12,12 +12,13 @@ chosen command's parser is built (its module imported), so `kvtier hash` loads n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import runpy
 import sys
 from typing import Callable
 
 from kvstore.errors import KVStoreError
-from kvstore.lifetime import Terminated, on_sigterm
+from kvstore.lifetime import Terminated, defer_stop_signals, on_sigterm
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 BENCHES = {"store": "store_tiers", "service": "store_service", "transfer": "transfer_backends",
@@ -172,9 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     names = {c[0] for c in COMMANDS}
     command = next((a for a in argv if not a.startswith("-")), None)
+    daemon = command == "serve"
+    if daemon:  # (before its imports: see defer_stop_signals)
+        defer_stop_signals()
     args = build_parser(command if command in names else None).parse_args(argv)
     try:
-        with on_sigterm():  # (commands that serve set their own handler over it)
+        # (commands that serve set their own handler over it)
+        with contextlib.nullcontext() if daemon else on_sigterm():
             return args.run(args)
     except KVStoreError as e:
         print(f"kvtier {args.command}: {e}", file=sys.stderr)

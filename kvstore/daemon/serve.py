@@ -145,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass  # the stdlib loop serves the control plane just as correctly
+    if lifetime.noted_stop() is not None:
+        print("kvtier serve: interrupted while starting", file=sys.stderr, flush=True)
+        return 128 + lifetime.noted_stop()
     try:
         asyncio.run(serve(cfg))
     except KeyboardInterrupt:  # before its signal handlers were in place (still starting)
@@ -177,6 +180,17 @@ def _raise_open_file_limit() -> None:
 
 
 async def serve(cfg: DaemonConfig) -> None:
+    # SIGINT/SIGTERM are the loop's before the app is set up, and one noted while starting
+    # (`lifetime.defer_stop_signals`, the `kvtier serve` command) stops the daemon once it
+    # is up: one that came during setup went to asyncio.run's own handler, which cancels the
+    # main task, and an await that absorbed the cancellation left the daemon serving, its
+    # Ctrl-C lost (a CI run waited 60 s for it)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if lifetime.noted_stop() is not None:
+        stop.set()
     from kvstore.daemon.access import DATAPLANE, token_grant
     from kvstore.daemon.app import create_app
     app = create_app(cfg)
@@ -187,10 +201,6 @@ async def serve(cfg: DaemonConfig) -> None:
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            keepalive_timeout=httpguard.KEEPALIVE_S)
     await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     http = None
     try:
         http = await httpguard.listen(runner.server, cfg.host, cfg.http_port, gate)
