@@ -93,8 +93,13 @@ def test_ctrl_c_while_the_daemon_starts_is_no_traceback(tmp_path):
                               "--http-port", "0", "--data-dir", str(tmp_path / f"d{i}"),
                               "--ssd-size", "0", "--dram-size", "16MiB"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(delay)
-        p.send_signal(sig)
-        out, err = p.communicate(timeout=60)
+        try:
+            time.sleep(delay)
+            p.send_signal(sig)
+            out, err = p.communicate(timeout=60)
+        finally:  # (a daemon that missed its signal must not outlive the test)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         assert p.returncode in (0, 128 + sig) and "Traceback" not in err, (delay, p.returncode, err)
         assert "terminate called" not in err
