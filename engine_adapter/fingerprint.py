@@ -169,11 +169,21 @@ def _files_fingerprint(path: str, cache_path: str) -> str:
         log.warning("no weight file in %s: its KV is named by its other files only (weights "
                     "loaded from elsewhere are not seen; set kvtier_revision)", path)
     stats = [(f, os.stat(f)) for f in files]
+    h = xxhash.xxh3_128()  # (paths within the checkpoint, sizes and contents)
+    base = path if os.path.isdir(path) else os.path.dirname(path)
+    for (f, st), digest in zip(stats, _digests(stats, cache_path)):
+        name = os.path.relpath(f, base) if os.path.isdir(path) else os.path.basename(f)
+        h.update(f"{name}|{st.st_size}|{digest}\n".encode())
+    return h.hexdigest()
+
+
+def _digests(stats: list[tuple[str, os.stat_result]], cache_path: str) -> list[str]:
+    """xxh3_128 of each file's content, from the cache where this version of it was hashed.
+    One process hashes, the others (a scheduler and its TP workers start together) wait for
+    it and read what it found."""
     keys = [_identity(f, st) for f, st in stats]
     cache = _load_cache(cache_path)
     if any(k not in cache for k in keys):
-        # one process hashes, the others (a scheduler and its TP workers start together)
-        # wait for it and read what it found
         with _Lock(cache_path + ".lock"):
             cache = _load_cache(cache_path)
             todo = [(f, st, k) for (f, st), k in zip(stats, keys) if k not in cache]
@@ -181,12 +191,7 @@ def _files_fingerprint(path: str, cache_path: str) -> str:
                 for (_, _, key), digest in zip(todo, _hash_files(todo)):
                     cache[key] = digest
                 _save_cache(cache_path, cache)
-    h = xxhash.xxh3_128()  # (paths within the checkpoint, sizes and contents)
-    base = path if os.path.isdir(path) else os.path.dirname(path)
-    for (f, st), key in zip(stats, keys):
-        name = os.path.relpath(f, base) if os.path.isdir(path) else os.path.basename(f)
-        h.update(f"{name}|{st.st_size}|{cache[key]}\n".encode())
-    return h.hexdigest()
+    return [cache[k] for k in keys]
 
 
 def _identity(path: str, st: os.stat_result) -> str:
@@ -198,17 +203,7 @@ def _identity(path: str, st: os.stat_result) -> str:
 
 def file_digest(path: str, cache_path: str | None = None) -> str:
     """xxh3_128 of one file's content, from the cache when this version of it was hashed."""
-    cache_path = cache_path or default_cache_path()
-    st = os.stat(path)
-    key = _identity(path, st)
-    cache = _load_cache(cache_path)
-    if key not in cache:
-        with _Lock(cache_path + ".lock"):
-            cache = _load_cache(cache_path)
-            if key not in cache:
-                cache[key] = _hash_files([(path, st, key)])[0]
-                _save_cache(cache_path, cache)
-    return cache[key]
+    return _digests([(path, os.stat(path))], cache_path or default_cache_path())[0]
 
 
 def _hash_files(todo: list) -> list[str]:
