@@ -32,8 +32,12 @@ $(ADAPTERS): $(STAMP)
 
 transfer-adapters: $(ADAPTERS)
 
+# Two worker processes, each taking whole files (a file's module fixtures, such as a served
+# cluster, start once): 12-13 min against 18 in one process on 2 cores. `make test-main
+# PYTEST_WORKERS=0` runs it in this process (pdb, -x).
+PYTEST_WORKERS ?= 2
 test-main: $(STAMP) $(ADAPTERS)
-	$(PY) -m pytest --durations=25 tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests
 
 # The three configurations (no pool / colocated + pool / prefill-decode + pool) on the
 # long-context multi-turn workload; figures also in build/kvtier-demo.json (DESIGN.md rows).

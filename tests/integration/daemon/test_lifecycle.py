@@ -197,7 +197,11 @@ def test_an_ipv6_daemon_prints_urls_a_client_and_curl_can_use(make_daemon):
     d = make_daemon("--host", "::1")
     assert d.url == f"kvtier://[::1]:{d.port}"
     assert f"data plane kvtier://[::1]:{d.port}  control http://[::1]:{d.http_port}" in d.output()
-    assert f"kvstore.Client('kvtier://[::1]:{d.port}'" in d.output()
+    hint = f"kvstore.Client('kvtier://[::1]:{d.port}'"  # a later line: the thread reading
+    deadline = time.monotonic() + 10  # the daemon's output may not have it yet
+    while hint not in d.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hint in d.output(), d.output()
     with urllib.request.urlopen(f"{d.http}/healthz", timeout=10) as r:
         assert r.status == 200
     hs = hash_blocks(NS, np.arange(2 * 16))
