@@ -5,6 +5,13 @@ members and follows them with a watch, and campaigns for the leader key. A backg
 refreshes the lease every ttl/3; if the lease was lost anyway (a long pause, a partition),
 or the node's key went, the node registers again under a new one and campaigns again.
 
+A node leads only while its lease is surely alive by its own clock: until the time it sent
+the last refresh etcd answered, plus the TTL etcd granted, less LEASE_MARGIN_S. etcd counts
+the same TTL from the moment it took that refresh, later, so this node stops leading before
+etcd can hand the leader key to another. (It led on for as long as a partition from etcd
+lasted: no refresh got through, no watch event either, and the node beside it that etcd had
+made leader in the meantime led too.)
+
 A node id is one daemon's: registering waits out a dead predecessor's key (its lease runs
 out within the TTL) and refuses to start beside a live daemon of the same id (which used to
 take its key over silently: the first daemon dropped out of the pool for good, its lease
@@ -79,10 +86,20 @@ class ClusterMember:
         self._bad_records = LogEvery()  # records in etcd that do not decode
         self._taken = LogEvery()  # this node's id held by another daemon
         self.out = False  # another daemon took this node's id: no member, never the leader
+        self._lease_until = 0.0  # time.monotonic() before which the lease is surely alive
 
     @property
     def is_leader(self) -> bool:
-        return self.record is not None and not self.out and self.leader_id == self.record.node_id
+        """This node holds the leader key and its lease is surely alive (see the module)."""
+        return (self.record is not None and not self.out and self.leader_id == self.record.node_id
+                and time.monotonic() < self._lease_until - LEASE_MARGIN_S)
+
+    @property
+    def lease_lapsed(self) -> bool:
+        """No refresh of this node's lease got through within the TTL: etcd may have let it
+        go (a partition, a stalled event loop), so the node must not act on the role it
+        last saw."""
+        return self.record is not None and time.monotonic() >= self._lease_until - LEASE_MARGIN_S
 
     def subscribe(self) -> asyncio.Queue:
         """A queue that receives every MembershipEvent this member sees from now on."""
@@ -153,6 +170,7 @@ class ClusterMember:
             if compare is not None:
                 fresh = lease is None
                 if fresh:
+                    asked = time.monotonic()
                     lease = await self._client.lease(self.ttl_s)  # (granted now: one
                     # granted before the wait would have run out during it)
                 won, _ = await self._client.transaction(
@@ -160,6 +178,8 @@ class ClusterMember:
                     failure=[])
                 if won:
                     self._lease = lease
+                    if fresh:
+                        self._lease_until = asked + self.ttl_s
                     return
                 if fresh:
                     await lease.revoke()
@@ -231,10 +251,17 @@ class ClusterMember:
                     log.warning("this node is back in the pool as %s", self.record.node_id)
                     await self._try_lead()
                     continue
+                sent = time.monotonic()
                 reply = await self._lease.refresh()
+                if reply is not None and reply.TTL > 0:
+                    self._lease_until = sent + reply.TTL
                 if reply is None or reply.TTL <= 0:  # expired while we were away: join again,
                     self.out = True  # no leader meanwhile (another daemon may hold the id now,
-                    await self._register()  # and lead: both did until the wait ran out)
+                    # and lead: both did until the wait ran out). The leader key went with the
+                    # lease: a watch that has not said so yet must not make us lead again
+                    if self.leader_id == self.record.node_id:
+                        self._set_leader(None)
+                    await self._register()
                     self.out = False
                     await self._try_lead()
                     continue
@@ -326,6 +353,8 @@ class ClusterMember:
 
 
 STOP_STEP_S = 2.0
+LEASE_MARGIN_S = 0.5  # how long before its lease's end by this node's clock it stops leading
+# (clocks' rates differ a little; the TTL is 2 s at least, refreshed every third of it)
 
 
 def _text(raw: bytes) -> str:

@@ -1,5 +1,7 @@
 """Membership and leader election against a real etcd server."""
+import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -232,3 +234,72 @@ async def test_a_node_whose_id_was_taken_while_away_stops_leading(etcd):
     finally:
         await b.stop()
         await a.stop()
+
+
+class CutOffProxy:
+    """A TCP relay to etcd that can be cut: from then on no byte passes either way while
+    every connection stays open (a partition: packets dropped, nothing reset), until healed."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.open = asyncio.Event()
+        self.open.set()
+        self.server = None
+        self.port = 0
+
+    async def start(self) -> "CutOffProxy":
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _relay(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+
+        async def pipe(src, dst):
+            try:
+                while data := await src.read(65536):
+                    await self.open.wait()
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def close(self) -> None:
+        self.open.set()
+        self.server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_leader_cut_off_from_etcd_stops_leading_before_another_may_lead(etcd):
+    """A leader whose refreshes stop getting through (a partition from etcd, a stalled loop)
+    led on for as long as that lasted, beside the node etcd had made leader once its lease ran
+    out. Now it stops before etcd can let the lease go: never two leaders at one time."""
+    addr = address(etcd)
+    proxy = await CutOffProxy(addr.endpoints[0]).start()
+    via_proxy = addr._replace(endpoints=(("127.0.0.1", proxy.port),))
+    a, b = member(via_proxy, "a"), member(addr, "b")
+    await a.start()
+    await b.start()
+    try:
+        await b.wait_for(lambda m: set(m.members) == {"a", "b"} and m.leader_id == "a", 10)
+        assert a.is_leader
+        proxy.open.clear()
+        both, deadline = 0, time.monotonic() + 4 * TTL + 5
+        while not b.is_leader and time.monotonic() < deadline:
+            both += a.is_leader and b.is_leader
+            await asyncio.sleep(0.01)
+        assert b.is_leader, "etcd never let the cut-off leader's lease go"
+        assert not a.is_leader and a.lease_lapsed and both == 0
+        assert a.leader_id == "a"  # what it last saw; it does not act on it
+        proxy.open.set()  # healed: back as a member, led by b
+        await b.wait_for(lambda m: "a" in m.members, 4 * TTL + 5)
+        await a.wait_for(lambda m: m.leader_id == "b" and "a" in m.members and not m.out,
+                         4 * TTL + 5)
+        assert not a.is_leader and not a.lease_lapsed and b.is_leader
+    finally:
+        await b.stop()
+        await a.stop()
+        await proxy.close()
