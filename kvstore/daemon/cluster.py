@@ -36,21 +36,24 @@ class MetadataService:
 
     def __init__(self) -> None:
         self.indexes: dict[int, ClusterIndex] = {}
-        self.roots: dict[int, set[bytes]] = {}  # ns id -> the root hashes nodes named it by
+        # ns id -> each root hash nodes named it by -> those nodes (a root leaves with the
+        # last node that named it: a stale one left the id unverified for the leader's life)
+        self.roots: dict[int, dict[bytes, set[str]]] = {}
 
     def note_root(self, msg: NamespaceRoot) -> None:
         if bytes(msg.root)[:8] != msg.ns_id.to_bytes(8, "little"):
             raise ClusterError(f"root {bytes(msg.root).hex()} is not namespace {msg.ns_id:016x}'s")
-        roots = self.roots.setdefault(msg.ns_id, set())
-        if len(roots) < 4:  # (more would be a node lying, or ids colliding: unverified either way)
-            roots.add(bytes(msg.root))
+        roots = self.roots.setdefault(msg.ns_id, {})
+        root = bytes(msg.root)
+        if root in roots or len(roots) < 4:  # (more would be a node lying, or ids colliding:
+            roots.setdefault(root, set()).add(msg.node_id)  # unverified either way)
 
     def verified(self, ns: Namespace) -> bool | None:
         """Whether the index of `ns`'s id holds `ns` itself: True, False (another namespace
         shares the id, or a node named none), None (no index of that id)."""
         if ns.ns_id not in self.indexes:
             return None
-        return self.roots.get(ns.ns_id) == {bytes(ns.root_hash)}
+        return set(self.roots.get(ns.ns_id, ())) == {bytes(ns.root_hash)}
 
     def index(self, ns_id: int) -> ClusterIndex:
         return self.indexes.setdefault(ns_id, ClusterIndex())
@@ -75,6 +78,13 @@ class MetadataService:
         for idx in self.indexes.values():
             if node_id in idx.node_ids():
                 idx.remove_node(node_id)
+        for ns_id, roots in list(self.roots.items()):
+            for root, nodes in list(roots.items()):
+                nodes.discard(node_id)
+                if not nodes:
+                    del roots[root]
+            if not roots:
+                del self.roots[ns_id]
 
     def locate(self, req: Locate) -> Located:
         idx = self.indexes.get(req.ns_id)

@@ -155,3 +155,32 @@ def test_prefixes_from_holders_agree_with_the_leaders_query():
         want = svc.locate(Locate(7, hashes))
         assert leading_holders(want.holders) == want.prefix
     assert leading_holders([]) == () and leading_holders([()]) == ()
+
+
+def test_a_namespaces_roots_leave_with_the_nodes_that_named_them():
+    """The leader answers a tenant's locate only where every reporting node named the id by
+    the namespace's whole root. A root named by a node that left stayed for the leader's
+    life: the id unverified (every locate fanned out to all members) long after."""
+    from kvstore.cluster.messages import NamespaceRoot
+    from kvstore.daemon.cluster import MetadataService
+    from kvstore.keys import Namespace
+    ns = Namespace("m", num_layers=1, num_kv_heads=1, head_dim=8)
+    twin = bytes(ns.root_hash)[:8] + bytes(16 - 8)  # another root of the same 64-bit id
+    svc = MetadataService()
+    svc.index(ns.ns_id)
+    svc.note_root(NamespaceRoot("a", ns.ns_id, bytes(ns.root_hash)))
+    svc.note_root(NamespaceRoot("b", ns.ns_id, bytes(ns.root_hash)))
+    assert svc.verified(ns) is True
+    svc.note_root(NamespaceRoot("c", ns.ns_id, twin))
+    assert svc.verified(ns) is False
+    svc.forget("a")
+    assert svc.verified(ns) is False  # c still names the other root
+    svc.forget("c")
+    assert svc.verified(ns) is True  # b's root alone
+    svc.forget("b")
+    assert svc.verified(ns) is False and svc.roots == {}  # nobody names it any more
+    for node in "pqrstu":  # at most 4 roots an id; a root already named takes more nodes
+        svc.note_root(NamespaceRoot(node, ns.ns_id, twin[:8] + bytes([ord(node)]) * 8))
+    assert len(svc.roots[ns.ns_id]) == 4
+    svc.note_root(NamespaceRoot("v", ns.ns_id, twin[:8] + b"p" * 8))
+    assert svc.roots[ns.ns_id][twin[:8] + b"p" * 8] == {"p", "v"}
