@@ -20,7 +20,7 @@ from typing import Sequence
 from kvstore.buffers import byte_rows
 from kvstore.client.errors import ClientError
 from kvstore.cluster.membership import ClusterMember
-from kvstore.cluster.messages import Locate, Located, TenantLocate
+from kvstore.cluster.messages import TENANT_LOCATE_HASHES, Locate, Located, TenantLocate
 from kvstore.cluster.records import ClusterError, parse_etcd_url
 from kvstore.cluster.ring import HashRing
 from kvstore.events import TierKind
@@ -31,7 +31,6 @@ from kvstore.wire import RemoteError
 
 log = logging.getLogger("kvtier.cluster")
 TENANT_LOCATE = "locate-tenant"  # the leader's route for a namespace's own token
-TENANT_LOCATE_HASHES = 8192  # hashes per tenant locate (the leader's cap: daemon.cluster)
 ASK_INDEX_AGAIN_S = 60.0  # a token the leader's index refused asks it again after this
 
 _RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
@@ -72,6 +71,10 @@ class ClusterClient:
         self.index_refused = False  # the leader's index is not this token's (a tenant's)
         self._no_route = False  # the last locate found no such route (an older leader)
         self._ask_again_at = 0.0  # when a refused token asks the index again
+        # a leader without the tenant route that answered this (admin's) token by id: asked
+        # by id straight away until ASK_INDEX_AGAIN_S on (it may be upgraded meanwhile)
+        self._by_id_at: tuple[str, str] | None = None
+        self._by_id_until = 0.0
         self._loop = _LoopThread()
         self._member = ClusterMember(parse_etcd_url(url), None)
         try:
@@ -138,8 +141,11 @@ class ClusterClient:
             return None
         if self.index_refused and time.monotonic() < self._ask_again_at:
             return None  # (refused lately: not a round trip to a 403 before every read)
-        if not self.ns.tenant:
-            return self._locate(rec, "locate", Locate(self.ns.ns_id, tuple(map(bytes, hashes))))
+        by_id = Locate(self.ns.ns_id, tuple(map(bytes, hashes)))
+        leader_key = (rec.node_id, rec.control_url)
+        if not self.ns.tenant or (self._by_id_at == leader_key
+                                  and time.monotonic() < self._by_id_until):
+            return self._locate(rec, "locate", by_id)
         # a tenant's namespace goes whole (its token may locate its own), in pieces the
         # leader takes from a tenant (MAX_TENANT_BODY); the pieces' holders make the prefixes
         holders: list[tuple[str, ...]] = []
@@ -149,7 +155,10 @@ class ClusterClient:
             if got is None and self.index_refused and self._no_route:
                 # a leader older than the route: an admin's token still locates by id (a
                 # tenant's is refused there too, and asks every member)
-                got = self._locate(rec, "locate", Locate(self.ns.ns_id, tuple(map(bytes, hashes))))
+                got = self._locate(rec, "locate", by_id)
+                if got is not None:  # (asked by id from now on: two round trips a locate)
+                    self._by_id_at = leader_key
+                    self._by_id_until = time.monotonic() + ASK_INDEX_AGAIN_S
                 return got
             if got is None:
                 return None

@@ -13,6 +13,8 @@ from transfer.codec import Record
 
 
 EVENTS_KIND_HEADER = "X-Kvtier-Events"  # "events" or "snapshot": which a reply carries
+TENANT_LOCATE_HASHES = 8192  # the most hashes a tenant's locate may ask about (the leader
+# answers more 413; a client asks in pieces of this many): kvstore.daemon.cluster says why
 
 
 class Message(Record):

@@ -17,8 +17,8 @@ import aiohttp
 from aiohttp import web
 
 from kvstore.cluster.membership import Change, ClusterMember
-from kvstore.cluster.messages import (EventBatch, Locate, Located, NamespaceRoot, Snapshot,
-                                      TenantLocate)
+from kvstore.cluster.messages import (TENANT_LOCATE_HASHES, EventBatch, Locate, Located,
+                                      NamespaceRoot, Snapshot, TenantLocate)
 from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
 from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import ADMIN, DaemonConfig
@@ -243,7 +243,6 @@ MAX_CONTROL_BODY = 1 << 30  # a cluster snapshot, 18 bytes a block: ~60M blocks.
 # (233k copies of one hash cost the leader's event loop 0.4 s and a 29 MB reply each: the
 # lease keepalive missed, leadership moved) and TENANT_LOCATES at once per tenant (429).
 MAX_TENANT_BODY = 256 << 10
-TENANT_LOCATE_HASHES = 8192
 TENANT_LOCATES = 4
 TENANT_BODY_GRACE_S = 2.0
 BODY_GRACE_S = 10.0  # a report's body must come within this plus its length at

@@ -411,6 +411,19 @@ def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, t
         with ClusterClient(pool.url, token="alice-token", namespace=alice) as reader:
             assert check_bytes(hashes, *read(reader, hashes)) == 30
             assert reader.index_refused
+        # an admin's client there locates by id: after the first refusal, in one round trip
+        with ClusterClient(pool.url, token="s3cret", namespace=alice) as admin:
+            routes = []
+            real_locate = admin._locate
+
+            def noted(rec, what, msg):
+                routes.append(what)
+                return real_locate(rec, what, msg)
+            admin._locate = noted
+            for _ in range(3):
+                assert check_bytes(hashes, *read(admin, hashes)) == 30
+            assert not admin.index_refused
+            assert routes == ["locate-from-the-future", "locate", "locate", "locate"], routes
     finally:
         pool.stop()
 
