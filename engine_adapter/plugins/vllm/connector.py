@@ -120,13 +120,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_side.lookup(request.request_id, list(request.prompt_token_ids or ()),
                                           num_computed_tokens, request.all_token_ids,
-                                          self._extra(request))
+                                          self._extra(request), self._marks(request))
 
     def _extra(self, request: "Request") -> bytes | None:
-        """What the request's KV depends on besides its token ids and the model, as vLLM's
-        own prefix cache keys it: the LoRA adapter (by name, path and the adapter files'
-        fingerprint), the multimodal inputs' content hashes, the cache salt. None for
-        prompt embeddings (their KV is not named by token ids at all)."""
+        """What all of the request's KV depends on besides its token ids and the model, as
+        vLLM's own prefix cache keys it: the LoRA adapter (by name, path and the adapter
+        files' fingerprint), the cache salt (images: `_marks`). None for prompt embeddings
+        (their KV is not named by token ids at all)."""
         if getattr(request, "prompt_embeds", None) is not None:
             return None
         parts = []
@@ -139,11 +139,23 @@ class KVTierConnector(KVConnectorBase_V1):
                 rev = checkpoint_revision(path, fallback="") if path else ""
                 self._lora_revisions[key] = rev
             parts.append(f"lora|{lora.lora_name}|{rev}")
-        for mm in getattr(request, "mm_features", None) or ():
-            parts.append(f"mm|{getattr(mm, 'identifier', '')}|{getattr(mm, 'mm_position', '')}")
         if getattr(request, "cache_salt", None):
             parts.append(f"salt|{request.cache_salt}")
         return "\n".join(parts).encode()
+
+    def _marks(self, request: "Request") -> dict[int, bytes]:
+        """Each multimodal input's content hash (vLLM's identifier) and placeholder, mixed
+        into the hash of the block its placeholder starts in (the placeholder's token ids
+        are the same for any image; the chain carries it into every later block). Salted
+        into every block before, text ahead of the first image was never shared."""
+        marks: dict[int, bytes] = {}
+        for mm in getattr(request, "mm_features", None) or ():
+            pos = getattr(mm, "mm_position", None)
+            offset = int(getattr(pos, "offset", 0) or 0)
+            mark = f"\nmm|{getattr(mm, 'identifier', '')}|{pos}".encode()
+            block = offset // self.ns.block_tokens
+            marks[block] = marks.get(block, b"") + mark
+        return marks
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:

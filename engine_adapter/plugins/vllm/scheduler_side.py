@@ -28,6 +28,7 @@ class _Request:
     load: tuple[int, int] | None = None   # [first, end) blocks to load, until handed over
     is_async: bool = False
     extra: bytes = b""             # mixed into every block hash (see SchedulerSide.lookup)
+    marks: dict[int, bytes] = field(default_factory=dict)  # block -> mixed into it alone
 
 
 class SchedulerSide:
@@ -39,19 +40,25 @@ class SchedulerSide:
         self.num_hit_tokens = 0
 
     def lookup(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int,
-               tokens: Sequence[int] = (), extra: bytes | None = b"") -> tuple[int, bool]:
+               tokens: Sequence[int] = (), extra: bytes | None = b"",
+               marks: dict[int, bytes] | None = None) -> tuple[int, bool]:
         """`get_num_new_matched_tokens`: tokens past vLLM's own hit that kvtier can load.
         `tokens`: the request's live token list, read later for decode saves. `extra`: what
-        besides the token ids the request's KV depends on (its LoRA adapter, images, cache
-        salt), mixed into every block hash; None: KV its token ids do not name (prompt
-        embeddings), neither loaded nor saved."""
+        besides the token ids the request's KV depends on throughout (its LoRA adapter,
+        cache salt), mixed into every block hash; None: KV its token ids do not name
+        (prompt embeddings), neither loaded nor saved. `marks`: what the KV depends on from
+        a block on (an image's content, from the block its placeholder starts in), mixed
+        into that block's hash, and through the chain into every later one's: the blocks
+        before it stay shared with any request of the same leading tokens."""
         if extra is None:
             return 0, False
         bt = self.ns.block_tokens
-        hashes = hash_blocks(self.ns, prompt, extra=extra)
+        marks = dict(marks or {})
+        hashes = hash_marked(self.ns, prompt, 0, None, extra, marks)
         loadable = (len(prompt) - 1) // bt   # vLLM must compute at least the last token
         hit = self.store.match_prefix(hashes[:loadable]).num_blocks if loadable else 0
-        self.requests[req_id] = _Request(hashes, hit, tokens, num_computed_tokens, extra=extra)
+        self.requests[req_id] = _Request(hashes, hit, tokens, num_computed_tokens, extra=extra,
+                                         marks=marks)
         num_new = max(0, hit * bt - num_computed_tokens)
         return num_new, bool(num_new and self.async_load)
 
@@ -109,8 +116,9 @@ class SchedulerSide:
         num_full = min(num_full, len(req.tokens) // bt)
         if num_full > len(req.hashes):
             parent = req.hashes[-1] if req.hashes else None
-            req.hashes += hash_blocks(self.ns, list(req.tokens[len(req.hashes) * bt:num_full * bt]),
-                                      parent=parent, extra=req.extra)
+            first = len(req.hashes)  # (an image that starts in the prompt's partial last
+            req.hashes += hash_marked(self.ns, list(req.tokens[first * bt:num_full * bt]),  # block
+                                      first, parent, req.extra, req.marks)  # marks it here)
 
     def _take_load(self, meta: KVTierMetadata, req_id: str, req: _Request) -> None:
         first, end = req.load
@@ -123,3 +131,23 @@ class SchedulerSide:
 
     def finished(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+
+
+def hash_marked(ns: Namespace, tokens: Sequence[int], first_block: int, parent: bytes | None,
+                extra: bytes, marks: dict[int, bytes]) -> list[bytes]:
+    """`hash_blocks` of `tokens`, the request's blocks from `first_block` on, chained from
+    `parent`: `extra` mixed into every block, and `marks[k]` into block k too."""
+    bt = ns.block_tokens
+    n = len(tokens) // bt
+    out: list[bytes] = []
+    at = 0
+    for k in sorted(k for k in marks if first_block <= k < first_block + n):
+        i = k - first_block
+        if i > at:
+            out += hash_blocks(ns, tokens[at * bt:i * bt], out[-1] if out else parent, extra)
+        out += hash_blocks(ns, tokens[i * bt:(i + 1) * bt], out[-1] if out else parent,
+                           extra + marks[k])
+        at = i + 1
+    if at < n:
+        out += hash_blocks(ns, tokens[at * bt:n * bt], out[-1] if out else parent, extra)
+    return out

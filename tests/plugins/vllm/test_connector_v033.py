@@ -254,8 +254,9 @@ def test_decode_blocks_are_saved_when_asked(model_dir, tmp_path):
 def test_kv_of_other_inputs_than_the_token_ids_is_never_loaded(model_dir, tmp_path):
     """A LoRA adapter, images or a cache salt change a request's KV for the same token ids
     (vLLM's own prefix cache keys them too): such a request must not load blocks the plain
-    prompt stored, nor another adapter's; prompt embeddings are not named by token ids at
-    all, so kvtier stays out of them."""
+    prompt stored, nor another adapter's (an image: none from the block its placeholder
+    starts in on; the text before it is shared); prompt embeddings are not named by token
+    ids at all, so kvtier stays out of them."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
@@ -276,6 +277,20 @@ def test_kv_of_other_inputs_than_the_token_ids_is_never_loaded(model_dir, tmp_pa
     assert matched("salted", cache_salt="tenant-x") == 0
     assert matched("lora", lora_request=adapters[0]) == 0
     assert matched("embeds", prompt_embeds=torch.zeros(len(first), 8)) == 0
+    # an image: the blocks before the one its placeholder starts in are the text's
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    def image(name):
+        return [MultiModalFeatureSpec(None, "image", name, PlaceholderRange(4 * BLOCK + 5, 8))]
+    assert matched("image", mm_features=image("img-a")) == 4 * BLOCK
+    pic = Request("pic", first, SamplingParams(max_tokens=2), None, mm_features=image("img-a"))
+    h.scheduler.connector.scheduler_side.lookup("p", first, 0, (), connector._extra(pic),
+                                                connector._marks(pic))
+    pic_hashes = h.scheduler.connector.scheduler_side.requests["p"].hashes
+    assert pic_hashes[:4] == hash_blocks(h.worker.ns, first)[:4]
+    assert pic_hashes[4] != hash_blocks(h.worker.ns, first)[4]
+    other_pic = Request("o", first, SamplingParams(max_tokens=2), None, mm_features=image("img-b"))
+    assert connector._marks(other_pic) != connector._marks(pic)
     # a LoRA request's own blocks are found again by the same adapter, not by another
     lora = Request("lora-run", first, SamplingParams(max_tokens=2), None, lora_request=adapters[0])
     h.scheduler.connector.scheduler_side.lookup("x", first, 0, (), connector._extra(lora))
