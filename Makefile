@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: bench-deps-mooncake transfer-adapters test test-main test-plugins test-vllm test-vllmcpu test-sglang test-wheel demo bench clean
+.PHONY: bench-deps-mooncake transfer-adapters test test-main test-beside test-plugins test-vllm test-vllmcpu test-sglang test-wheel demo bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -15,11 +15,13 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 # The engines' and the wheel's virtualenvs build while the main suite runs (pip's installs
-# are mostly disk and unzipping, and the suite leaves a good part of two cores idle: it waits
-# on daemons, timeouts and model loads); then their tests run, one engine at a time.
-# --output-sync keeps each job's output together in the log.
+# are mostly disk and unzipping, and the suite leaves part of two cores idle: it waits on
+# daemons, timeouts and model loads); their tests then run one engine at a time, still
+# beside the main suite (`test-beside`). --output-sync keeps each job's output together.
 test:
-	$(MAKE) --no-print-directory --output-sync=target -j5 test-main $(ENGINE_STAMPS)
+	$(MAKE) --no-print-directory --output-sync=target -j5 test-main test-beside
+
+test-beside: $(STAMP) $(ENGINE_STAMPS)
 	$(MAKE) --no-print-directory test-plugins test-wheel
 
 # The optional NIXL / UCX transfer adapters (installed with --no-deps: their declared deps
