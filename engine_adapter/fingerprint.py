@@ -10,8 +10,9 @@ engine names its weights by what they are:
 - `checkpoint_revision`: of a checkpoint an engine loads by path or hub id (the vLLM and
   SGLang plugins): a local directory or file by the content of its files (every file but
   the few that cannot change KV, such as tokenizer files and READMEs), hashed once per file
-  version and then remembered in a cache keyed by the file's identity and change time; a
-  hub id by the commit its revision resolves to in the engine's hub cache. An engine's
+  version and then remembered in a cache keyed by the file's identity, change time and a
+  32 KiB sample of its bytes; a hub id by the commit its revision resolves to in the
+  engine's hub cache. An engine's
   settings that change KV without changing files (config overrides, quantization, load
   format) are mixed in by the plugin (`extra`).
 
@@ -195,10 +196,31 @@ def _digests(stats: list[tuple[str, os.stat_result]], cache_path: str) -> list[s
 
 
 def _identity(path: str, st: os.stat_result) -> str:
-    """A file version: where it is and when it last changed (ctime: no write leaves it as it
-    was, os.utime included)."""
+    """A file version: where it is, when it last changed (ctime: no write leaves it as it
+    was, os.utime included) and a sample of its bytes: a filesystem whose times are coarse
+    or cached (NFS: a second, or the attribute cache's) can show a file rewritten in place
+    at the same size with the times it had, and a retrain changes bytes everywhere."""
     return (f"{os.path.realpath(path)}|{st.st_dev}|{st.st_ino}|{st.st_size}|"
-            f"{st.st_mtime_ns}|{st.st_ctime_ns}")
+            f"{st.st_mtime_ns}|{st.st_ctime_ns}|{_sample(path, st.st_size)}")
+
+
+SAMPLES, SAMPLE_BYTES = 8, 4096  # 32 KiB read a file version, spread over it
+
+
+def _sample(path: str, size: int) -> str:
+    """xxh3_64 of SAMPLES pieces of the file, spread evenly (all of a small file)."""
+    h = xxhash.xxh3_64()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if size <= SAMPLES * SAMPLE_BYTES:
+                h.update(f.read())
+            else:
+                step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
+                for i in range(SAMPLES):
+                    h.update(os.pread(f.fileno(), SAMPLE_BYTES, i * step))
+    except OSError:
+        return "unreadable"  # (hashing it says why)
+    return h.hexdigest()
 
 
 def file_digest(path: str, cache_path: str | None = None) -> str:

@@ -49,6 +49,21 @@ def test_a_file_rewritten_with_its_old_size_and_times_is_hashed_again(tmp_path, 
     assert checkpoint_revision(ckpt, cache_path=cache) != first
 
 
+def test_a_rewrite_the_filesystem_shows_with_the_old_size_and_times_is_seen(tmp_path, cache,
+                                                                           monkeypatch):
+    """NFS can show a file rewritten in place at its size with the times it had (times of a
+    second's grain, the attribute cache): a sample of the file's bytes is part of the key
+    its digest is remembered by, so the retrained weights are hashed again."""
+    ckpt = write_checkpoint(tmp_path / "m", seed=1)
+    weights = os.path.join(ckpt, "model.safetensors")
+    shown, real_stat = os.stat(weights), os.stat
+    first = checkpoint_revision(ckpt, cache_path=cache)
+    write_checkpoint(tmp_path / "m", seed=2)
+    monkeypatch.setattr(os, "stat", lambda p, *a, **kw: shown if str(p) == weights
+                        else real_stat(p, *a, **kw))
+    assert checkpoint_revision(ckpt, cache_path=cache) != first
+
+
 def test_equal_weights_in_other_places_and_times_share_the_revision(tmp_path, cache):
     a = write_checkpoint(tmp_path / "host-a" / "llama", seed=7)
     b = str(tmp_path / "host-b" / "llama-copy")
