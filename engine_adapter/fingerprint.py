@@ -12,9 +12,8 @@ engine names its weights by what they are:
   the few that cannot change KV, such as tokenizer files and READMEs), hashed once per file
   version and then remembered in a cache keyed by the file's identity, change time and a
   32 KiB sample of its bytes; a hub id by the commit its revision resolves to in the
-  engine's hub cache. An engine's
-  settings that change KV without changing files (config overrides, quantization, load
-  format) are mixed in by the plugin (`extra`).
+  engine's hub cache. An engine's settings that change KV without changing files (config
+  overrides, quantization, load format) are mixed in by the plugin (`extra`).
 
 Equal weights get equal revisions on any host (the fingerprint is of bytes, not of paths or
 times), so a pool shared by many engines still shares their KV.
