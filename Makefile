@@ -21,9 +21,6 @@ $(STAMP): setup.py
 test:
 	$(MAKE) --no-print-directory --output-sync=target -j5 test-main test-beside
 
-test-beside: $(STAMP) $(ENGINE_STAMPS)
-	$(MAKE) --no-print-directory test-plugins test-wheel
-
 # The optional NIXL / UCX transfer adapters (installed with --no-deps: their declared deps
 # are the CUDA/RAPIDS stack). Their conformance cases run only inside `unshare -n`.
 ADAPTERS := $(VENV)/.adapters-stamp
@@ -56,6 +53,7 @@ ENGINE_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLL
 VLLM033 := build/venv-vllm033
 VLLMCPU := build/venv-vllmcpu
 SGLANG := build/venv-sglang
+WHEEL_VENV := build/venv-wheel
 
 define engine_venv
 	rm -rf $(1)
@@ -66,7 +64,7 @@ endef
 
 define kvtier_into
 	$(1)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt -r $(REQS)/kvtier-runtime.txt
-	$(1)/bin/python -m pip install --quiet --no-deps -e .
+	KVTIER_NO_EXT=1 $(1)/bin/python -m pip install --quiet --no-deps -e .
 endef
 
 $(VLLM033)/.installed-stamp: $(REQS)/vllm033-cpu-reqs.txt $(REQS)/kvtier-runtime.txt
@@ -92,11 +90,16 @@ $(SGLANG)/.installed-stamp: $(REQS)/sglang0523-cpu-reqs.txt $(REQS)/kvtier-runti
 	$(SGLANG)/bin/python -m pip install --quiet pip==26.3
 	$(SGLANG)/bin/python -m pip install --quiet -r $(REQS)/sglang0523-cpu-reqs.txt -r $(REQS)/kvtier-runtime.txt
 	$(SGLANG)/bin/python -m pip install --quiet --no-deps sglang==0.5.23
-	$(SGLANG)/bin/python -m pip install --quiet --no-deps -e .
+	KVTIER_NO_EXT=1 $(SGLANG)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 ENGINE_STAMPS = $(VLLM033)/.installed-stamp $(VLLMCPU)/.installed-stamp $(SGLANG)/.installed-stamp \
 	$(WHEEL_VENV)/.installed-stamp
+
+# (after ENGINE_STAMPS: make expands a rule's prerequisites where it reads the rule; -j1:
+# the sub-make would take the outer one's five jobs and run every engine's tests at once)
+test-beside: $(STAMP) $(ENGINE_STAMPS)
+	$(MAKE) --no-print-directory -j1 test-plugins test-wheel
 
 test-plugins: test-vllm test-vllmcpu test-sglang
 
@@ -117,7 +120,6 @@ test-sglang: $(STAMP) $(SGLANG)/.installed-stamp
 # workers as a user gets them. The venv (deps and the converted model) is kept until
 # setup.py changes; the wheel is rebuilt and reinstalled each run. `--workload short
 # --configs c`: two short prompts through 1 prefill + 1 decode worker over a store node.
-WHEEL_VENV := build/venv-wheel
 WHEEL_BIN := $(abspath $(WHEEL_VENV))/bin
 $(WHEEL_VENV)/.installed-stamp: setup.py $(REQS)/torch-cpu.txt
 	$(call engine_venv,$(WHEEL_VENV))
@@ -125,7 +127,8 @@ $(WHEEL_VENV)/.installed-stamp: setup.py $(REQS)/torch-cpu.txt
 	touch $@
 
 test-wheel: $(WHEEL_VENV)/.installed-stamp
-	rm -rf build/wheel build/lib  # build/lib would carry deleted modules into the wheel
+	# (what an earlier build left in build/ would carry deleted modules into the wheel)
+	rm -rf build/wheel build/lib build/lib.* build/bdist.* build/temp.*
 	$(WHEEL_VENV)/bin/python -m pip wheel --quiet --no-deps -w build/wheel .
 	$(WHEEL_VENV)/bin/python -m pip uninstall --quiet -y kvtier
 	$(WHEEL_VENV)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt "$$(echo build/wheel/kvtier-*.whl)[hf]"

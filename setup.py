@@ -1,4 +1,6 @@
 """Distribution `kvtier`: a disaggregated KV-cache storage tier for LLM serving."""
+import os
+
 from setuptools import Extension, find_packages, setup
 
 # Runtime pins. torch is the CPU build on machines without a GPU; a GPU machine may
@@ -62,7 +64,11 @@ setup(
     # block copies that bypass the CPU caches and a socket receive loop (transfer/_stream.c).
     # Optional: without a C compiler the install goes on, and transfer.copy copies through
     # numpy and the payload receives loop in Python instead
-    ext_modules=[Extension("transfer._stream", ["transfer/_stream.c"], optional=True)],
+    # KVTIER_NO_EXT=1: an editable install that leaves the module .venv's built into the
+    # source tree alone (the engines' venvs, made while the main suite runs: each rebuilt it
+    # in the shared build/ and rewrote the file under processes that had it mapped)
+    ext_modules=[] if os.environ.get("KVTIER_NO_EXT") == "1" else [
+        Extension("transfer._stream", ["transfer/_stream.c"], optional=True)],
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={

@@ -71,6 +71,7 @@ class ClusterClient:
         self.index_refused = False  # the leader's index is not this token's (a tenant's)
         self._no_route = False  # the last locate found no such route (an older leader)
         self._ask_again_at = 0.0  # when a refused token asks the index again
+        self._refused_by: tuple[str, str] | None = None  # the leader that refused it
         # a leader without the tenant route that answered this (admin's) token by id: asked
         # by id straight away until ASK_INDEX_AGAIN_S on (it may be upgraded meanwhile)
         self._by_id_at: tuple[str, str] | None = None
@@ -139,10 +140,12 @@ class ClusterClient:
         rec = self._member.members.get(leader) if leader else None
         if rec is None or not hashes:
             return None
-        if self.index_refused and time.monotonic() < self._ask_again_at:
-            return None  # (refused lately: not a round trip to a 403 before every read)
-        by_id = Locate(self.ns.ns_id, tuple(map(bytes, hashes)))
         leader_key = (rec.node_id, rec.control_url)
+        if (self.index_refused and time.monotonic() < self._ask_again_at
+                and self._refused_by == leader_key):
+            return None  # (refused lately: not a round trip to a 403 before every read; a
+            # new leader is asked at once)
+        by_id = Locate(self.ns.ns_id, tuple(map(bytes, hashes)))
         if not self.ns.tenant or (self._by_id_at == leader_key
                                   and time.monotonic() < self._by_id_until):
             return self._locate(rec, "locate", by_id)
@@ -180,6 +183,10 @@ class ClusterClient:
                 return Located.decode(resp.read())
         except urllib.error.HTTPError as e:
             self._no_route = e.code in (404, 405)
+            if e.code == 503:  # the leader could not vouch for its role this moment (see
+                self.index_refused = True  # daemon.cluster): this read asks every member,
+                self._ask_again_at = 0.0  # the next one the leader again
+                return None
             if e.code in (401, 403, 404, 405, 409):  # the index is not this token's (or
                 # the leader predates locate-tenant, or cannot vouch that the index of this
                 # namespace's id is this namespace's): ask every member instead (`_candidates`);
@@ -187,6 +194,7 @@ class ClusterClient:
                 # through a preferred node, silently
                 self.index_refused = True
                 self._ask_again_at = time.monotonic() + ASK_INDEX_AGAIN_S
+                self._refused_by = (rec.node_id, rec.control_url)
                 skipped = self._refused.due()
                 if skipped is not None:
                     log.info("the cluster index is not this token's (HTTP %d from the leader "

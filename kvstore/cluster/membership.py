@@ -8,7 +8,8 @@ or the node's key went, the node registers again under a new one and campaigns a
 A node leads only while its lease is surely alive by its own clock: until the time it sent
 the last refresh etcd answered, plus the TTL etcd granted, less LEASE_MARGIN_S. etcd counts
 the same TTL from the moment it took that refresh, later, so this node stops leading before
-etcd can hand the leader key to another. (It led on for as long as a partition from etcd
+etcd can hand the leader key to another. (The clock is CLOCK_BOOTTIME: it runs on while the
+host is suspended, as etcd's does.) (It led on for as long as a partition from etcd
 lasted: no refresh got through, no watch event either, and the node beside it that etcd had
 made leader in the meantime led too.)
 
@@ -86,20 +87,20 @@ class ClusterMember:
         self._bad_records = LogEvery()  # records in etcd that do not decode
         self._taken = LogEvery()  # this node's id held by another daemon
         self.out = False  # another daemon took this node's id: no member, never the leader
-        self._lease_until = 0.0  # time.monotonic() before which the lease is surely alive
+        self._lease_until = 0.0  # lease_clock() before which the lease is surely alive
 
     @property
     def is_leader(self) -> bool:
         """This node holds the leader key and its lease is surely alive (see the module)."""
         return (self.record is not None and not self.out and self.leader_id == self.record.node_id
-                and time.monotonic() < self._lease_until - LEASE_MARGIN_S)
+                and lease_clock() < self._lease_until - LEASE_MARGIN_S)
 
     @property
     def lease_lapsed(self) -> bool:
         """No refresh of this node's lease got through within the TTL: etcd may have let it
         go (a partition, a stalled event loop), so the node must not act on the role it
         last saw."""
-        return self.record is not None and time.monotonic() >= self._lease_until - LEASE_MARGIN_S
+        return self.record is not None and lease_clock() >= self._lease_until - LEASE_MARGIN_S
 
     def subscribe(self) -> asyncio.Queue:
         """A queue that receives every MembershipEvent this member sees from now on."""
@@ -170,7 +171,7 @@ class ClusterMember:
             if compare is not None:
                 fresh = lease is None
                 if fresh:
-                    asked = time.monotonic()
+                    asked = lease_clock()
                     lease = await self._client.lease(self.ttl_s)  # (granted now: one
                     # granted before the wait would have run out during it)
                 won, _ = await self._client.transaction(
@@ -251,11 +252,13 @@ class ClusterMember:
                     log.warning("this node is back in the pool as %s", self.record.node_id)
                     await self._try_lead()
                     continue
-                sent = time.monotonic()
+                sent = lease_clock()
                 reply = await self._lease.refresh()
-                if reply is not None and reply.TTL > 0:
+                if reply is None:  # the keepalive stream ended with no answer: no word on
+                    continue  # the lease either way (an expired one is answered TTL 0)
+                if reply.TTL > 0:
                     self._lease_until = sent + reply.TTL
-                if reply is None or reply.TTL <= 0:  # expired while we were away: join again,
+                else:  # expired while we were away: join again,
                     self.out = True  # no leader meanwhile (another daemon may hold the id now,
                     # and lead: both did until the wait ran out). The leader key went with the
                     # lease: a watch that has not said so yet must not make us lead again
@@ -353,8 +356,18 @@ class ClusterMember:
 
 
 STOP_STEP_S = 2.0
-LEASE_MARGIN_S = 0.5  # how long before its lease's end by this node's clock it stops leading
-# (clocks' rates differ a little; the TTL is 2 s at least, refreshed every third of it)
+LEASE_MARGIN_S = 0.1  # how long before its lease's end by this node's clock it stops leading
+# (for clocks' rates, which differ by parts per million: the end is already counted from
+# before etcd took the refresh, and etcd only ever lets a lease go later than its TTL)
+
+
+def lease_clock() -> float:
+    """Seconds on a clock that runs on while the host is suspended (CLOCK_BOOTTIME; the
+    monotonic clock where there is none)."""
+    return time.clock_gettime(BOOTTIME) if BOOTTIME is not None else time.monotonic()
+
+
+BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
 
 
 def _text(raw: bytes) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Mapping
 
 import aiohttp
 from aiohttp import web
@@ -32,13 +33,16 @@ MSGPACK = "application/msgpack"
 
 
 class MetadataService:
-    """The leader's state: a ClusterIndex per namespace. Runs on the event loop only."""
+    """The leader's state: a ClusterIndex per namespace. Runs on the event loop only.
+    `members`: the pool's live members (the membership's own dict, kept current by it), by
+    which `verified` judges who speaks for a namespace; None: every reporter does."""
 
-    def __init__(self) -> None:
+    def __init__(self, members: Mapping[str, object] | None = None) -> None:
         self.indexes: dict[int, ClusterIndex] = {}
         # ns id -> each root hash nodes named it by -> those nodes (a root leaves with the
         # last node that named it: a stale one left the id unverified for the leader's life)
         self.roots: dict[int, dict[bytes, set[str]]] = {}
+        self.members = members
 
     def note_root(self, msg: NamespaceRoot) -> None:
         if bytes(msg.root)[:8] != msg.ns_id.to_bytes(8, "little"):
@@ -49,11 +53,24 @@ class MetadataService:
             roots.setdefault(root, set()).add(msg.node_id)  # unverified either way)
 
     def verified(self, ns: Namespace) -> bool | None:
-        """Whether the index of `ns`'s id holds `ns` itself: True, False (another namespace
-        shares the id, or a node named none), None (no index of that id)."""
-        if ns.ns_id not in self.indexes:
+        """Whether the index of `ns`'s id holds `ns` itself: True where every live node in
+        it named the id by `ns`'s root, and no live node by another; False where one did not
+        (another namespace shares the id, or a node of an older version named none); None
+        where no live node holds blocks of that id. A node not (or no longer) a member
+        speaks for nothing: its blocks are no client's to read."""
+        idx = self.indexes.get(ns.ns_id)
+        live = self._live
+        nodes = {n for n in idx.node_ids() if live(n)} if idx is not None else set()
+        if not nodes:
             return None
-        return set(self.roots.get(ns.ns_id, ())) == {bytes(ns.root_hash)}
+        named = {root: {n for n in by if live(n)}
+                 for root, by in self.roots.get(ns.ns_id, {}).items()}
+        named = {root: by for root, by in named.items() if by}
+        mine = named.get(bytes(ns.root_hash), set())
+        return set(named) == {bytes(ns.root_hash)} and nodes <= mine
+
+    def _live(self, node_id: str) -> bool:
+        return self.members is None or node_id in self.members
 
     def index(self, ns_id: int) -> ClusterIndex:
         return self.indexes.setdefault(ns_id, ClusterIndex())
@@ -99,6 +116,10 @@ class NoRoute(ClusterError):
     """The leader has no such route (an older version)."""
 
 
+class LeaderUnsure(ClusterError):
+    """The leader could not vouch for its role this moment (503: `_check_leading`)."""
+
+
 class ClusterAgent:
     def __init__(self, cfg: DaemonConfig, registry: Registry, data_port: int, http_port: int) -> None:
         host = cfg.advertise or cfg.host
@@ -106,7 +127,7 @@ class ClusterAgent:
         record = NodeRecord(cfg.node_id, netloc(host, data_port),
                             f"http://{netloc(host, http_port)}")
         self.member = ClusterMember(parse_etcd_url(cfg.cluster), record, ttl_s=cfg.cluster_ttl_s)
-        self.service = MetadataService()
+        self.service = MetadataService(self.member.members)
         self._reported_to: str | None = None
         self._known: set[int] = set()   # namespaces the current leader has a snapshot of
         self._rootless: set[str] = set()  # leaders without /cluster/namespace (older ones)
@@ -140,9 +161,11 @@ class ClusterAgent:
             event = await changes.get()
             if event.change is Change.LEFT:
                 self.service.forget(event.node_id)
-            elif event.change is Change.LEADER and self.member.is_leader:
+            elif event.change is Change.LEADER and event.node_id == self.cfg.node_id:
+                # (by the event, not by is_leader, which also asks the clock: it could be
+                # false now and true later, the last term's index served again)
                 log.info("this node leads the cluster metadata now")
-                self.service = MetadataService()  # nodes re-report to a new leader
+                self.service = MetadataService(self.member.members)  # nodes report anew
 
     async def _ship_forever(self) -> None:
         backoff = 0.0  # grows while the leader refuses: a full snapshot was rebuilt and sent
@@ -151,6 +174,8 @@ class ClusterAgent:
             try:
                 await self.ship_once()
                 self._failing, backoff = False, 0.0
+            except LeaderUnsure:  # (what it has stays: the same events go again next time)
+                backoff = max(backoff, self.cfg.event_interval_s)
             except (aiohttp.ClientError, asyncio.TimeoutError, ClusterError) as e:
                 if not self._failing:  # once per outage, not every interval
                     log.warning("could not report KV events to the leader (%s); will resync", e)
@@ -196,6 +221,8 @@ class ClusterAgent:
                                    headers={**self.headers, "Content-Type": MSGPACK}) as resp:
             if resp.status in (404, 405) and what == "namespace":
                 raise NoRoute(what)
+            if resp.status == 503:
+                raise LeaderUnsure(rec.node_id)
             if resp.status != 200:
                 raise ClusterError(f"leader {rec.node_id} answered {resp.status} to {what}: "
                                    f"{(await resp.text())[:200]}")
@@ -229,9 +256,23 @@ def _leader_only(request: web.Request, admin: bool = True) -> ClusterAgent:
     if admin:
         require_admin(request)
     agent = _agent(request)
-    if not agent.member.is_leader:
-        raise web.HTTPConflict(text=f"not the leader; the leader is {agent.member.leader_id}\n")
+    _check_leading(agent)
     return agent
+
+
+def _check_leading(agent: ClusterAgent) -> None:
+    """409 where another node leads; 503 (Retry-After) where this one holds the leader key
+    but no refresh of its lease got through lately (it may have lapsed in etcd: kvstore.
+    cluster.membership), which usually passes within a refresh: reporters keep their place
+    and clients ask again (a 409 made every node send its whole snapshot again and every
+    client ask all members for a minute)."""
+    m = agent.member
+    if m.is_leader:
+        return
+    if m.leader_id == agent.cfg.node_id and not m.out:
+        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
+            "this node's lease on the leader role went unconfirmed; ask again shortly\n"))
+    raise web.HTTPConflict(text=f"not the leader; the leader is {m.leader_id}\n")
 
 
 MAX_CONTROL_BODY = 1 << 30  # a cluster snapshot, 18 bytes a block: ~60M blocks. aiohttp's
@@ -272,6 +313,7 @@ async def _leader_call(request: web.Request, message, act, admin: bool = True) -
         slow = web.Response(status=408, text="the request body came too slowly\n")
         slow.force_close()  # (what it sent so far leaves the connection out of step)
         return slow
+    _check_leading(agent)  # (again: the body may have taken seconds)
     try:
         body = act(agent.service, message.decode(raw))
     except ClusterError as e:

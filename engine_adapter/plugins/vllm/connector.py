@@ -118,9 +118,10 @@ class KVTierConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        marks = self._marks(request)
         return self.scheduler_side.lookup(request.request_id, list(request.prompt_token_ids or ()),
                                           num_computed_tokens, request.all_token_ids,
-                                          self._extra(request), self._marks(request))
+                                          None if marks is None else self._extra(request), marks)
 
     def _extra(self, request: "Request") -> bytes | None:
         """What all of the request's KV depends on besides its token ids and the model, as
@@ -143,18 +144,22 @@ class KVTierConnector(KVConnectorBase_V1):
             parts.append(f"salt|{request.cache_salt}")
         return "\n".join(parts).encode()
 
-    def _marks(self, request: "Request") -> dict[int, bytes]:
+    def _marks(self, request: "Request") -> dict[int, bytes] | None:
         """Each multimodal input's content hash (vLLM's identifier) and placeholder, mixed
         into the hash of the block its placeholder starts in (the placeholder's token ids
         are the same for any image; the chain carries it into every later block). Salted
-        into every block before, text ahead of the first image was never shared."""
+        into every block before, text ahead of the first image was never shared. None (no
+        load, no save) where an input has no identifier: its KV would pass for another's."""
         marks: dict[int, bytes] = {}
         for mm in getattr(request, "mm_features", None) or ():
+            ident = getattr(mm, "identifier", None)
+            if not ident:
+                return None
             pos = getattr(mm, "mm_position", None)
             offset = int(getattr(pos, "offset", 0) or 0)
-            mark = f"\nmm|{getattr(mm, 'identifier', '')}|{pos}".encode()
+            length = int(getattr(pos, "length", 0) or 0)
             block = offset // self.ns.block_tokens
-            marks[block] = marks.get(block, b"") + mark
+            marks[block] = marks.get(block, b"") + f"\nmm|{ident}|{offset}|{length}".encode()
         return marks
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",

@@ -287,12 +287,19 @@ async def test_a_leader_cut_off_from_etcd_stops_leading_before_another_may_lead(
         await b.wait_for(lambda m: set(m.members) == {"a", "b"} and m.leader_id == "a", 10)
         assert a.is_leader
         proxy.open.clear()
-        both, deadline = 0, time.monotonic() + 4 * TTL + 5
-        while not b.is_leader and time.monotonic() < deadline:
-            both += a.is_leader and b.is_leader
+        both, a_stopped, b_started = 0, None, None
+        deadline = time.monotonic() + 4 * TTL + 5
+        while b_started is None and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        assert b.is_leader, "etcd never let the cut-off leader's lease go"
-        assert not a.is_leader and a.lease_lapsed and both == 0
+            a_leads, b_leads = a.is_leader, b.is_leader  # (one instant: no await between)
+            both += a_leads and b_leads
+            if not a_leads and a_stopped is None:
+                a_stopped = time.monotonic()
+            if b_leads:
+                b_started = time.monotonic()
+        assert b_started is not None, "etcd never let the cut-off leader's lease go"
+        assert both == 0 and a_stopped is not None and a_stopped <= b_started
+        assert not a.is_leader and a.lease_lapsed
         assert a.leader_id == "a"  # what it last saw; it does not act on it
         proxy.open.set()  # healed: back as a member, led by b
         await b.wait_for(lambda m: "a" in m.members, 4 * TTL + 5)

@@ -394,10 +394,11 @@ def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, t
         # the index by namespace id stays the admin's
         assert post("/cluster/locate", Locate(alice.ns_id, tuple(hashes[:3])).encode()) == 403
         # two namespaces naming one id in the index (ids collide, or a node lies): a tenant
-        # is told nothing of the index by id alone, and its client asks every member
+        # is told nothing of the index by id alone, and its client asks every member (a
+        # member names the other root: one that is no member speaks for nothing)
         from kvstore.cluster.messages import NamespaceRoot
         other_root = bytes(alice.root_hash)[:8] + b"\x00" * 8
-        assert post("/cluster/namespace", NamespaceRoot("n9", alice.ns_id, other_root).encode(),
+        assert post("/cluster/namespace", NamespaceRoot("n2", alice.ns_id, other_root).encode(),
                     token="s3cret") == 200
         assert post("/cluster/namespace", NamespaceRoot("n9", alice.ns_id, b"\x01" * 16).encode(),
                     token="s3cret") == 400  # (a root that is not of that id)

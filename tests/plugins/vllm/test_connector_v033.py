@@ -289,8 +289,13 @@ def test_kv_of_other_inputs_than_the_token_ids_is_never_loaded(model_dir, tmp_pa
     pic_hashes = h.scheduler.connector.scheduler_side.requests["p"].hashes
     assert pic_hashes[:4] == hash_blocks(h.worker.ns, first)[:4]
     assert pic_hashes[4] != hash_blocks(h.worker.ns, first)[4]
-    other_pic = Request("o", first, SamplingParams(max_tokens=2), None, mm_features=image("img-b"))
-    assert connector._marks(other_pic) != connector._marks(pic)
+    # with the image request's blocks stored: the same image finds them all, another image
+    # only the text before it, and an input with no identifier stays out of kvtier
+    ns = h.worker.ns
+    connector.store.put_n(pic_hashes, torch.zeros(len(pic_hashes), ns.block_bytes, dtype=torch.uint8))
+    assert matched("same-image", mm_features=image("img-a")) == len(first) // BLOCK * BLOCK
+    assert matched("other-image", mm_features=image("img-b")) == 4 * BLOCK
+    assert matched("no-id", mm_features=image("")) == 0
     # a LoRA request's own blocks are found again by the same adapter, not by another
     lora = Request("lora-run", first, SamplingParams(max_tokens=2), None, lora_request=adapters[0])
     h.scheduler.connector.scheduler_side.lookup("x", first, 0, (), connector._extra(lora))

@@ -158,29 +158,42 @@ def test_prefixes_from_holders_agree_with_the_leaders_query():
 
 
 def test_a_namespaces_roots_leave_with_the_nodes_that_named_them():
-    """The leader answers a tenant's locate only where every reporting node named the id by
-    the namespace's whole root. A root named by a node that left stayed for the leader's
-    life: the id unverified (every locate fanned out to all members) long after."""
+    """The leader answers a tenant's locate only where every live node holding blocks of the
+    id named it by the namespace's whole root. A root named by a node that left stayed for
+    the leader's life (the id unverified: every locate fanned out to all members); a node
+    that is no member, or one of an older version that names no root, must not make an
+    index look like the namespace's either."""
     from kvstore.cluster.messages import NamespaceRoot
     from kvstore.daemon.cluster import MetadataService
     from kvstore.keys import Namespace
     ns = Namespace("m", num_layers=1, num_kv_heads=1, head_dim=8)
-    twin = bytes(ns.root_hash)[:8] + bytes(16 - 8)  # another root of the same 64-bit id
-    svc = MetadataService()
-    svc.index(ns.ns_id)
-    svc.note_root(NamespaceRoot("a", ns.ns_id, bytes(ns.root_hash)))
-    svc.note_root(NamespaceRoot("b", ns.ns_id, bytes(ns.root_hash)))
+    root, twin = bytes(ns.root_hash), bytes(ns.root_hash)[:8] + bytes(8)  # (one 64-bit id)
+    members = dict.fromkeys("abc")
+    svc = MetadataService(members)
+    assert svc.verified(ns) is None  # no index of the id
+    idx = svc.index(ns.ns_id)
+    for node in "ab":
+        svc.note_root(NamespaceRoot(node, ns.ns_id, root))
+        idx.apply(stored(node, 0, [1]))
     assert svc.verified(ns) is True
+    idx.apply(stored("c", 0, [2]))
+    assert svc.verified(ns) is False  # c holds blocks of the id and named no root
     svc.note_root(NamespaceRoot("c", ns.ns_id, twin))
-    assert svc.verified(ns) is False
+    assert svc.verified(ns) is False  # c named another namespace of the id
+    svc.note_root(NamespaceRoot("n9", ns.ns_id, twin))  # (no member: speaks for nothing)
     svc.forget("a")
-    assert svc.verified(ns) is False  # c still names the other root
+    assert svc.verified(ns) is False
+    del members["c"]  # left; the leader not yet told
+    assert svc.verified(ns) is True
     svc.forget("c")
-    assert svc.verified(ns) is True  # b's root alone
+    assert set(svc.roots[ns.ns_id]) == {root, twin}  # (n9's stays, unheard)
+    assert svc.roots[ns.ns_id][root] == {"b"}
+    del members["b"]
     svc.forget("b")
-    assert svc.verified(ns) is False and svc.roots == {}  # nobody names it any more
+    assert svc.verified(ns) is None  # no live node holds any of it
+    assert set(svc.roots[ns.ns_id]) == {twin}
     for node in "pqrstu":  # at most 4 roots an id; a root already named takes more nodes
-        svc.note_root(NamespaceRoot(node, ns.ns_id, twin[:8] + bytes([ord(node)]) * 8))
+        svc.note_root(NamespaceRoot(node, ns.ns_id, twin[:8] + node.encode() * 8))
     assert len(svc.roots[ns.ns_id]) == 4
     svc.note_root(NamespaceRoot("v", ns.ns_id, twin[:8] + b"p" * 8))
     assert svc.roots[ns.ns_id][twin[:8] + b"p" * 8] == {"p", "v"}
