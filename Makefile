@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: bench-deps-mooncake transfer-adapters test test-main test-beside test-plugins test-vllm test-vllmcpu test-sglang test-wheel demo bench clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py transfer/_stream.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet pip==26.3
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -156,4 +156,4 @@ $(MOONCAKE)/.installed-stamp:
 bench-deps-mooncake: $(MOONCAKE)/.installed-stamp
 
 clean:
-	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) $(MOONCAKE) $(WHEEL_VENV) build/wheel *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) $(MOONCAKE) $(WHEEL_VENV) build/wheel build/lib build/lib.* build/temp.* build/bdist.* *.egg-info .pytest_cache .hypothesis

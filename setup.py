@@ -64,9 +64,10 @@ setup(
     # block copies that bypass the CPU caches and a socket receive loop (transfer/_stream.c).
     # Optional: without a C compiler the install goes on, and transfer.copy copies through
     # numpy and the payload receives loop in Python instead
-    # KVTIER_NO_EXT=1: an editable install that leaves the module .venv's built into the
-    # source tree alone (the engines' venvs, made while the main suite runs: each rebuilt it
-    # in the shared build/ and rewrote the file under processes that had it mapped)
+    # KVTIER_NO_EXT=1: an editable install that leaves the module .venv's install built
+    # into the source tree alone (the engines' venvs, made while the main suite runs: each
+    # compiled it again and put its copy in transfer/ under the processes using it; they
+    # import the one there, as .venv does)
     ext_modules=[] if os.environ.get("KVTIER_NO_EXT") == "1" else [
         Extension("transfer._stream", ["transfer/_stream.c"], optional=True)],
     install_requires=INSTALL_REQUIRES,

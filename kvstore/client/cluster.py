@@ -183,9 +183,9 @@ class ClusterClient:
                 return Located.decode(resp.read())
         except urllib.error.HTTPError as e:
             self._no_route = e.code in (404, 405)
-            if e.code == 503:  # the leader could not vouch for its role this moment (see
-                self.index_refused = True  # daemon.cluster): this read asks every member,
-                self._ask_again_at = 0.0  # the next one the leader again
+            if e.code in (429, 503):  # busy, or unable to vouch for its role this moment
+                self.index_refused = True  # (see daemon.cluster): this read asks every
+                self._ask_again_at = 0.0  # member, the next one the leader again
                 return None
             if e.code in (401, 403, 404, 405, 409):  # the index is not this token's (or
                 # the leader predates locate-tenant, or cannot vouch that the index of this

@@ -9,7 +9,9 @@ A node leads only while its lease is surely alive by its own clock: until the ti
 the last refresh etcd answered, plus the TTL etcd granted, less LEASE_MARGIN_S. etcd counts
 the same TTL from the moment it took that refresh, later, so this node stops leading before
 etcd can hand the leader key to another. (The clock is CLOCK_BOOTTIME: it runs on while the
-host is suspended, as etcd's does.) (It led on for as long as a partition from etcd
+host is suspended, and so errs the safe way.) It also leads only where the leader key is
+held under its own lease: a daemon restarted within the TTL found the key its dead
+predecessor's lease still held, and led by its new lease's clock. (It led on for as long as a partition from etcd
 lasted: no refresh got through, no watch event either, and the node beside it that etcd had
 made leader in the meantime led too.)
 
@@ -88,11 +90,13 @@ class ClusterMember:
         self._taken = LogEvery()  # this node's id held by another daemon
         self.out = False  # another daemon took this node's id: no member, never the leader
         self._lease_until = 0.0  # lease_clock() before which the lease is surely alive
+        self._leader_lease: int | None = None  # the lease the leader key is held under
 
     @property
     def is_leader(self) -> bool:
         """This node holds the leader key and its lease is surely alive (see the module)."""
         return (self.record is not None and not self.out and self.leader_id == self.record.node_id
+                and self._lease is not None and self._leader_lease == self._lease.id
                 and lease_clock() < self._lease_until - LEASE_MARGIN_S)
 
     @property
@@ -212,7 +216,7 @@ class ClusterMember:
                 self._publish(Change.JOINED, node_id)
             self.members[node_id] = rec
         leader = await self._client.get(self._leader_key)
-        self._set_leader(_text(leader.value) if leader else None)
+        self._set_leader(_text(leader.value) if leader else None, leader.lease if leader else None)
         return nodes.header.revision
 
     def _record(self, key: bytes, value: bytes) -> NodeRecord | None:
@@ -240,7 +244,7 @@ class ClusterMember:
             success=[txn.Put(self._leader_key, self.record.node_id.encode(), self._lease)],
             failure=[])
         if won:
-            self._set_leader(self.record.node_id)
+            self._set_leader(self.record.node_id, self._lease.id)
 
     async def _keepalive(self) -> None:
         while True:
@@ -339,12 +343,13 @@ class ClusterMember:
 
     async def _on_leader_event(self, event) -> None:
         if event.kind == "PUT":
-            self._set_leader(_text(event.kv.value))
+            self._set_leader(_text(event.kv.value), event.kv.lease)
             return
         self._set_leader(None)
         await self._try_lead()
 
-    def _set_leader(self, node_id: str | None) -> None:
+    def _set_leader(self, node_id: str | None, lease: int | None = None) -> None:
+        self._leader_lease = lease
         if node_id != self.leader_id:
             self.leader_id = node_id
             self._publish(Change.LEADER, node_id)

@@ -49,6 +49,10 @@ class MetadataService:
             raise ClusterError(f"root {bytes(msg.root).hex()} is not namespace {msg.ns_id:016x}'s")
         roots = self.roots.setdefault(msg.ns_id, {})
         root = bytes(msg.root)
+        for other in [r for r, by in roots.items() if r != root and msg.node_id in by]:
+            roots[other].discard(msg.node_id)  # (a node names one root an id: a restart
+            if not roots[other]:  # serving another namespace of it takes the first one's
+                del roots[other]  # place)
         if root in roots or len(roots) < 4:  # (more would be a node lying, or ids colliding:
             roots.setdefault(root, set()).add(msg.node_id)  # unverified either way)
 
@@ -108,8 +112,13 @@ class MetadataService:
         if idx is None:  # (not `index`: each namespace asked about would stay, empty)
             return Located(tuple(() for _ in req.hashes), ())
         match = idx.query(req.hashes)
-        prefix = sorted(((n, match.length(n)) for n in match.nodes()), key=lambda p: (-p[1], p[0]))
-        return Located(tuple(idx.holders(req.hashes)), tuple(prefix))
+        live = self._live
+        prefix = sorted(((n, match.length(n)) for n in match.nodes() if live(n)),
+                        key=lambda p: (-p[1], p[0]))
+        holders = idx.holders(req.hashes)
+        if self.members is not None:  # (a node that is no member: no client can read it,
+            holders = [tuple(n for n in hs if live(n)) for hs in holders]  # and it spoke
+        return Located(tuple(holders), tuple(prefix))  # for nothing in `verified`)
 
 
 class NoRoute(ClusterError):
@@ -132,6 +141,7 @@ class ClusterAgent:
         self._known: set[int] = set()   # namespaces the current leader has a snapshot of
         self._rootless: set[str] = set()  # leaders without /cluster/namespace (older ones)
         self._after: dict[int, int] = {}  # per namespace: the last event seq shipped
+        self._posted_at: dict[int, float] = {}  # per namespace: its last report's time
         self._failing = False
         self._tasks: list[asyncio.Task] = []
         self._http: aiohttp.ClientSession | None = None
@@ -161,11 +171,14 @@ class ClusterAgent:
             event = await changes.get()
             if event.change is Change.LEFT:
                 self.service.forget(event.node_id)
-            elif event.change is Change.LEADER and event.node_id == self.cfg.node_id:
-                # (by the event, not by is_leader, which also asks the clock: it could be
-                # false now and true later, the last term's index served again)
-                log.info("this node leads the cluster metadata now")
-                self.service = MetadataService(self.member.members)  # nodes report anew
+            elif event.change is Change.LEADER:
+                self._reported_to = None  # any new term, its leader ours or not: report
+                # everything anew (the same node winning again starts from an empty index)
+                if event.node_id == self.cfg.node_id:
+                    # (by the event, not by is_leader, which also asks the clock: it could
+                    # be false now and true later, the last term's index served again)
+                    log.info("this node leads the cluster metadata now")
+                    self.service = MetadataService(self.member.members)
 
     async def _ship_forever(self) -> None:
         backoff = 0.0  # grows while the leader refuses: a full snapshot was rebuilt and sent
@@ -206,13 +219,19 @@ class ClusterAgent:
                 await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, seq, blocks).encode())
                 self._known.add(ns_id)
                 self._after[ns_id] = seq
+                self._posted_at[ns_id] = time.monotonic()
                 continue
             events = hosted.events_after(self._after[ns_id])
             if events is None:  # another reader's snapshot took them: resync
                 self._known.discard(ns_id)
-            elif events:
+            elif events or time.monotonic() - self._posted_at.get(ns_id, 0.0) >= REPORT_EVERY_S:
+                # (none for a while: an empty batch, which a leader that does not know this
+                # node's blocks, a new term's, answers "resync": an idle node's blocks were
+                # missing from the index of a leader that won again unseen)
                 reply = await self._post(rec, "events", EventBatch(self.cfg.node_id, ns_id, events).encode())
-                self._after[ns_id] = events[-1].seq
+                if events:
+                    self._after[ns_id] = events[-1].seq
+                self._posted_at[ns_id] = time.monotonic()
                 if reply == b"resync":
                     self._known.discard(ns_id)
 
@@ -250,6 +269,7 @@ def _agent(request: web.Request) -> ClusterAgent:
 
 
 SHIP_BACKOFF_MAX_S = 5.0  # the longest wait between reports to a leader that refuses them
+REPORT_EVERY_S = 5.0  # a namespace with no events reports (an empty batch) this often
 
 
 def _leader_only(request: web.Request, admin: bool = True) -> ClusterAgent:
@@ -305,6 +325,7 @@ async def _leader_call(request: web.Request, message, act, admin: bool = True) -
                 f"at most {MAX_TENANT_BODY} bytes: locate fewer hashes at a time\n"))
         grace = TENANT_BODY_GRACE_S
     agent = _leader_only(request, admin)
+    service = agent.service
     size = request.content_length or MAX_CONTROL_BODY
     try:
         async with asyncio.timeout(grace + size / MIN_BODY_RATE):
@@ -314,8 +335,11 @@ async def _leader_call(request: web.Request, message, act, admin: bool = True) -
         slow.force_close()  # (what it sent so far leaves the connection out of step)
         return slow
     _check_leading(agent)  # (again: the body may have taken seconds)
+    if agent.service is not service:  # a new term began meanwhile: a snapshot applied to
+        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(  # its index
+            "the leader's index was reset; send again\n"))  # without the root before it
     try:
-        body = act(agent.service, message.decode(raw))
+        body = act(service, message.decode(raw))
     except ClusterError as e:
         raise web.HTTPBadRequest(text=f"{e}\n") from e
     return web.Response(body=body, content_type=MSGPACK)

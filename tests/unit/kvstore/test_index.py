@@ -197,3 +197,69 @@ def test_a_namespaces_roots_leave_with_the_nodes_that_named_them():
     assert len(svc.roots[ns.ns_id]) == 4
     svc.note_root(NamespaceRoot("v", ns.ns_id, twin[:8] + b"p" * 8))
     assert svc.roots[ns.ns_id][twin[:8] + b"p" * 8] == {"p", "v"}
+
+
+def test_the_leader_answers_with_live_members_only_and_a_node_names_one_root_an_id():
+    """A node that is no member (not joined yet in the leader's view, or gone on reporting
+    after it left) is no holder in a locate: it spoke for nothing in `verified`, and a
+    client cannot read from it (it took a slot of the prefix a client asks). A node names
+    one root an id: the last it named."""
+    from kvstore.cluster.messages import EventBatch, Locate, NamespaceRoot
+    from kvstore.daemon.cluster import MetadataService
+    from kvstore.keys import Namespace
+    ns = Namespace("m", num_layers=1, num_kv_heads=1, head_dim=8)
+    root, twin = bytes(ns.root_hash), bytes(ns.root_hash)[:8] + bytes(8)
+    members = dict.fromkeys("a")
+    svc = MetadataService(members)
+    idx = svc.index(ns.ns_id)
+    idx.apply(stored("a", 0, [1]))
+    idx.apply(stored("y", 0, [1, 2]))
+    svc.note_root(NamespaceRoot("a", ns.ns_id, root))
+    svc.note_root(NamespaceRoot("y", ns.ns_id, twin))
+    got = svc.locate(Locate(ns.ns_id, (h(1), h(2))))
+    assert got.holders == (("a",), ()) and got.prefix == (("a", 1),)
+    members["y"] = None  # y joins: the id now has two namespaces' nodes
+    assert svc.verified(ns) is False
+    assert svc.locate(Locate(ns.ns_id, (h(1), h(2)))).holders == (("a", "y"), ("y",))
+    svc.note_root(NamespaceRoot("y", ns.ns_id, root))  # y restarted serving ns itself
+    assert svc.roots[ns.ns_id] == {root: {"a", "y"}} and svc.verified(ns) is True
+    # an empty report: "ok" from a node the index knows, "resync" from one it does not (a
+    # new term's leader: an idle node's blocks come back)
+    assert svc.apply_events(EventBatch("a", ns.ns_id, ())) is False
+    assert MetadataService(members).apply_events(EventBatch("a", ns.ns_id, ())) is True
+
+
+def test_a_leader_unsure_of_its_lease_answers_503_and_another_nodes_role_409():
+    import types
+
+    from aiohttp import web
+
+    from kvstore.cluster.membership import ClusterMember, lease_clock
+    from kvstore.cluster.records import NodeRecord, parse_etcd_url
+    from kvstore.daemon.cluster import _check_leading
+    member = ClusterMember(parse_etcd_url("etcd://127.0.0.1:1/t"),
+                           NodeRecord("a", "127.0.0.1:5", "http://127.0.0.1:6"))
+    agent = types.SimpleNamespace(member=member, cfg=types.SimpleNamespace(node_id="a"))
+    member._lease = types.SimpleNamespace(id=7)  # (the lease etcd granted: its id alone)
+    member._set_leader("a", 7)
+    member._lease_until = lease_clock() + 5
+    _check_leading(agent)  # leads
+    member._lease_until = lease_clock()  # no refresh confirmed within the TTL
+    try:
+        _check_leading(agent)
+        raise AssertionError("a leader unsure of its lease answered")
+    except web.HTTPServiceUnavailable as e:
+        assert e.headers["Retry-After"] == "1"
+    member._lease_until = lease_clock() + 5
+    member._set_leader("a", 8)  # the key under another lease (a dead predecessor's)
+    try:
+        _check_leading(agent)
+        raise AssertionError("led under another lease")
+    except web.HTTPServiceUnavailable:
+        pass
+    member._set_leader("b", 9)
+    try:
+        _check_leading(agent)
+        raise AssertionError("answered for another node's role")
+    except web.HTTPConflict:
+        pass
