@@ -9,11 +9,14 @@ A node leads only while its lease is surely alive by its own clock: until the ti
 the last refresh etcd answered, plus the TTL etcd granted, less LEASE_MARGIN_S. etcd counts
 the same TTL from the moment it took that refresh, later, so this node stops leading before
 etcd can hand the leader key to another. (The clock is CLOCK_BOOTTIME: it runs on while the
-host is suspended, and so errs the safe way.) It also leads only where the leader key is
-held under its own lease: a daemon restarted within the TTL found the key its dead
-predecessor's lease still held, and led by its new lease's clock. (It led on for as long as a partition from etcd
-lasted: no refresh got through, no watch event either, and the node beside it that etcd had
-made leader in the meantime led too.)
+host is suspended, and so errs the safe way.) (It led on for as long as a partition from
+etcd lasted: no refresh got through, no watch event either, and the node beside it that etcd
+had made leader in the meantime led too.) It also leads only where the leader key is held
+under its current lease: one that re-registered under a new lease (a revoke that failed
+while it left the pool) must not lead by the new lease's clock on a key the old one holds.
+
+A term is the leader's id and the lease its key is held under (`leader_term`): the same
+node winning again is a new term, and members hear of it (a LEADER event) as of any other.
 
 A node id is one daemon's: registering waits out a dead predecessor's key (its lease runs
 out within the TTL) and refuses to start beside a live daemon of the same id (which used to
@@ -348,10 +351,14 @@ class ClusterMember:
         self._set_leader(None)
         await self._try_lead()
 
+    @property
+    def leader_term(self) -> tuple[str | None, int | None]:
+        """The current term: (leader id, the lease its key is held under)."""
+        return self.leader_id, self._leader_lease
+
     def _set_leader(self, node_id: str | None, lease: int | None = None) -> None:
-        self._leader_lease = lease
-        if node_id != self.leader_id:
-            self.leader_id = node_id
+        if (node_id, lease) != (self.leader_id, self._leader_lease):
+            self.leader_id, self._leader_lease = node_id, lease
             self._publish(Change.LEADER, node_id)
 
     def _publish(self, change: Change, node_id: str | None) -> None:

@@ -43,6 +43,7 @@ class MetadataService:
         # last node that named it: a stale one left the id unverified for the leader's life)
         self.roots: dict[int, dict[bytes, set[str]]] = {}
         self.members = members
+        self.term: tuple | None = None  # the leader term this index is of (ClusterMember.leader_term)
 
     def note_root(self, msg: NamespaceRoot) -> None:
         if bytes(msg.root)[:8] != msg.ns_id.to_bytes(8, "little"):
@@ -84,6 +85,8 @@ class MetadataService:
         idx = self.index(batch.ns_id)
         if batch.node_id not in idx.node_ids():
             return True
+        if not batch.events:  # (a node's report when it has none: see ship_once)
+            return batch.node_id in idx.stale_nodes()
         stale = False
         for event in batch.events:
             stale = idx.apply(event).stale
@@ -137,7 +140,7 @@ class ClusterAgent:
                             f"http://{netloc(host, http_port)}")
         self.member = ClusterMember(parse_etcd_url(cfg.cluster), record, ttl_s=cfg.cluster_ttl_s)
         self.service = MetadataService(self.member.members)
-        self._reported_to: str | None = None
+        self._reported_to: tuple | None = None  # the leader term reported to
         self._known: set[int] = set()   # namespaces the current leader has a snapshot of
         self._rootless: set[str] = set()  # leaders without /cluster/namespace (older ones)
         self._after: dict[int, int] = {}  # per namespace: the last event seq shipped
@@ -172,13 +175,18 @@ class ClusterAgent:
             if event.change is Change.LEFT:
                 self.service.forget(event.node_id)
             elif event.change is Change.LEADER:
-                self._reported_to = None  # any new term, its leader ours or not: report
-                # everything anew (the same node winning again starts from an empty index)
-                if event.node_id == self.cfg.node_id:
-                    # (by the event, not by is_leader, which also asks the clock: it could
-                    # be false now and true later, the last term's index served again)
-                    log.info("this node leads the cluster metadata now")
-                    self.service = MetadataService(self.member.members)
+                self._new_term()
+
+    def _new_term(self) -> None:
+        """A term of this node's own starts from an empty index (by the term, not by
+        is_leader, which also asks the clock: it could be false now and true later, and the
+        last term's index was served again). Called for each LEADER event: the term is the
+        membership's current one, so events of a term already begun change nothing."""
+        term = self.member.leader_term
+        if term[0] == self.cfg.node_id and self.service.term != term:
+            log.info("this node leads the cluster metadata now")
+            self.service = MetadataService(self.member.members)
+            self.service.term = term
 
     async def _ship_forever(self) -> None:
         backoff = 0.0  # grows while the leader refuses: a full snapshot was rebuilt and sent
@@ -197,13 +205,14 @@ class ClusterAgent:
                 backoff = min(max(2 * backoff, self.cfg.event_interval_s), SHIP_BACKOFF_MAX_S)
 
     async def ship_once(self) -> None:
-        leader = self.member.leader_id
+        term = self.member.leader_term
+        leader = term[0]
         rec = self.member.members.get(leader) if leader else None
         if rec is None or self.member.out:  # (out: another daemon reports under this id)
             self._reported_to = None  # (back in the pool: snapshots first)
             return
-        if leader != self._reported_to:
-            self._reported_to, self._known = leader, set()
+        if term != self._reported_to:  # a new term (the same node winning again too):
+            self._reported_to, self._known = term, set()  # everything anew
             self._rootless.discard(leader)  # (it may have been upgraded since)
         loop = asyncio.get_running_loop()
         for hosted in self.registry.hosted():
@@ -224,7 +233,8 @@ class ClusterAgent:
             events = hosted.events_after(self._after[ns_id])
             if events is None:  # another reader's snapshot took them: resync
                 self._known.discard(ns_id)
-            elif events or time.monotonic() - self._posted_at.get(ns_id, 0.0) >= REPORT_EVERY_S:
+            elif events or (leader != self.cfg.node_id  # (a leader hears of its own terms)
+                            and time.monotonic() - self._posted_at.get(ns_id, 0.0) >= REPORT_EVERY_S):
                 # (none for a while: an empty batch, which a leader that does not know this
                 # node's blocks, a new term's, answers "resync": an idle node's blocks were
                 # missing from the index of a leader that won again unseen)
@@ -287,12 +297,13 @@ def _check_leading(agent: ClusterAgent) -> None:
     and clients ask again (a 409 made every node send its whole snapshot again and every
     client ask all members for a minute)."""
     m = agent.member
-    if m.is_leader:
+    if m.is_leader and agent.service.term == m.leader_term:
         return
-    if m.leader_id == agent.cfg.node_id and not m.out:
-        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(
-            "this node's lease on the leader role went unconfirmed; ask again shortly\n"))
-    raise web.HTTPConflict(text=f"not the leader; the leader is {m.leader_id}\n")
+    if m.leader_id == agent.cfg.node_id and not m.out:  # (unconfirmed lease, the key under
+        raise web.HTTPServiceUnavailable(headers={"Retry-After": "1"}, text=(  # another of
+            "this node cannot vouch for the leader role this moment (its lease unconfirmed, "
+            "or a new term's index not set up yet); ask again shortly\n"))  # its leases,
+    raise web.HTTPConflict(text=f"not the leader; the leader is {m.leader_id}\n")  # a new term)
 
 
 MAX_CONTROL_BODY = 1 << 30  # a cluster snapshot, 18 bytes a block: ~60M blocks. aiohttp's
