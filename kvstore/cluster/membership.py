@@ -100,7 +100,7 @@ class ClusterMember:
         """This node holds the leader key and its lease is surely alive (see the module)."""
         return (self.record is not None and not self.out and self.leader_id == self.record.node_id
                 and self._lease is not None and self._leader_lease == self._lease.id
-                and lease_clock() < self._lease_until - LEASE_MARGIN_S)
+                and not self.lease_lapsed)
 
     @property
     def lease_lapsed(self) -> bool:
