@@ -135,6 +135,9 @@ class TieredStore(Reads, Grants):
             self._check_open()
             p = self._p
             entries = p.entries
+            if len(keys) == 1 and keys[0] not in entries \
+                    and (len(p.tiers) == 1 or p.tiers[0].num_free()):
+                return self._reserve_one(keys[0], timeout, owner)
             # the blocks stored already are held: making room never takes them (a batch of
             # fresh blocks, the common case, has none to hold)
             unique = dict.fromkeys(keys)
@@ -186,6 +189,22 @@ class TieredStore(Reads, Grants):
         if owner is not None:
             self._owners[rid] = owner
         return Reservation(rid, tuple(keys), tuple(statuses), tuple(slots))
+
+    def _reserve_one(self, h: bytes, timeout: float, owner: object | None) -> Reservation:
+        """`_reserve_locked` for a single block not stored yet, with room in the fastest
+        tier or no tier below it (a single block's put, the common case: half the calls)."""
+        p = self._p
+        place = p.allocate_one()
+        rid = next(self._ids)
+        if owner is not None:
+            self._owners[rid] = owner
+        if place is None:
+            self._reservations[rid] = (time.monotonic() + timeout, [])
+            return Reservation(rid, (h,), (PutStatus.NO_SPACE,), (None,))
+        entry = Entry(h, place[0], place[1], State.RESERVED)
+        p.entries[h] = entry
+        self._reservations[rid] = (time.monotonic() + timeout, [entry])
+        return Reservation(rid, (h,), (PutStatus.STORED,), ((p.tiers[place[0]].kind, place[1]),))
 
     def write_reserved(self, res: Reservation, srcs) -> None:
         """Fill a reservation's STORED blocks from `srcs` (one per hash of the reservation)."""

@@ -137,6 +137,19 @@ class TierMap:
             out.extend((i, s) for s in self._take_slots(i, want, evict) or ())
         return out
 
+    def allocate_one(self) -> tuple[int, int] | None:
+        """`allocate(1, demote=False)` where the fastest tier has a free slot or is the only
+        tier (the caller checked): its (tier, slot), or None."""
+        tier = self.tiers[0]
+        if len(self.tiers) == 1 and not tier.num_free():
+            lru = self.lru[0]
+            if not lru and self.soft_pinned:
+                self.expire_soft_pins(time.monotonic())
+            if lru:
+                self.drop([self.entries[lru.popitem(last=False)[0]]])
+        slots = self._take_slots(0, 1, len(self.tiers) == 1)
+        return (0, slots[0]) if slots else None
+
     def _take_slots(self, i: int, n: int, evict: bool) -> list[int] | None:
         """Up to n of tier i's free slots. A tier that could not grow as its num_free said
         (a full disk) is asked again for what it has, after making room there when `evict`

@@ -447,6 +447,12 @@ class Session:
         bb = self.hosted.block_bytes
         arena = self.dram_rows()
         slots = res.slots
+        if len(indices) == 1 and slots[indices[0]] is not None \
+                and slots[indices[0]][0] is TierKind.DRAM:  # one block, straight into its slot
+            at = slots[indices[0]][1] * bb
+            self.reader.recv_into(self._arena[2][at:at + bb])
+            self.tally.bytes_in += bb
+            return
         inline = sum(1 for i in indices if slots[i] is None or slots[i][0] is not TierKind.DRAM)
         scratch = self.scratch_rows(min(inline, max(1, SCRATCH_WINDOW // bb)), bb) if inline else None
         waiting: dict[TierKind, list[tuple[int, int]]] = {}  # tier -> (scratch row, block)

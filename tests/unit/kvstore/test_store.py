@@ -208,6 +208,48 @@ def test_a_full_store_of_pinned_blocks_says_no_space(tmp_path):
         assert s.contains_n(CHAIN[:2]) == [True, False]
 
 
+@pytest.mark.parametrize("ssd", [0, 8])
+def test_single_block_puts_evict_as_the_batch_path_would(tmp_path, monkeypatch, ssd):
+    """A single block's put takes a short path (`TierMap.allocate_one`): it leaves the same
+    blocks in the same tiers, evicts the same ones, and says the same in events as the
+    general allocation does."""
+    from kvstore.tiermap import TierMap
+    outcomes = []
+    for mode in ("short", "general"):
+        if mode == "general":
+            monkeypatch.setattr(TierMap, "allocate_one",
+                                lambda self: (self.allocate(1, demote=False) or [None])[0])
+        with make(tmp_path / mode, dram=3, ssd=ssd) as s:
+            s.put_n(CHAIN[:3], blocks(3))  # the batch's tail is the oldest
+            s.pin_n(CHAIN[1:2])
+            s.pin_n(CHAIN[2:3], ttl_s=0.01)
+            time.sleep(0.05)  # lapsed, not yet expired: its block stays out of the LRU
+            got = [s.put_n([h], blocks(1, i))[0] for i, h in enumerate(OTHER[:4])]
+            kept = s.contains_n(CHAIN[:3] + OTHER[:4])
+            where = [s.match_prefix([h]).tiers for h in CHAIN[:3] + OTHER[:4]]
+            events = [(e.kind, e.tier, e.block_hashes) for e in s.drain_events()]
+            outcomes.append((got, kept, where, events))
+    assert outcomes[0] == outcomes[1]
+    got, kept, _, _ = outcomes[0]
+    assert got == [PutStatus.STORED] * 4
+    if ssd:
+        assert all(kept)
+    else:  # the LRU block, then each new one in turn; the pinned ones stay
+        assert kept == [False, True, True, False, False, False, True]
+
+
+def test_single_block_put_with_nothing_evictable_is_no_space_and_costs_nothing(tmp_path):
+    owner = object()
+    with make(tmp_path, dram=1) as s:
+        s.put_n(CHAIN[:1], blocks(1))
+        s.pin_n(CHAIN[:1])
+        res = s.reserve_n(OTHER[:1], owner=owner)
+        assert res.statuses == (PutStatus.NO_SPACE,) and res.slots == (None,)
+        s.commit(res.reservation_id)  # (nothing to commit, but the id was open)
+        assert s.contains_n(CHAIN[:1] + OTHER[:1]) == [True, False]
+        assert s.stats().open_reservations == 0
+
+
 def test_hard_pins_are_counted(tmp_path):
     with make(tmp_path, dram=1) as s:
         s.put_n(CHAIN[:1], blocks(1))
