@@ -23,7 +23,7 @@ from kvstore.cluster.messages import (TENANT_LOCATE_HASHES, EventBatch, Locate, 
 from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
 from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import ADMIN, DaemonConfig
-from kvstore.daemon.namespaces import Registry
+from kvstore.daemon.namespaces import Hosted, Registry
 from kvstore.index import ClusterIndex
 from kvstore.keys import Namespace
 from kvstore.wire import netloc
@@ -145,6 +145,8 @@ class ClusterAgent:
         self._rootless: set[str] = set()  # leaders without /cluster/namespace (older ones)
         self._after: dict[int, int] = {}  # per namespace: the last event seq shipped
         self._posted_at: dict[int, float] = {}  # per namespace: its last report's time
+        self._reported: dict[int, Hosted] = {}  # per namespace: the store reported (a
+        # namespace cleared and opened again has a new one, its events numbered anew)
         self._failing = False
         self._tasks: list[asyncio.Task] = []
         self._http: aiohttp.ClientSession | None = None
@@ -215,8 +217,10 @@ class ClusterAgent:
             self._reported_to, self._known = term, set()  # everything anew
             self._rootless.discard(leader)  # (it may have been upgraded since)
         loop = asyncio.get_running_loop()
-        for hosted in self.registry.hosted():
-            ns_id = hosted.ns.ns_id
+        hosted_now = {h.ns.ns_id: h for h in self.registry.hosted()}
+        for ns_id in [n for n, h in self._reported.items() if hosted_now.get(n) is not h]:
+            await self._report_gone(rec, ns_id)
+        for ns_id, hosted in hosted_now.items():
             if ns_id not in self._known:
                 if leader not in self._rootless:
                     try:
@@ -229,6 +233,7 @@ class ClusterAgent:
                 self._known.add(ns_id)
                 self._after[ns_id] = seq
                 self._posted_at[ns_id] = time.monotonic()
+                self._reported[ns_id] = hosted
                 continue
             events = hosted.events_after(self._after[ns_id])
             if events is None:  # another reader's snapshot took them: resync
@@ -244,6 +249,19 @@ class ClusterAgent:
                 self._posted_at[ns_id] = time.monotonic()
                 if reply == b"resync":
                     self._known.discard(ns_id)
+
+    async def _report_gone(self, rec: NodeRecord, ns_id: int) -> None:
+        """A namespace this node reported was cleared (opened again since, or not): the
+        leader is sent an empty snapshot of it, so the blocks the cleared store held leave
+        its index, and the next store of the namespace is reported from a snapshot of its
+        own. Its cursor is forgotten: the next store numbers its events from the start,
+        and the old cursor skipped that many of them (blocks it stored missing from the
+        index for good), or was kept for as long as the daemon ran."""
+        await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, 0, {}).encode())
+        del self._reported[ns_id]
+        self._known.discard(ns_id)
+        self._after.pop(ns_id, None)
+        self._posted_at.pop(ns_id, None)
 
     async def _post(self, rec: NodeRecord, what: str, body: bytes) -> bytes:
         async with self._http.post(f"{rec.control_url}/cluster/{what}", data=body,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -153,6 +154,30 @@ def test_a_prefix_put_on_one_node_is_matched_in_full(pool):
         m = c.match_prefix(hashes + chain(3, 2))
         assert m.num_blocks == 12 and len(m.tiers) == 12
         assert c.match_prefix(chain(4, 3)).num_blocks == 0
+
+
+def test_a_cleared_namespace_leaves_the_index_and_its_next_store_is_reported_whole(pool):
+    """Cleared on a node, a namespace's blocks leave the leader's index; opened again, its
+    new store is reported from its first block (its events are numbered from the start
+    again: the cursor of the cleared store skipped as many of them, and those blocks were
+    never in the index)."""
+    ns = dataclasses.replace(NS, model="cleared-in-a-pool")
+    with ClusterClient(pool.url, namespace=ns, prefer_node="n2") as c:
+        def held_by_n2(hashes):
+            return [h == ("n2",) for h in c.locate(hashes).holders]
+
+        old = chain(7, 2)
+        c.put_n(old, payload(old))
+        wait_until(lambda: all(held_by_n2(old)), 10, "the index lists n2's blocks")
+        urllib.request.urlopen(urllib.request.Request(
+            f"{pool.nodes['n2'].http}/admin/namespaces/{ns.ns_id:016x}/clear", method="POST"))
+        wait_until(lambda: not any(held_by_n2(old)), 10, "the cleared blocks left the index")
+        batches = [chain(8 + i, 1) for i in range(4)]
+        with kvstore.Client(pool.nodes["n2"].url, namespace=ns) as direct:
+            for batch in batches:  # four events in a row, within one report interval
+                assert direct.put_n(batch, payload(batch)) == [PutStatus.STORED]
+        new = [h for batch in batches for h in batch]
+        wait_until(lambda: all(held_by_n2(new)), 10, "every block of the new store is listed")
 
 
 def test_a_report_body_that_trickles_in_is_cut_off(pool):
