@@ -204,13 +204,20 @@ class ClusterMember:
             await asyncio.sleep(0.25)
 
     async def _load(self) -> int:
-        """Read the members and the leader; publish what changed since the last view."""
-        nodes = await self._client.get_prefix(f"{self.address.prefix}/nodes/".encode())
-        seen = {}
-        for kv in nodes:
-            rec = self._record(kv.key, kv.value)
-            if rec is not None:
-                seen[rec.node_id] = rec
+        """Read the members and the leader, at one revision (the pool's keys in one read:
+        read apart, a leader change between the two reads was read as the state and then
+        replayed as events by the watch that starts after the first); publish what changed
+        since the last view. Returns the revision read at."""
+        prefix = f"{self.address.prefix}/".encode()
+        found = await self._client.get_prefix(prefix)
+        seen, leader = {}, None
+        for kv in found:
+            if kv.key == self._leader_key:
+                leader = kv
+            elif kv.key.startswith(prefix + b"nodes/"):
+                rec = self._record(kv.key, kv.value)
+                if rec is not None:
+                    seen[rec.node_id] = rec
         for node_id in set(self.members) - set(seen):
             del self.members[node_id]
             self._publish(Change.LEFT, node_id)
@@ -218,9 +225,8 @@ class ClusterMember:
             if self.members.setdefault(node_id, rec) is rec:
                 self._publish(Change.JOINED, node_id)
             self.members[node_id] = rec
-        leader = await self._client.get(self._leader_key)
         self._set_leader(_text(leader.value) if leader else None, leader.lease if leader else None)
-        return nodes.header.revision
+        return found.header.revision
 
     def _record(self, key: bytes, value: bytes) -> NodeRecord | None:
         """The record at a node key, or None (logged) when it does not decode or names
