@@ -24,6 +24,7 @@ from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
 from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.namespaces import Hosted, Registry
+from kvstore.errors import StoreClosedError
 from kvstore.index import ClusterIndex
 from kvstore.keys import Namespace
 from kvstore.wire import netloc
@@ -43,6 +44,8 @@ class MetadataService:
         # last node that named it: a stale one left the id unverified for the leader's life)
         self.roots: dict[int, dict[bytes, set[str]]] = {}
         self.members = members
+        self.empty: dict[int, set[str]] = {}  # ns id -> nodes that hold none of it (their
+        # last snapshot of it was empty: they are in no index, yet known)
         self.term: tuple | None = None  # the leader term this index is of (ClusterMember.leader_term)
 
     def note_root(self, msg: NamespaceRoot) -> None:
@@ -83,8 +86,9 @@ class MetadataService:
     def apply_events(self, batch: EventBatch) -> bool:
         """Apply a batch; True when the node must send a snapshot (unknown to us, or a gap)."""
         idx = self.index(batch.ns_id)
-        if batch.node_id not in idx.node_ids():
-            return True
+        if batch.node_id not in idx.node_ids():  # (a snapshot first; not for an empty
+            # report of a node known to hold none of it: that was a resync every 5 s)
+            return bool(batch.events) or batch.node_id not in self.empty.get(batch.ns_id, ())
         if not batch.events:  # (a node's report when it has none: see ship_once)
             return batch.node_id in idx.stale_nodes()
         stale = False
@@ -96,19 +100,37 @@ class MetadataService:
         idx = self.index(snap.ns_id)
         if snap.node_id in idx.node_ids():
             idx.remove_node(snap.node_id)  # a new incarnation may restart its seqs
+        if not any(snap.blocks.values()):
+            # the node holds none of the id (its namespace cleared there, or not filled
+            # yet): no holder, and it speaks for nothing in `verified`. (Kept in with no
+            # blocks and, after a clear, no root, it left the id unverified: a namespace
+            # cleared while the leadership moved turned every tenant locate of it into a
+            # 409.) Its events, once it has blocks, are answered "resync", and the snapshot
+            # that follows brings it back.
+            self._drop_roots(snap.ns_id, snap.node_id)
+            self.empty.setdefault(snap.ns_id, set()).add(snap.node_id)
+            return
+        self.empty.get(snap.ns_id, set()).discard(snap.node_id)
         idx.apply_snapshot(snap.node_id, snap.seq, snap.blocks)
 
     def forget(self, node_id: str) -> None:
         for idx in self.indexes.values():
             if node_id in idx.node_ids():
                 idx.remove_node(node_id)
-        for ns_id, roots in list(self.roots.items()):
-            for root, nodes in list(roots.items()):
-                nodes.discard(node_id)
-                if not nodes:
-                    del roots[root]
-            if not roots:
-                del self.roots[ns_id]
+        for ns_id in list(self.roots):
+            self._drop_roots(ns_id, node_id)
+        for nodes in self.empty.values():
+            nodes.discard(node_id)
+
+    def _drop_roots(self, ns_id: int, node_id: str) -> None:
+        """`node_id` names no root of `ns_id` any more (a root leaves with its last node)."""
+        roots = self.roots.get(ns_id, {})
+        for root, nodes in list(roots.items()):
+            nodes.discard(node_id)
+            if not nodes:
+                del roots[root]
+        if not roots:
+            self.roots.pop(ns_id, None)
 
     def locate(self, req: Locate) -> Located:
         idx = self.indexes.get(req.ns_id)
@@ -199,8 +221,11 @@ class ClusterAgent:
                 self._failing, backoff = False, 0.0
             except LeaderUnsure:  # (what it has stays: the same events go again next time)
                 backoff = max(backoff, self.cfg.event_interval_s)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ClusterError) as e:
-                if not self._failing:  # once per outage, not every interval
+            except Exception as e:  # noqa: BLE001 - the shipper must not end: a node whose
+                # task died reported nothing to any leader for the rest of its life
+                if not isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError, ClusterError)):
+                    log.exception("reporting KV events to the leader failed; will resync")
+                elif not self._failing:  # once per outage, not every interval
                     log.warning("could not report KV events to the leader (%s); will resync", e)
                 self._failing = True
                 self._known.clear()
@@ -228,14 +253,20 @@ class ClusterAgent:
                             self.cfg.node_id, ns_id, bytes(hosted.ns.root_hash)).encode())
                     except NoRoute:  # (a leader of an older version: snapshots only)
                         self._rootless.add(leader)
-                seq, blocks = await loop.run_in_executor(None, hosted.snapshot)
+                try:
+                    seq, blocks = await loop.run_in_executor(None, hosted.snapshot)
+                except StoreClosedError:  # cleared meanwhile: reported gone next time
+                    continue
                 await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, seq, blocks).encode())
                 self._known.add(ns_id)
                 self._after[ns_id] = seq
                 self._posted_at[ns_id] = time.monotonic()
                 self._reported[ns_id] = hosted
                 continue
-            events = hosted.events_after(self._after[ns_id])
+            try:
+                events = hosted.events_after(self._after[ns_id])
+            except StoreClosedError:  # (as above)
+                continue
             if events is None:  # another reader's snapshot took them: resync
                 self._known.discard(ns_id)
             elif events or (leader != self.cfg.node_id  # (a leader hears of its own terms)
@@ -253,11 +284,11 @@ class ClusterAgent:
     async def _report_gone(self, rec: NodeRecord, ns_id: int) -> None:
         """A namespace this node reported was cleared (opened again since, or not): the
         leader is sent an empty snapshot of it, so the blocks the cleared store held leave
-        its index, and the next store of the namespace is reported from a snapshot of its
-        own. Its cursor is forgotten: the next store numbers its events from the start,
+        its index (a leader that never heard of it drops nothing), and the next store of the
+        namespace is reported from a snapshot of its own. Its cursor is forgotten: the next store numbers its events from the start,
         and the old cursor skipped that many of them (blocks it stored missing from the
         index for good), or was kept for as long as the daemon ran."""
-        await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, 0, {}).encode())
+        await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, -1, {}).encode())
         del self._reported[ns_id]
         self._known.discard(ns_id)
         self._after.pop(ns_id, None)

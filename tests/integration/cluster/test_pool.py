@@ -166,8 +166,9 @@ def test_a_cleared_namespace_leaves_the_index_and_its_next_store_is_reported_who
         def held_by_n2(hashes):
             return [h == ("n2",) for h in c.locate(hashes).holders]
 
+        wait_until(lambda: "n2" in c.nodes(), 15, "the client sees n2 (else it puts elsewhere)")
         old = chain(7, 2)
-        c.put_n(old, payload(old))
+        assert c.put_n(old, payload(old)) == [PutStatus.STORED] * 2
         wait_until(lambda: all(held_by_n2(old)), 10, "the index lists n2's blocks")
         urllib.request.urlopen(urllib.request.Request(
             f"{pool.nodes['n2'].http}/admin/namespaces/{ns.ns_id:016x}/clear", method="POST"))

@@ -229,6 +229,41 @@ def test_the_leader_answers_with_live_members_only_and_a_node_names_one_root_an_
     assert MetadataService(members).apply_events(EventBatch("a", ns.ns_id, ())) is True
 
 
+def test_an_empty_snapshot_takes_the_node_out_of_the_ids_index_and_roots():
+    """A node whose namespace was cleared reports it empty: its blocks leave the index, and
+    it speaks for nothing of the id. A leader that never heard of the namespace gets that
+    report too (the leadership moved meanwhile): it must not leave the id unverified (every
+    tenant locate a 409) once another node reports it. An empty report (no events) from a
+    node known to hold none is no resync; events from it are."""
+    from kvstore.cluster.messages import EventBatch, Locate, NamespaceRoot, Snapshot
+    from kvstore.daemon.cluster import MetadataService
+    from kvstore.keys import Namespace
+    ns = Namespace("m", num_layers=1, num_kv_heads=1, head_dim=8)
+    root = bytes(ns.root_hash)
+    members = dict.fromkeys("ab")
+    svc = MetadataService(members)
+    for node, blocks in (("a", [1, 2]), ("b", [2])):
+        svc.note_root(NamespaceRoot(node, ns.ns_id, root))
+        svc.apply_snapshot(Snapshot(node, ns.ns_id, 0, {TierKind.DRAM: [h(i) for i in blocks]}))
+    assert svc.verified(ns) is True
+    svc.apply_snapshot(Snapshot("a", ns.ns_id, -1, {}))  # cleared on a
+    assert svc.locate(Locate(ns.ns_id, (h(1), h(2)))).holders == ((), ("b",))
+    assert svc.verified(ns) is True and svc.roots[ns.ns_id] == {root: {"b"}}
+    assert svc.apply_events(EventBatch("a", ns.ns_id, ())) is False  # holds none: no resync
+    assert svc.apply_events(EventBatch("a", ns.ns_id, (stored("a", 0, [3]),))) is True
+    svc.apply_snapshot(Snapshot("a", ns.ns_id, 0, {TierKind.DRAM: [h(3)]}))  # back
+    assert svc.locate(Locate(ns.ns_id, (h(3),))).holders == (("a",),)
+    assert svc.verified(ns) is False  # (a named no root since: it does with its snapshot)
+    fresh = MetadataService(members)  # a new term's leader: a's report of the clear first
+    fresh.apply_snapshot(Snapshot("a", ns.ns_id, -1, {}))
+    fresh.note_root(NamespaceRoot("b", ns.ns_id, root))
+    fresh.apply_snapshot(Snapshot("b", ns.ns_id, 0, {TierKind.DRAM: [h(2)]}))
+    assert fresh.verified(ns) is True
+    fresh.forget("a")
+    assert "a" not in fresh.empty[ns.ns_id]
+    assert fresh.apply_events(EventBatch("a", ns.ns_id, ())) is True  # unknown again
+
+
 def test_a_leader_unsure_of_its_lease_answers_503_and_another_nodes_role_409():
     import types
 

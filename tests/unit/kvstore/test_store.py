@@ -238,6 +238,75 @@ def test_single_block_puts_evict_as_the_batch_path_would(tmp_path, monkeypatch, 
         assert kept == [False, True, True, False, False, False, True]
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("tiers", [dict(dram=4), dict(dram=0, ssd=4), dict(dram=3, ssd=5),
+                                   dict(gpu=2, dram=2, ssd=4)])
+def test_the_single_block_path_matches_the_general_one_step_by_step(tmp_path, monkeypatch,
+                                                                     tiers):
+    """Two stores, one taking the single-block path and one the general allocation for every
+    put, driven in lockstep by the same random steps (single and batch puts, reservations of
+    an outside writer left to expire, pins hard and soft, reads, evictions, maintenance) on
+    one fake clock: after every step they answer, hold, order and report the same."""
+    clock = FakeClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+    rng = np.random.default_rng(11)
+    stores = [make(tmp_path / "short", **tiers), make(tmp_path / "general", **tiers)]
+    general = stores[1]
+    general._reserve_one = lambda h, timeout, owner: general._reserve_locked([h], timeout, owner)
+    owner, pool = object(), CHAIN[:10] + OTHER[:10]
+    data = blocks(3, 5)
+
+    def state(s):
+        p = s._p
+        return (sorted((bytes(e.hash), e.tier, e.slot, e.state.value, e.hard_pins)
+                       for e in p.entries.values()),
+                [list(lru) for lru in p.lru], [t.num_free() for t in p.tiers],
+                [(e.kind, e.tier, e.block_hashes) for e in s.drain_events()],
+                s.num_quarantined(owner), s.stats().open_reservations)
+
+    try:
+        for step in range(400):
+            op = int(rng.integers(0, 9))
+            picks = [pool[i] for i in rng.integers(0, len(pool), size=3)]
+            one = [memoryview(picks[0])] if step % 2 else picks[:1]  # (any buffer as a hash)
+            ttl = float(rng.integers(1, 4)) if step % 3 else None  # (hard pins: None)
+            commit = bool(rng.integers(0, 2))  # else left open, to expire
+            answers = []
+            for s in stores:
+                if op <= 2:
+                    answers.append(s.put_n(one, data[:1]))
+                elif op == 3:
+                    answers.append(s.put_n(picks, data))
+                elif op == 4:
+                    res = s.reserve_n(one, timeout_s=5.0, owner=owner)
+                    answers.append((res.statuses, res.slots))
+                    if commit:
+                        s.commit(res.reservation_id)
+                elif op == 5:
+                    answers.append(s.pin_n(one, ttl_s=ttl))
+                elif op == 6:
+                    answers.append(read(s, picks[:2])[0])
+                elif op == 7:
+                    s.unpin_n(one)
+                    answers.append(s.evict_n(picks[1:2]))
+                else:
+                    answers.append(s.maintain())
+            if op == 8:
+                clock.now += float(rng.integers(1, 4))  # soft pins and reservations lapse
+            assert answers[0] == answers[1], f"step {step}: op {op} answered apart"
+            assert state(stores[0]) == state(stores[1]), f"step {step}: op {op} left them apart"
+    finally:
+        for s in stores:
+            s.close(flush=False)
+
+
 def test_single_block_put_with_nothing_evictable_is_no_space_and_costs_nothing(tmp_path):
     owner = object()
     with make(tmp_path, dram=1) as s:
