@@ -27,6 +27,7 @@ from kvstore.daemon.namespaces import Hosted, Registry
 from kvstore.errors import StoreClosedError
 from kvstore.index import ClusterIndex
 from kvstore.keys import Namespace
+from kvstore.logevery import LogEvery
 from kvstore.wire import netloc
 
 log = logging.getLogger("kvtier.cluster")
@@ -170,6 +171,8 @@ class ClusterAgent:
         self._reported: dict[int, Hosted] = {}  # per namespace: the store reported (a
         # namespace cleared and opened again has a new one, its events numbered anew)
         self._failing = False
+        self._failures = LogEvery(60.0)  # unexpected errors: a traceback a minute at most
+        self._held_off: dict[int, float] = {}  # namespaces whose report failed: until when
         self._tasks: list[asyncio.Task] = []
         self._http: aiohttp.ClientSession | None = None
 
@@ -224,7 +227,10 @@ class ClusterAgent:
             except Exception as e:  # noqa: BLE001 - the shipper must not end: a node whose
                 # task died reported nothing to any leader for the rest of its life
                 if not isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError, ClusterError)):
-                    log.exception("reporting KV events to the leader failed; will resync")
+                    skipped = self._failures.due()
+                    if skipped is not None:
+                        log.exception("reporting KV events to the leader failed (%d more such "
+                                      "failures since the last line); will resync", skipped)
                 elif not self._failing:  # once per outage, not every interval
                     log.warning("could not report KV events to the leader (%s); will resync", e)
                 self._failing = True
@@ -241,45 +247,63 @@ class ClusterAgent:
         if term != self._reported_to:  # a new term (the same node winning again too):
             self._reported_to, self._known = term, set()  # everything anew
             self._rootless.discard(leader)  # (it may have been upgraded since)
-        loop = asyncio.get_running_loop()
         hosted_now = {h.ns.ns_id: h for h in self.registry.hosted()}
         for ns_id in [n for n, h in self._reported.items() if hosted_now.get(n) is not h]:
             await self._report_gone(rec, ns_id)
+        now = time.monotonic()
+        for ns_id in [n for n, until in self._held_off.items() if until <= now or n not in hosted_now]:
+            del self._held_off[ns_id]
         for ns_id, hosted in hosted_now.items():
-            if ns_id not in self._known:
-                if leader not in self._rootless:
-                    try:
-                        await self._post(rec, "namespace", NamespaceRoot(
-                            self.cfg.node_id, ns_id, bytes(hosted.ns.root_hash)).encode())
-                    except NoRoute:  # (a leader of an older version: snapshots only)
-                        self._rootless.add(leader)
-                try:
-                    seq, blocks = await loop.run_in_executor(None, hosted.snapshot)
-                except StoreClosedError:  # cleared meanwhile: reported gone next time
-                    continue
-                await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, seq, blocks).encode())
-                self._known.add(ns_id)
-                self._after[ns_id] = seq
-                self._posted_at[ns_id] = time.monotonic()
-                self._reported[ns_id] = hosted
+            if ns_id in self._held_off:
                 continue
             try:
-                events = hosted.events_after(self._after[ns_id])
-            except StoreClosedError:  # (as above)
-                continue
-            if events is None:  # another reader's snapshot took them: resync
+                await self._report(rec, ns_id, hosted)
+            except StoreClosedError:
+                continue  # cleared meanwhile: reported gone next round
+            except (aiohttp.ClientError, asyncio.TimeoutError, ClusterError):
+                raise  # the leader's trouble: the round ends (see _ship_forever)
+            except Exception:  # noqa: BLE001 - this namespace's trouble: the others go on
+                self._known.discard(ns_id)  # (its snapshot goes again, in a while)
+                self._held_off[ns_id] = time.monotonic() + SHIP_BACKOFF_MAX_S
+                skipped = self._failures.due()
+                if skipped is not None:
+                    log.exception("reporting namespace %016x to the leader failed (%d more "
+                                  "such failures since the last line)", ns_id, skipped)
+
+    async def _report(self, rec: NodeRecord, ns_id: int, hosted: Hosted) -> None:
+        """One namespace's report: its root and a snapshot if the leader has none of it,
+        else its events since the last report (an empty batch now and then)."""
+        leader = rec.node_id
+        if ns_id not in self._known:
+            self._reported[ns_id] = hosted  # (before its root: cleared before its snapshot,
+            # it is reported gone, and the root it named leaves with that report)
+            if leader not in self._rootless:
+                try:
+                    await self._post(rec, "namespace", NamespaceRoot(
+                        self.cfg.node_id, ns_id, bytes(hosted.ns.root_hash)).encode())
+                except NoRoute:  # (a leader of an older version: snapshots only)
+                    self._rootless.add(leader)
+            loop = asyncio.get_running_loop()
+            seq, blocks = await loop.run_in_executor(None, hosted.snapshot)
+            await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, seq, blocks).encode())
+            self._known.add(ns_id)
+            self._after[ns_id] = seq
+            self._posted_at[ns_id] = time.monotonic()
+            return
+        events = hosted.events_after(self._after[ns_id])
+        if events is None:  # another reader's snapshot took them: resync
+            self._known.discard(ns_id)
+        elif events or (leader != self.cfg.node_id  # (a leader hears of its own terms)
+                        and time.monotonic() - self._posted_at.get(ns_id, 0.0) >= REPORT_EVERY_S):
+            # (none for a while: an empty batch, which a leader that does not know this
+            # node's blocks, a new term's, answers "resync": an idle node's blocks were
+            # missing from the index of a leader that won again unseen)
+            reply = await self._post(rec, "events", EventBatch(self.cfg.node_id, ns_id, events).encode())
+            if events:
+                self._after[ns_id] = events[-1].seq
+            self._posted_at[ns_id] = time.monotonic()
+            if reply == b"resync":
                 self._known.discard(ns_id)
-            elif events or (leader != self.cfg.node_id  # (a leader hears of its own terms)
-                            and time.monotonic() - self._posted_at.get(ns_id, 0.0) >= REPORT_EVERY_S):
-                # (none for a while: an empty batch, which a leader that does not know this
-                # node's blocks, a new term's, answers "resync": an idle node's blocks were
-                # missing from the index of a leader that won again unseen)
-                reply = await self._post(rec, "events", EventBatch(self.cfg.node_id, ns_id, events).encode())
-                if events:
-                    self._after[ns_id] = events[-1].seq
-                self._posted_at[ns_id] = time.monotonic()
-                if reply == b"resync":
-                    self._known.discard(ns_id)
 
     async def _report_gone(self, rec: NodeRecord, ns_id: int) -> None:
         """A namespace this node reported was cleared (opened again since, or not): the

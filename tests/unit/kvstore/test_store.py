@@ -246,17 +246,18 @@ class FakeClock:
         return self.now
 
 
+@pytest.mark.parametrize("seed", [1, 11])
 @pytest.mark.parametrize("tiers", [dict(dram=4), dict(dram=0, ssd=4), dict(dram=3, ssd=5),
                                    dict(gpu=2, dram=2, ssd=4)])
 def test_the_single_block_path_matches_the_general_one_step_by_step(tmp_path, monkeypatch,
-                                                                     tiers):
+                                                                     tiers, seed):
     """Two stores, one taking the single-block path and one the general allocation for every
     put, driven in lockstep by the same random steps (single and batch puts, reservations of
     an outside writer left to expire, pins hard and soft, reads, evictions, maintenance) on
     one fake clock: after every step they answer, hold, order and report the same."""
     clock = FakeClock()
     monkeypatch.setattr(time, "monotonic", clock)
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed)
     stores = [make(tmp_path / "short", **tiers), make(tmp_path / "general", **tiers)]
     general = stores[1]
     general._reserve_one = lambda h, timeout, owner: general._reserve_locked([h], timeout, owner)
@@ -272,7 +273,7 @@ def test_the_single_block_path_matches_the_general_one_step_by_step(tmp_path, mo
                 s.num_quarantined(owner), s.stats().open_reservations)
 
     try:
-        for step in range(400):
+        for step in range(600):
             op = int(rng.integers(0, 9))
             picks = [pool[i] for i in rng.integers(0, len(pool), size=3)]
             one = [memoryview(picks[0])] if step % 2 else picks[:1]  # (any buffer as a hash)
