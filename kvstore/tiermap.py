@@ -140,14 +140,10 @@ class TierMap:
     def allocate_one(self) -> tuple[int, int] | None:
         """`allocate(1, demote=False)` where the fastest tier has a free slot or is the only
         tier (the caller checked): its (tier, slot), or None."""
-        tier = self.tiers[0]
-        if len(self.tiers) == 1 and not tier.num_free():
-            lru = self.lru[0]
-            if not lru and self.soft_pinned:
-                self.expire_soft_pins(time.monotonic())
-            if lru:
-                self.drop([self.entries[lru.popitem(last=False)[0]]])
-        slots = self._take_slots(0, 1, len(self.tiers) == 1)
+        last = len(self.tiers) == 1
+        if last:
+            self.make_room(0, 1)
+        slots = self._take_slots(0, 1, last)
         return (0, slots[0]) if slots else None
 
     def _take_slots(self, i: int, n: int, evict: bool) -> list[int] | None:

@@ -309,9 +309,10 @@ class ClusterAgent:
         """A namespace this node reported was cleared (opened again since, or not): the
         leader is sent an empty snapshot of it, so the blocks the cleared store held leave
         its index (a leader that never heard of it drops nothing), and the next store of the
-        namespace is reported from a snapshot of its own. Its cursor is forgotten: the next store numbers its events from the start,
-        and the old cursor skipped that many of them (blocks it stored missing from the
-        index for good), or was kept for as long as the daemon ran."""
+        namespace is reported from a snapshot of its own. Its cursor is forgotten: the next
+        store numbers its events from the start, and the old cursor skipped that many of
+        them (blocks it stored missing from the index for good), or was kept for as long as
+        the daemon ran."""
         await self._post(rec, "snapshot", Snapshot(self.cfg.node_id, ns_id, -1, {}).encode())
         del self._reported[ns_id]
         self._known.discard(ns_id)
