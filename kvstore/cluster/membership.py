@@ -87,8 +87,10 @@ class ClusterMember:
         self._lease = None
         self._tasks: list[asyncio.Task] = []
         self._queues: list[asyncio.Queue] = []
-        self._node_key = f"{address.prefix}/nodes/{record.node_id if record else ''}".encode()
-        self._leader_key = f"{address.prefix}/leader".encode()
+        self._keys = f"{address.prefix}/".encode()  # every key of the pool: the two below
+        self._nodes = self._keys + b"nodes/"
+        self._node_key = self._nodes + (record.node_id if record else "").encode()
+        self._leader_key = self._keys + b"leader"
         self._bad_records = LogEvery()  # records in etcd that do not decode
         self._taken = LogEvery()  # this node's id held by another daemon
         self.out = False  # another daemon took this node's id: no member, never the leader
@@ -208,13 +210,12 @@ class ClusterMember:
         read apart, a leader change between the two reads was read as the state and then
         replayed as events by the watch that starts after the first); publish what changed
         since the last view. Returns the revision read at."""
-        prefix = f"{self.address.prefix}/".encode()
-        found = await self._client.get_prefix(prefix)
+        found = await self._client.get_prefix(self._keys)
         seen, leader = {}, None
         for kv in found:
             if kv.key == self._leader_key:
                 leader = kv
-            elif kv.key.startswith(prefix + b"nodes/"):
+            elif kv.key.startswith(self._nodes):
                 rec = self._record(kv.key, kv.value)
                 if rec is not None:
                     seen[rec.node_id] = rec
@@ -331,12 +332,11 @@ class ClusterMember:
                     continue
 
     async def _watch(self, start_revision: int) -> None:
-        prefix = f"{self.address.prefix}/".encode()
-        watch = await self._client.watch_prefix(prefix, start_revision=start_revision)
+        watch = await self._client.watch_prefix(self._keys, start_revision=start_revision)
         async for event in watch:
             if event.kv.key == self._leader_key:
                 await self._on_leader_event(event)
-            elif event.kv.key.startswith(prefix + b"nodes/"):
+            elif event.kv.key.startswith(self._nodes):
                 self._on_node_event(event)
 
     def _on_node_event(self, event) -> None:
