@@ -57,8 +57,8 @@ HASHED_RUN_BYTES = 256 << 10  # reads and writes go in runs of about a cache's w
 # of a plain file's: 256 KiB x16 gets 0.59 -> 0.70, puts 0.60 -> 0.65; 1 MiB x16 puts
 # 0.74 -> 0.76; 16 KiB rows unchanged (a x16 batch of them is one run either way)
 HEADER_WINDOW = 4096  # headers read at once when scanning (256 KiB)
-CHUNKED_BLOCK_BYTES = 2 * HASHED_RUN_BYTES  # blocks this big or bigger are read in chunks,
-CHUNK_BYTES = HASHED_RUN_BYTES  # each hashed right after its own preadv (see _read_chunked)
+CHUNKED_BLOCK_BYTES = 2 * HASHED_RUN_BYTES  # blocks this big or bigger are written and read
+CHUNK_BYTES = HASHED_RUN_BYTES  # in chunks, each hashed right after its own pwritev / preadv
 
 
 def stride_of(block_bytes: int) -> int:
@@ -173,31 +173,56 @@ class SlabFile:
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes],
                 payloads: Sequence[memoryview]) -> list[int]:
         """Write blocks (flat byte views) and their headers; returns each payload's
-        checksum. Each pwritev is of at most HASHED_RUN_BYTES (one block at least), hashed
-        just before it: the bytes are still in cache when the kernel copies them (16 x 4 MiB
-        hashed first and written after: ~45 us more per block, measured). A run's headers
-        go after its payloads, so a crash between the two leaves a header that does not
-        match the payload beside it (a miss), never one that vouches for bytes not there.
+        checksum. Each pwritev is of at most HASHED_RUN_BYTES (one block at least), and its
+        blocks are hashed right after it, while the kernel's copy has left them in cache;
+        a big block (CHUNKED_BLOCK_BYTES or more) goes in CHUNK_BYTES pieces, each hashed
+        right after its own pwritev. A run's headers go after its payloads, so a crash
+        between the two leaves a header that does not match the payload beside it (a
+        miss), never one that vouches for bytes not there.
 
-        A big block goes in one pwritev too: written in 512 KiB pieces, each hashed just
-        before it, it ran at 0.71-0.74 of a plain file's 4 MiB writes in raw loops on an
-        EPYC VM (0.58-0.60 in 128 KiB pieces), against 0.78-0.81 hashed whole and written
-        whole; the tier's 4 MiB puts went 0.67-0.71 -> 0.70-0.75 of the plain file.
+        Raw loops of 640 MiB on a Xeon VM (2 MiB L2 per core), of a plain file's writes:
+        4 MiB blocks hashed whole then written whole 0.71, written whole then hashed 0.70,
+        in 256 KiB pieces each hashed before its pwritev 0.84, each hashed after it 0.89;
+        1 MiB blocks 0.80, 0.83, 0.81, 0.85 (64 and 128 KiB pieces no better). Hashing from
+        memory ran at 8 GB/s there, from cache at 42. (An EPYC VM had favoured 4 MiB blocks
+        hashed whole, then written: 0.78-0.81 against 0.71-0.74 in 512 KiB pieces hashed
+        before each write; pieces hashed after their write were not tried there.)
 
         All in the calling thread. A helper thread hashing beside the I/O was tried: on one
         host (Xeon, hashing ~2x slower than the kernel's copy) it took 4 MiB x16 puts from
         0.68 to 0.98 of a plain file; on another (EPYC VM, hashing from cache at ~110 GB/s)
         each hand-off cost 20-45 us (a 256 KiB put 70 -> 116 us, a 4 MiB read 0.83 -> 0.68),
         and with both cores busy it lost everywhere (4 MiB get 1.0 -> 1.6 ms)."""
+        if self.block_bytes >= CHUNKED_BLOCK_BYTES:
+            return self._write_chunked(slots, hashes, payloads)
         sums = [0] * len(payloads)
         for first, idx in _runs(slots, self._run_blocks):
+            self._io(os.pwritev, self.fd, first * self.stride,
+                     _padded([payloads[i] for i in idx], self._pad_view))
             heads = []
             for i in idx:
                 sums[i] = checksum(payloads[i])
                 heads.append(self._header(hashes[i], sums[i]))
-            self._io(os.pwritev, self.fd, first * self.stride,
-                     _padded([payloads[i] for i in idx], self._pad_view))
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES, heads)
+        return sums
+
+    def _write_chunked(self, slots: Sequence[int], hashes: Sequence[bytes],
+                       payloads: Sequence[memoryview]) -> list[int]:
+        """write_n of big blocks: each in CHUNK_BYTES pieces (the last one with the slot's
+        pad), each hashed right after its pwritev; the headers after all the payloads,
+        one pwritev per run of consecutive slots."""
+        sums = []
+        for slot, payload in zip(slots, payloads):
+            h, base = xxhash.xxh3_64(), slot * self.stride
+            for at in range(0, self.block_bytes, CHUNK_BYTES):
+                piece = payload[at:at + CHUNK_BYTES]
+                last = at + CHUNK_BYTES >= self.block_bytes and self._pad_view is not None
+                self._io(os.pwritev, self.fd, base + at, [piece, self._pad_view] if last else [piece])
+                h.update(piece)
+            sums.append(h.intdigest())
+        for first, idx in _runs(slots):
+            self._io(os.pwritev, self.hfd, first * HEADER_BYTES,
+                     [self._header(hashes[i], sums[i]) for i in idx])
         return sums
 
     def restore_headers(self, entries: Sequence[tuple[bytes, int, int]]) -> int:

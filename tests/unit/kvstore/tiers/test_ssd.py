@@ -92,7 +92,7 @@ def test_the_slab_file_grows_from_a_small_extent_doubling_up_to_the_largest(tmp_
 
 
 def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatch):
-    """A write is split into pwritevs of HASHED_RUN_BYTES (each hashed just before it):
+    """A write is split into pwritevs of HASHED_RUN_BYTES (each hashed right after it):
     every block of a batch, across the splits and around a gap in its slots, is on disk
     with its own header and reads back intact."""
     monkeypatch.setattr(slabfile, "HASHED_RUN_BYTES", 3 * NS.block_bytes)
@@ -111,20 +111,33 @@ def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatc
 
 @pytest.fixture
 def chunked(monkeypatch):
-    """Blocks of NS go the way big ones do (CHUNKED_BLOCK_BYTES): read in pieces of 300
-    bytes, the last one short, each hashed right after its own preadv (written whole)."""
+    """Blocks of NS go the way big ones do (CHUNKED_BLOCK_BYTES): written and read in
+    pieces of 300 bytes, the last one short, each hashed right after its own pwritev /
+    preadv."""
     monkeypatch.setattr(slabfile, "CHUNKED_BLOCK_BYTES", NS.block_bytes)
     monkeypatch.setattr(slabfile, "CHUNK_BYTES", 300)
 
 
-def test_big_blocks_move_in_hashed_chunks_and_a_damaged_chunk_is_a_miss(tmp_path, chunked):
-    """Big blocks are read a chunk at a time, each hashed next to its I/O: the bytes on
-    disk, the checksum in the header, and what reads back are those of a block moved
-    whole; a byte flipped in any chunk fails that block alone."""
+def test_big_blocks_move_in_hashed_chunks_and_a_damaged_chunk_is_a_miss(tmp_path, chunked,
+                                                                       monkeypatch):
+    """Big blocks are written and read a chunk at a time, each hashed next to its I/O:
+    the bytes on disk, the checksum in the header, and what reads back are those of a
+    block moved whole; a byte flipped in any chunk fails that block alone."""
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(5)
     blocks = _blocks(5, seed=4)
+    written, real = [], os.pwritev
+
+    def pwritev(fd, bufs, offset):
+        if fd == tier.slabs.fd:
+            written.append((offset, [memoryview(b).nbytes for b in bufs]))
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(slabfile.os, "pwritev", pwritev)
     tier.write_n(slots, HASHES[:5], blocks)
+    monkeypatch.setattr(slabfile.os, "pwritev", real)
+    pad = stride_of(NS.block_bytes) - NS.block_bytes
+    assert written == [(slot * stride_of(NS.block_bytes) + at, [300] if at < 900 else [124, pad])
+                       for slot in slots for at in (0, 300, 600, 900)]
     for i, slot in enumerate(slots):
         assert _payload(tmp_path, slot) == blocks[i].numpy().tobytes()
         assert _header(tmp_path, slot).checksum == checksum(blocks[i])
