@@ -247,8 +247,8 @@ class ClusterMember:
             return None
 
     async def _try_lead(self) -> None:
-        if not self.campaign or self.out or self.leader_id is not None:
-            return
+        if not self.campaign or self.out or self.leader_id is not None or self.lease_lapsed:
+            return  # (lapsed: it would not lead on what it won, and no other could)
         won, _ = await self._client.transaction(
             compare=[txn.Create(self._leader_key) == 0],
             success=[txn.Put(self._leader_key, self.record.node_id.encode(), self._lease)],
@@ -269,9 +269,12 @@ class ClusterMember:
                 sent = lease_clock()
                 reply = await self._lease.refresh()
                 if reply is None:  # the keepalive stream ended with no answer: no word on
-                    continue  # the lease either way (an expired one is answered TTL 0)
+                    await self._resign_if_lapsed()  # the lease either way (an expired one
+                    continue  # is answered TTL 0)
                 if reply.TTL > 0:
                     self._lease_until = sent + reply.TTL
+                    if self.leader_id is None:  # (one it gave up while lapsed, with no
+                        await self._try_lead()  # other node to take it)
                 else:  # expired while we were away: join again,
                     self.out = True  # no leader meanwhile (another daemon may hold the id now,
                     # and lead: both did until the wait ran out). The leader key went with the
@@ -288,10 +291,27 @@ class ClusterMember:
                     await self._try_lead()  # hold the leader key)
                 elif held.value != self.record.encode():
                     raise ClusterError(f"another daemon holds node id {self.record.node_id!r}")
-            except ETCD_ERRORS:
-                continue  # etcd unreachable for now; the watch side reports the outage
+            except ETCD_ERRORS:  # etcd unreachable for now; the watch side reports the
+                await self._resign_if_lapsed()  # outage
             except ClusterError as e:
                 await self._leave_pool(e)
+
+    async def _resign_if_lapsed(self) -> None:
+        """A leader none of whose refreshes got an answer within the TTL stops leading by
+        its own clock (`lease_lapsed`); but etcd may be taking them all the same (answers
+        lost on the way back) and keep its lease, and the leader key with it: the other
+        nodes then wait on a leader that answers 503 for as long as that lasts. So it gives
+        the key up, if the key still names it (a request that does not get through changes
+        nothing: the lease then runs out, and the key with it), and does not campaign until
+        a refresh is answered again; another node takes the lead meanwhile."""
+        if self.leader_id != self.record.node_id or not self.lease_lapsed:
+            return
+        try:
+            await asyncio.wait_for(self._client.transaction(
+                compare=[txn.Value(self._leader_key) == self.record.node_id.encode()],
+                success=[txn.Delete(self._leader_key)], failure=[]), self.ttl_s / 3)
+        except (*ETCD_ERRORS, asyncio.TimeoutError):
+            pass  # tried again at the next refresh that goes unanswered
 
     async def _leave_pool(self, why: ClusterError) -> None:
         """Another daemon holds this node's id: stop acting as a member (the leader least of

@@ -310,3 +310,69 @@ async def test_a_leader_cut_off_from_etcd_stops_leading_before_another_may_lead(
         await b.stop()
         await a.stop()
         await proxy.close()
+
+
+def lose_refresh_answers(m: ClusterMember) -> list:
+    """Refreshes of m's lease reach etcd, and their answers are lost (the keepalive stream
+    ends with none): etcd keeps the lease alive while m hears nothing. Returns a list: put
+    anything in it and the answers come through again."""
+    real, healed = m._client.refresh_lease, []
+
+    async def unanswered(lease_id):
+        reply = await real(lease_id)
+        return reply if healed else None
+    m._client.refresh_lease = unanswered
+    return healed
+
+
+@pytest.mark.asyncio
+async def test_a_leader_whose_refreshes_go_unanswered_gives_the_lead_up(etcd):
+    """A leader whose refreshes reach etcd but go unanswered stops leading by its own clock
+    while etcd keeps its lease, and with it the leader key: it answered 503 for as long as
+    that lasted, and no other node could lead. Now it gives the key up, another leads
+    (never beside it), and it does not take the lead back; answered again, it follows."""
+    addr = address(etcd)
+    a, b = member(addr, "a"), member(addr, "b")
+    await a.start()
+    await b.start()
+    try:
+        await b.wait_for(lambda m: set(m.members) == {"a", "b"} and m.leader_id == "a", 10)
+        healed = lose_refresh_answers(a)
+        both, b_started = 0, None
+        deadline = time.monotonic() + 4 * TTL + 5
+        while b_started is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            a_leads, b_leads = a.is_leader, b.is_leader  # (one instant: no await between)
+            both += a_leads and b_leads
+            if b_leads:
+                b_started = time.monotonic()
+        assert b_started is not None, "the leader whose refreshes went unanswered kept the lead"
+        assert both == 0 and not a.is_leader and a.lease_lapsed
+        await asyncio.sleep(2 * TTL)
+        assert "a" in b.members  # its lease lived on in etcd: still a member,
+        assert b.is_leader and not a.is_leader and a.leader_id == "b"  # and no leader again
+        healed.append(True)
+        await a.wait_for(lambda m: not m.lease_lapsed, 2 * TTL)
+        assert not a.is_leader and b.is_leader and a.leader_id == "b"
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_lone_node_that_gave_the_lead_up_takes_it_again_once_answered(etcd):
+    """With no other node to take it, the lead a node gave up while its refreshes went
+    unanswered is its own again once they are answered."""
+    a = member(address(etcd), "a")
+    await a.start()
+    try:
+        assert a.is_leader
+        healed = lose_refresh_answers(a)
+        await a.wait_for(lambda m: m.leader_id is None, 4 * TTL)  # given up (seen by its
+        assert not a.is_leader  # watch, which still works)
+        await asyncio.sleep(TTL)
+        assert a.leader_id is None  # no campaign while lapsed
+        healed.append(True)
+        await a.wait_for(lambda m: m.is_leader, 2 * TTL)
+    finally:
+        await a.stop()
