@@ -96,6 +96,8 @@ class ClusterMember:
         self.out = False  # another daemon took this node's id: no member, never the leader
         self._lease_until = 0.0  # lease_clock() before which the lease is surely alive
         self._leader_lease: int | None = None  # the lease the leader key is held under
+        self._leader_rev: int | None = None  # and the revision it was created at (the term)
+        self._resigning: asyncio.Task | None = None  # (see _resign_if_lapsed)
 
     @property
     def is_leader(self) -> bool:
@@ -130,6 +132,9 @@ class ClusterMember:
     async def stop(self, graceful: bool = True) -> None:
         """Leave. Graceful: revoke the lease so the others see it at once; otherwise the
         node simply goes silent (as in a crash) and leaves when its lease expires."""
+        if self._resigning is not None:
+            self._tasks.append(self._resigning)
+            self._resigning = None
         for task in self._tasks:
             task.cancel()
         # each step bounded: a watch or keepalive stuck in a gRPC call that ignores the
@@ -226,7 +231,8 @@ class ClusterMember:
             if self.members.setdefault(node_id, rec) is rec:
                 self._publish(Change.JOINED, node_id)
             self.members[node_id] = rec
-        self._set_leader(_text(leader.value) if leader else None, leader.lease if leader else None)
+        self._set_leader(_text(leader.value) if leader else None, leader.lease if leader else None,
+                         leader.create_revision if leader else None)
         return found.header.revision
 
     def _record(self, key: bytes, value: bytes) -> NodeRecord | None:
@@ -249,12 +255,13 @@ class ClusterMember:
     async def _try_lead(self) -> None:
         if not self.campaign or self.out or self.leader_id is not None or self.lease_lapsed:
             return  # (lapsed: it would not lead on what it won, and no other could)
-        won, _ = await self._client.transaction(
+        won, done = await self._client.transaction(
             compare=[txn.Create(self._leader_key) == 0],
             success=[txn.Put(self._leader_key, self.record.node_id.encode(), self._lease)],
             failure=[])
         if won:
-            self._set_leader(self.record.node_id, self._lease.id)
+            self._set_leader(self.record.node_id, self._lease.id,
+                             done[0].response_put.header.revision)
 
     async def _keepalive(self) -> None:
         while True:
@@ -269,8 +276,8 @@ class ClusterMember:
                 sent = lease_clock()
                 reply = await self._lease.refresh()
                 if reply is None:  # the keepalive stream ended with no answer: no word on
-                    await self._resign_if_lapsed()  # the lease either way (an expired one
-                    continue  # is answered TTL 0)
+                    self._resign_if_lapsed()  # the lease either way (an expired one is
+                    continue  # answered TTL 0)
                 if reply.TTL > 0:
                     self._lease_until = sent + reply.TTL
                     if self.leader_id is None:  # (one it gave up while lapsed, with no
@@ -292,26 +299,36 @@ class ClusterMember:
                 elif held.value != self.record.encode():
                     raise ClusterError(f"another daemon holds node id {self.record.node_id!r}")
             except ETCD_ERRORS:  # etcd unreachable for now; the watch side reports the
-                await self._resign_if_lapsed()  # outage
+                self._resign_if_lapsed()  # outage
             except ClusterError as e:
                 await self._leave_pool(e)
 
-    async def _resign_if_lapsed(self) -> None:
-        """A leader none of whose refreshes got an answer within the TTL stops leading by
-        its own clock (`lease_lapsed`); but etcd may be taking them all the same (answers
-        lost on the way back) and keep its lease, and the leader key with it: the other
-        nodes then wait on a leader that answers 503 for as long as that lasts. So it gives
-        the key up, if the key still names it (a request that does not get through changes
-        nothing: the lease then runs out, and the key with it), and does not campaign until
-        a refresh is answered again; another node takes the lead meanwhile."""
-        if self.leader_id != self.record.node_id or not self.lease_lapsed:
+    def _resign_if_lapsed(self) -> None:
+        """A leader none of whose refreshes got an answer stops leading by its own clock
+        (`lease_lapsed`); but etcd may be taking them all the same (answers lost on the way
+        back) and keep its lease, and the leader key with it: the other nodes then wait on
+        a leader that answers 503 for as long as that lasts. So once its lease has gone
+        unconfirmed for a TTL more (by then etcd has let the lease go unless it is taking
+        the refreshes: a shorter stall keeps its term), it gives up the key of its own term
+        (compared on the key's creation: never a later term, nor another daemon's key of
+        this id while this one is out of the pool), and does not campaign until a refresh
+        is answered again; another node takes the lead meanwhile. The delete runs as a task
+        of its own: awaited here, its timeout spaced the refreshes out past the TTL, and
+        etcd let a healthy node's lease go."""
+        if (self.out or self._lease is None or self.leader_id != self.record.node_id
+                or self._leader_lease != self._lease.id or self._leader_rev is None
+                or lease_clock() < self._lease_until + self.ttl_s
+                or (self._resigning is not None and not self._resigning.done())):
             return
+        self._resigning = asyncio.create_task(self._resign(self._leader_rev), name="etcd-resign")
+
+    async def _resign(self, term_rev: int) -> None:
         try:
             await asyncio.wait_for(self._client.transaction(
-                compare=[txn.Value(self._leader_key) == self.record.node_id.encode()],
-                success=[txn.Delete(self._leader_key)], failure=[]), self.ttl_s / 3)
+                compare=[txn.Create(self._leader_key) == term_rev],
+                success=[txn.Delete(self._leader_key)], failure=[]), self.ttl_s)
         except (*ETCD_ERRORS, asyncio.TimeoutError):
-            pass  # tried again at the next refresh that goes unanswered
+            pass  # tried again after the next refresh that goes unanswered
 
     async def _leave_pool(self, why: ClusterError) -> None:
         """Another daemon holds this node's id: stop acting as a member (the leader least of
@@ -372,7 +389,7 @@ class ClusterMember:
 
     async def _on_leader_event(self, event) -> None:
         if event.kind == "PUT":
-            self._set_leader(_text(event.kv.value), event.kv.lease)
+            self._set_leader(_text(event.kv.value), event.kv.lease, event.kv.create_revision)
             return
         self._set_leader(None)
         await self._try_lead()
@@ -382,7 +399,9 @@ class ClusterMember:
         """The current term: (leader id, the lease its key is held under)."""
         return self.leader_id, self._leader_lease
 
-    def _set_leader(self, node_id: str | None, lease: int | None = None) -> None:
+    def _set_leader(self, node_id: str | None, lease: int | None = None,
+                    rev: int | None = None) -> None:
+        self._leader_rev = rev
         if (node_id, lease) != (self.leader_id, self._leader_lease):
             self.leader_id, self._leader_lease = node_id, lease
             self._publish(Change.LEADER, node_id)

@@ -3,6 +3,7 @@ import asyncio
 import itertools
 import time
 
+import aetcd
 import pytest
 
 from kvstore.cluster.membership import Change, ClusterMember
@@ -375,4 +376,69 @@ async def test_a_lone_node_that_gave_the_lead_up_takes_it_again_once_answered(et
         healed.append(True)
         await a.wait_for(lambda m: m.is_leader, 2 * TTL)
     finally:
+        await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_resign_that_hangs_does_not_hold_the_refreshes_up(etcd):
+    """The leader key's delete runs beside the refreshes: awaited among them, its timeout
+    spaced them out past the TTL (with the client's own timeout on a refresh whose answer
+    is lost), and etcd let the lease of a node whose every refresh got through go."""
+    a = member(address(etcd), "a")
+    await a.start()
+    try:
+        real_txn, resigns, refreshes = a._client.transaction, [], []
+
+        async def transaction(compare, success=None, failure=None):
+            if success and isinstance(success[0], aetcd.transactions.Delete):
+                resigns.append(time.monotonic())
+                await asyncio.Event().wait()  # an answer that never comes
+            return await real_txn(compare, success, failure)
+        a._client.transaction = transaction
+        real_refresh = a._client.refresh_lease
+
+        async def unanswered(lease_id):
+            refreshes.append(time.monotonic())
+            await real_refresh(lease_id)
+        a._client.refresh_lease = unanswered
+        deadline = time.monotonic() + 4 * TTL
+        while not resigns and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert resigns, "the lapsed leader never tried to give the lead up"
+        await asyncio.sleep(TTL)
+        assert len([t for t in refreshes if t > resigns[0]]) >= 2  # every TTL/3 as ever
+    finally:
+        await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_node_out_of_the_pool_never_deletes_the_leader_key_of_its_ids_new_daemon(etcd):
+    """A daemon out of the pool (another took its id, and leads) sees that id lead, and its
+    own lease is long unconfirmed: its keepalive's etcd errors must not delete the key the
+    other daemon leads under (a new term for the whole pool)."""
+    addr = address(etcd)
+    a = ClusterMember(addr, NodeRecord("x", "127.0.0.1:5", "http://127.0.0.1:6"), ttl_s=TTL)
+    await a.start()
+    await a._lease.revoke()  # a's key goes; b takes the id
+    b = ClusterMember(addr, NodeRecord("x", "127.0.0.1:7", "http://127.0.0.1:8"), ttl_s=TTL)
+    await b.start()
+    try:
+        await b.wait_for(lambda m: m.is_leader, 3 * TTL)
+        await a.wait_for(lambda m: m.out and m.members.get("x") == b.record, 3 * TTL)
+        term = b.leader_term
+        await asyncio.sleep(TTL)
+        await a._load()  # as a's watch does after a break
+        assert a.leader_id == "x" and a.lease_lapsed and a.out
+        real_get = a._client.get
+
+        async def failing_get(key, *args, **kw):  # every try to come back meets an error
+            raise aetcd.ConnectionTimeoutError("injected")
+        a._client.get = failing_get
+        before = (await b._client.get(b._leader_key)).create_revision
+        await asyncio.sleep(2 * TTL)
+        a._client.get = real_get
+        assert (await b._client.get(b._leader_key)).create_revision == before
+        assert b.leader_term == term and b.is_leader
+    finally:
+        await b.stop()
         await a.stop()
