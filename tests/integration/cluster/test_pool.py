@@ -120,9 +120,15 @@ class Reader:
 
 @pytest.fixture(scope="module")
 def pool(etcd, tmp_path_factory):
+    """Three nodes, every one of which sees the other two (a test run alone, or first on
+    its worker, met a pool whose last node had not registered yet)."""
     p = Pool(etcd, tmp_path_factory.mktemp("pool"), 3)
-    yield p
-    p.stop()
+    try:
+        wait_until(lambda: all(len(p.view(n).get("members", ())) == 3 for n in p.nodes), 30,
+                   "every node sees three members")
+        yield p
+    finally:
+        p.stop()
 
 
 def test_nodes_join_and_agree_on_a_leader(pool):

@@ -173,11 +173,16 @@ def test_a_chunk_that_cannot_be_read_fails_its_block_and_the_rest_read(tmp_path,
     tier.close()
 
 
-@pytest.mark.parametrize("fail_at", [1, 2])
-def test_a_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch, fail_at):
-    """A payload write that fails (ENOSPC), at the first call of a run or after a short one
-    took part of it, raises a TierIOError and writes no header; the next write, once the
-    disk takes it, lands."""
+@pytest.mark.parametrize("chunked", [False, True], ids=["runs", "chunks"])
+@pytest.mark.parametrize("fail_at", [1, 2, 7])
+def test_a_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch, fail_at,
+                                                       chunked):
+    """A payload write that fails (ENOSPC), at the first call of a run or a big block's
+    first chunk, after a short one took part of it, or in the second block, raises a
+    TierIOError and writes no header; the next write, once the disk takes it, lands."""
+    if chunked:
+        monkeypatch.setattr(slabfile, "CHUNKED_BLOCK_BYTES", NS.block_bytes)
+        monkeypatch.setattr(slabfile, "CHUNK_BYTES", 300)
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(4)
     blocks = _blocks(4, seed=7)
@@ -194,6 +199,7 @@ def test_a_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch, fa
     monkeypatch.setattr(slabfile.os, "pwritev", pwritev)
     with pytest.raises(TierIOError, match="No space left"):
         tier.write_n(slots[:2], HASHES[:2], blocks[:2])
+    assert len(calls) == fail_at
     monkeypatch.setattr(slabfile.os, "pwritev", real)
     assert [h for _, h, _ in tier.slabs.headers(slots[:2])] == [None, None]
     tier.write_n(slots[2:], HASHES[2:4], blocks[2:])
