@@ -313,8 +313,8 @@ class ClusterMember:
         (compared on the key's creation: never a later term, nor another daemon's key of
         this id while this one is out of the pool), and does not campaign until a refresh
         is answered again; another node takes the lead meanwhile. The delete runs as a task
-        of its own: awaited here, its timeout spaced the refreshes out past the TTL, and
-        etcd let a healthy node's lease go."""
+        of its own (awaited in the refresh loop, its timeout spaced the refreshes out past
+        the TTL, and etcd let a healthy node's lease go)."""
         if (self.out or self._lease is None or self.leader_id != self.record.node_id
                 or self._leader_lease != self._lease.id or self._leader_rev is None
                 or lease_clock() < self._lease_until + self.ttl_s
