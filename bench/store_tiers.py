@@ -197,28 +197,23 @@ class PlainFile:
             f.write(self.data)
 
     def write(self) -> None:
-        with open(self.path, "r+b", buffering=0) as f:
-            for off in range(0, self.nbytes, self.chunk):
-                block = self.data[off:off + self.chunk]
-                if not self.checksum:
-                    f.write(block)
-                    continue
-                h = xxhash.xxh3_64()
-                for piece in self._pieces(block):
-                    f.write(piece)
-                    h.update(piece)
-                h.intdigest()
+        self._pass("r+b", self.data, lambda f: f.write)
 
     def read(self) -> None:
-        with open(self.path, "rb", buffering=0) as f:
+        self._pass("rb", self.out, lambda f: f.readinto)
+
+    def _pass(self, mode: str, buf: memoryview, io_of) -> None:
+        """One pass over the file, chunk by chunk: `io_of(file)` writes or reads a piece."""
+        with open(self.path, mode, buffering=0) as f:
+            io = io_of(f)
             for off in range(0, self.nbytes, self.chunk):
-                block = self.out[off:off + self.chunk]
+                block = buf[off:off + self.chunk]
                 if not self.checksum:
-                    f.readinto(block)
+                    io(block)
                     continue
                 h = xxhash.xxh3_64()
                 for piece in self._pieces(block):
-                    f.readinto(piece)
+                    io(piece)
                     h.update(piece)
                 h.intdigest()
 
