@@ -86,9 +86,9 @@ class MetadataService:
 
     def apply_events(self, batch: EventBatch) -> bool:
         """Apply a batch; True when the node must send a snapshot (unknown to us, or a gap)."""
-        idx = self.index(batch.ns_id)
-        if batch.node_id not in idx.node_ids():  # (a snapshot first; not for an empty
-            # report of a node known to hold none of it: that was a resync every 5 s)
+        idx = self.indexes.get(batch.ns_id)
+        if idx is None or batch.node_id not in idx.node_ids():  # (a snapshot first; not for
+            # an empty report of a node known to hold none of it: that was a resync every 5 s)
             return bool(batch.events) or batch.node_id not in self.empty.get(batch.ns_id, ())
         if not batch.events:  # (a node's report when it has none: see ship_once)
             return batch.node_id in idx.stale_nodes()
@@ -98,8 +98,8 @@ class MetadataService:
         return stale
 
     def apply_snapshot(self, snap: Snapshot) -> None:
-        idx = self.index(snap.ns_id)
-        if snap.node_id in idx.node_ids():
+        idx = self.indexes.get(snap.ns_id)
+        if idx is not None and snap.node_id in idx.node_ids():
             idx.remove_node(snap.node_id)  # a new incarnation may restart its seqs
         if not any(snap.blocks.values()):
             # the node holds none of the id (its namespace cleared there, or not filled
@@ -110,18 +110,35 @@ class MetadataService:
             # that follows brings it back.
             self._drop_roots(snap.ns_id, snap.node_id)
             self.empty.setdefault(snap.ns_id, set()).add(snap.node_id)
+            self._prune(snap.ns_id)
             return
-        self.empty.get(snap.ns_id, set()).discard(snap.node_id)
-        idx.apply_snapshot(snap.node_id, snap.seq, snap.blocks)
+        self._not_empty(snap.ns_id, snap.node_id)
+        self.index(snap.ns_id).apply_snapshot(snap.node_id, snap.seq, snap.blocks)
 
     def forget(self, node_id: str) -> None:
-        for idx in self.indexes.values():
+        for ns_id, idx in list(self.indexes.items()):
             if node_id in idx.node_ids():
                 idx.remove_node(node_id)
+                self._prune(ns_id)
         for ns_id in list(self.roots):
             self._drop_roots(ns_id, node_id)
-        for nodes in self.empty.values():
+        for ns_id in [i for i, nodes in self.empty.items() if node_id in nodes]:
+            self._not_empty(ns_id, node_id)
+
+    def _not_empty(self, ns_id: int, node_id: str) -> None:
+        nodes = self.empty.get(ns_id)
+        if nodes is not None:
             nodes.discard(node_id)
+            if not nodes:
+                del self.empty[ns_id]
+
+    def _prune(self, ns_id: int) -> None:
+        """An id's index goes once no node is in it (a namespace cleared everywhere, its
+        nodes gone): a leader kept one, and an `empty` entry, for every namespace id it
+        ever heard of until its term ended (and listed them all in /cluster)."""
+        idx = self.indexes.get(ns_id)
+        if idx is not None and not idx.node_ids():
+            del self.indexes[ns_id]
 
     def _drop_roots(self, ns_id: int, node_id: str) -> None:
         """`node_id` names no root of `ns_id` any more (a root leaves with its last node)."""

@@ -260,8 +260,41 @@ def test_an_empty_snapshot_takes_the_node_out_of_the_ids_index_and_roots():
     fresh.apply_snapshot(Snapshot("b", ns.ns_id, 0, {TierKind.DRAM: [h(2)]}))
     assert fresh.verified(ns) is True
     fresh.forget("a")
-    assert "a" not in fresh.empty[ns.ns_id]
+    assert "a" not in fresh.empty.get(ns.ns_id, ())
     assert fresh.apply_events(EventBatch("a", ns.ns_id, ())) is True  # unknown again
+
+
+def test_the_leader_keeps_nothing_of_a_namespace_id_no_node_holds():
+    """A leader kept an index and an `empty` entry for every namespace id it ever heard
+    of, until its term ended (a pool whose tenants come and go: one per namespace cleared,
+    all listed in /cluster). Once no node holds or reports any of an id, nothing of it is
+    left; an id still held by one node keeps its index."""
+    from kvstore.cluster.messages import EventBatch, NamespaceRoot, Snapshot
+    from kvstore.daemon.cluster import MetadataService
+    svc = MetadataService(dict.fromkeys("ab"))
+    ids = range(100, 140)
+    for ns_id in ids:
+        root = ns_id.to_bytes(8, "little") + bytes(8)
+        for node in "ab":
+            svc.note_root(NamespaceRoot(node, ns_id, root))
+            svc.apply_snapshot(Snapshot(node, ns_id, 0, {TierKind.DRAM: [h(ns_id)]}))
+    for ns_id in ids:
+        svc.apply_snapshot(Snapshot("a", ns_id, -1, {}))  # cleared on a
+    assert set(svc.indexes) == set(ids) and set(svc.empty) == set(ids)
+    for ns_id in ids[:30]:
+        svc.apply_snapshot(Snapshot("b", ns_id, -1, {}))  # ...and on b
+    assert set(svc.indexes) == set(ids[30:])
+    assert all(svc.indexes[i].node_ids() == ("b",) for i in ids[30:])
+    assert set(svc.empty) == set(ids) and svc.empty[100] == {"a", "b"}
+    svc.forget("a")
+    assert set(svc.empty) == set(ids[:30]) and svc.empty[100] == {"b"}
+    svc.forget("b")
+    assert svc.indexes == {} and svc.empty == {} and svc.roots == {}
+    # an empty snapshot or report of an id never heard of makes no entry in the index
+    svc.apply_snapshot(Snapshot("a", 999, -1, {}))
+    assert svc.apply_events(EventBatch("b", 998, ())) is True  # (unknown: a resync)
+    assert svc.indexes == {} and svc.empty == {999: {"a"}}
+    assert svc.apply_events(EventBatch("a", 999, ())) is False  # known to hold none
 
 
 def test_a_leader_unsure_of_its_lease_answers_503_and_another_nodes_role_409():
