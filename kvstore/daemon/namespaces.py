@@ -200,6 +200,11 @@ class Registry:
         self.cfg = cfg
         self._dir_lock = claim_data_dir(cfg.data_dir)
         self._lock = threading.Lock()
+        # held while a namespace's store is made (its arena faulted in: ~0.5 s a GiB), so
+        # that one is made at a time, each within the limits the others left; `_lock` is
+        # taken only around looking and adding (held while making, it stopped every
+        # tenant's HELLO and the HTTP routes that list namespaces)
+        self._making = threading.Lock()
         self._hosted: dict[int, Hosted] = {}
         self._clearing: set[int] = set()  # namespaces whose files `clear` is deleting
         self._closed = False
@@ -214,20 +219,41 @@ class Registry:
             raise RemoteError(ErrorCode.NAMESPACE, f"this daemon serves blocks of "
                               f"{self.cfg.block_tokens} tokens, not {ns.block_tokens}")
         with self._lock:
-            if self._closed:
-                raise RemoteError(ErrorCode.UNAVAILABLE, "the daemon is shutting down")
-            if ns.ns_id in self._clearing:  # its files are being deleted: a store made now
-                raise RemoteError(ErrorCode.UNAVAILABLE, "this namespace is being cleared; "
-                                  "retry in a moment")  # would lose them mid-way
-            hosted = self._hosted.get(ns.ns_id)
-            if hosted is None:
-                tiers = self._plan(ns)
-                hosted = self._hosted[ns.ns_id] = self._create(ns, tiers)
-            elif hosted.ns != ns:  # two namespaces under one 64-bit id (a crafted one: the
-                # tenant check above was of the namespace asked for, not of this store's)
-                raise RemoteError(ErrorCode.NAMESPACE, f"namespace id {ns.ns_id:#x} is "
-                                  "taken by another namespace on this daemon")
+            hosted = self._hosted_now(ns)
+        if hosted is not None:
             return hosted
+        with self._making:
+            with self._lock:
+                hosted = self._hosted_now(ns)  # (made meanwhile by another HELLO)
+                if hosted is not None:
+                    return hosted
+                tiers = self._plan(ns)
+            hosted = self._create(ns, tiers)
+            with self._lock:
+                if not self._closed:
+                    self._hosted[ns.ns_id] = hosted
+                    return hosted
+            # shutdown began while it was made (close() waits for `_making`, so this store
+            # is closed before the data dir is let go)
+            _close_agent(hosted)
+            hosted.store.close(flush=False)
+            raise RemoteError(ErrorCode.UNAVAILABLE, "the daemon is shutting down")
+
+    def _hosted_now(self, ns: Namespace) -> Hosted | None:
+        """Under the lock: `ns`'s store if it is made, None if not (UNAVAILABLE while the
+        daemon shuts down or the namespace's files are being deleted)."""
+        if self._closed:
+            raise RemoteError(ErrorCode.UNAVAILABLE, "the daemon is shutting down")
+        if ns.ns_id in self._clearing:  # its files are being deleted: a store made now
+            raise RemoteError(ErrorCode.UNAVAILABLE, "this namespace is being cleared; "
+                              "retry in a moment")  # would lose them mid-way
+        hosted = self._hosted.get(ns.ns_id)
+        if hosted is not None and hosted.ns != ns:  # two namespaces under one 64-bit id (a
+            # crafted one: the tenant check above was of the namespace asked for, not of
+            # this store's)
+            raise RemoteError(ErrorCode.NAMESPACE, f"namespace id {ns.ns_id:#x} is "
+                              "taken by another namespace on this daemon")
+        return hosted
 
     def _plan(self, ns: Namespace) -> tuple[TierConfig, ...]:
         """The tiers a new namespace gets within the daemon's and its tenant's limits."""
@@ -337,7 +363,8 @@ class Registry:
     def close(self) -> None:
         """Close every store with flush: memory-tier blocks go to SSD for the next start."""
         with self._lock:
-            self._closed = True
+            self._closed = True  # (a HELLO making a store now closes it when done)
+        with self._making, self._lock:  # (that store's files are written by then)
             hosted, self._hosted = list(self._hosted.values()), {}
         try:
             for h in hosted:
