@@ -24,8 +24,9 @@ from kvstore.events import TierKind
 
 
 class PutStatus(enum.Enum):
-    STORED = "stored"        # committed by this call
-    EXISTS = "exists"        # already present (content-addressed: a no-op success)
+    STORED = "stored"        # stored by this call (or by a put of it that committed first)
+    EXISTS = "exists"        # already stored (content-addressed: a no-op success); a
+    # block another put is still writing is stored again (STORED), whichever commits first
     NO_SPACE = "no_space"    # could not be stored: every tier full of held blocks, or the
     # tier's storage refused it (a full disk); nothing was stored
 

@@ -62,11 +62,10 @@ class Grants:
                     out.append(PutStatus.NO_SPACE)
                     continue
                 self._granted.discard(slot)
-                if h in p.entries:
-                    p.tiers[i].free_n([slot], [h])
-                    out.append(PutStatus.EXISTS)
+                e = Entry(h, i, slot, State.RESERVED)
+                if not p.claim([e]):  # stored already (a put of it still reserved loses
+                    out.append(PutStatus.EXISTS)  # it to this one: `TierMap.claim`)
                     continue
-                e = p.entries[h] = Entry(h, i, slot, State.COMMITTED)
                 new.append(e)
                 out.append(PutStatus.STORED)
             for e in reversed(new):

@@ -164,23 +164,27 @@ class TieredStore(Reads, Grants):
         made already, or is made by dropping)."""
         p = self._p
         entries = p.entries
-        known = {h for h in keys if h in entries}
+        # EXISTS only for blocks stored: a hash another put has reserved is stored again
+        # here (told EXISTS, a put whose twin then failed on a full disk, or whose client
+        # went away, had stored nothing); whichever commits first keeps it (`TierMap.claim`)
+        known = {h for h in keys if visible(entries.get(h))}
         if known:
             p.touch([entries[h] for h in keys if h in known])  # don't evict them for this put
             fresh = [h for h in dict.fromkeys(keys) if h not in known]
         else:
             fresh = list(dict.fromkeys(keys))
         where = dict(zip(fresh, p.allocate(len(fresh), demote=False)))
-        statuses, slots, new = [], [], []
+        statuses, slots, new, placed = [], [], [], set()
         for h in keys:
             place = where.pop(h, None)
-            if place is None:
-                statuses.append(PutStatus.EXISTS if h in known or h in p.entries
+            if place is None:  # (stored, the batch's second of it, or no room)
+                statuses.append(PutStatus.EXISTS if h in known or h in placed
                                 else PutStatus.NO_SPACE)
                 slots.append(None)
                 continue
             entry = Entry(h, place[0], place[1], State.RESERVED)
-            p.entries[h] = entry
+            entries.setdefault(h, entry)  # (another put's reservation stays the map's)
+            placed.add(h)
             new.append(entry)
             statuses.append(PutStatus.STORED)
             slots.append((p.tiers[place[0]].kind, place[1]))
@@ -222,10 +226,9 @@ class TieredStore(Reads, Grants):
     def commit(self, reservation_id: int) -> None:
         """Phase two: the reserved blocks become readable (the batch's tail is the oldest)."""
         with self._lock:
-            entries = self._take_reservation(reservation_id)
             p = self._p
+            entries = p.claim(self._take_reservation(reservation_id))
             for e in reversed(entries):
-                e.state = State.COMMITTED
                 p.make_evictable(e)
             for tier_idx, group in group_by_tier(entries):
                 hashes = [e.hash for e in group]

@@ -350,6 +350,26 @@ class TierMap:
                 counters.evictions += len(members)
             self.emit(EventKind.REMOVED, tier_idx, hashes)
 
+    def claim(self, group: list[Entry]) -> list[Entry]:
+        """Reserved entries whose bytes are written become their hashes' blocks (COMMITTED,
+        in the map): those of `group` that do, in order. One whose hash another put of it
+        committed first is a twin: its slot goes back (content-addressed: the block is
+        stored). One that commits first, while another put of the hash is still reserved,
+        takes the hash from it (that put then finds it committed)."""
+        entries, won, twins = self.entries, [], []
+        for e in group:
+            cur = entries.get(e.hash)
+            if cur is not e:
+                if cur is not None and cur.state is State.COMMITTED:
+                    twins.append(e)
+                    continue
+                entries[e.hash] = e
+            e.state = State.COMMITTED
+            won.append(e)
+        if twins:
+            self.release_reserved(twins)
+        return won
+
     def forget_reserved(self, group: Sequence[Entry]) -> None:
         """Reserved (never visible) entries leave the map, their slots still taken: the
         hashes may be put again; `release_reserved` frees the slots later."""

@@ -8,7 +8,10 @@ Threading: `alloc_n`/`free_n`/`publish_n` are called under the store's lock. `wr
 are called outside it, concurrently, always on slots the caller has reserved, leased or is
 moving (a demotion's victims stay readable at their slot until the move commits), so two
 calls never write the same slot at once. A persistent tier's `free_n` never raises: what it
-could not delete on its storage it must treat as stale at its next open.
+could not delete on its storage it must treat as stale at its next open. Two puts of one
+hash may each write a slot of the same tier at once (kvstore.tiermap.claim): the one
+`publish_n` names becomes the hash's, the other's slot is freed, and a tier that keeps
+per-hash state (the SSD tier's index) must let neither undo the other's.
 
 Byte arguments are uint8 torch tensors: either one 2-D tensor `[n, slot_bytes]` (one indexed
 copy for the whole batch) or a sequence of n 1-D tensors of `slot_bytes` each.

@@ -80,6 +80,11 @@ class SsdTier:
         if not had_index and self.slabs.num_grown:  # slabs written, the index gone (deleted,
             self.index.damaged = True  # never synced): rebuilt from the headers, as if damaged
         self._held: dict[bytes, tuple[int, int]] = {}  # hash -> (slot, checksum): the truth
+        # slot -> (hash, checksum) of a block written while its hash was held in another
+        # slot: two puts of one hash may each be writing a slot (kvstore.tiermap.claim).
+        # Whichever commits first (publish_n) holds the hash; the other's slot is freed
+        # without touching the hash's entry.
+        self._twins: dict[int, tuple[bytes, int]] = {}
         self._free = FreeSlots(0)
         self._grow_failed_at: float | None = None
         self._closed = False
@@ -132,9 +137,13 @@ class SsdTier:
         return self._free.take(n)
 
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
-        for h in hashes:
-            self._held.pop(bytes(h), None)
-        self.index.forget_n(hashes)  # deleted with the next index write (see ssdindex)
+        gone = []  # the hashes held in these very slots
+        for slot, h in zip(slots, hashes):
+            h = bytes(h)
+            if self._twins.pop(slot, None) is None and self._held.get(h, (-1,))[0] == slot:
+                del self._held[h]
+                gone.append(h)
+        self.index.forget_n(gone)  # deleted with the next index write (see ssdindex)
         try:  # before the slots can be reused (under the store lock): no new header is hit
             self.slabs.erase_headers(slots)
         except TierIOError as e:  # only an index rebuilt from these headers could bring the
@@ -146,17 +155,31 @@ class SsdTier:
             self.index.write_queued()  # written now (WAL: they survive a kill)
 
     def publish_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
-        pass  # readers on this host reach SSD blocks through the daemon only
+        """Readers on this host reach SSD blocks through the daemon only: nothing to show
+        them. A twin (see `_twins`) that commits first takes its hash over (its index entry
+        queued: written outside the store's lock, see ssdindex)."""
+        won = [(slot, self._twins.pop(slot)) for slot in slots if slot in self._twins]
+        for slot, (h, c) in won:
+            self._held[h] = (slot, c)
+        if won:
+            self.index.queue_n([h for _, (h, _) in won], [s for s, _ in won],
+                               [c for _, (_, c) in won])
 
     # ------------------------------------------------------------- bytes
 
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes], srcs: ByteBatch) -> None:
         self._check_open()
         sums = self.slabs.write_n(slots, hashes, _host_views(srcs, self.slot_bytes))
-        self.index.put_n(hashes, slots, sums)  # queued, after the bytes and headers: never an
-        # entry without them (the headers alone already bring the block back at open)
-        for h, slot, c in zip(hashes, slots, sums):
-            self._held[bytes(h)] = (slot, c)
+        mine = []  # (the hashes not held in another slot: see _twins)
+        for h, slot, c in zip(map(bytes, hashes), slots, sums):
+            held = self._held.get(h)
+            if held is None or held[0] == slot:
+                self._held[h] = (slot, c)
+                mine.append((h, slot, c))
+            else:
+                self._twins[slot] = (h, c)
+        if mine:  # queued, after the bytes and headers: never an entry without them (the
+            self.index.put_n(*zip(*mine))  # headers alone already bring it back at open)
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
         """Straight into host destinations (one preadv per run of slots); device ones
@@ -179,8 +202,12 @@ class SsdTier:
         that block in that slot)."""
         out = []
         for slot, h in zip(slots, hashes):
-            held = self._held.get(bytes(h))
-            out.append(held[1] if held is not None and held[0] == slot else None)
+            h = bytes(h)
+            held = self._held.get(h)
+            if held is None or held[0] != slot:
+                twin = self._twins.get(slot)
+                held = (slot, twin[1]) if twin is not None and twin[0] == h else None
+            out.append(held[1] if held is not None else None)
         return out
 
     # ------------------------------------------------------------- open

@@ -155,9 +155,13 @@ class SlotIndex:
         """Index blocks whose payloads and headers are written: queued, and written with
         the rest once GROUP_OPS wait. Never raises (a refused write is logged; its entries
         wait for the next one, and the open after a crash adopts them from the headers)."""
-        self._queue.extend(zip(map(bytes, hashes), slots, sums))
+        self.queue_n(hashes, slots, sums)
         if len(self._queue) >= GROUP_OPS:
             self.write_queued()
+
+    def queue_n(self, hashes, slots, sums) -> None:
+        """`put_n`'s entries, queued only (under the store's lock: never touches RocksDB)."""
+        self._queue.extend(zip(map(bytes, hashes), slots, sums))
 
     def forget_n(self, hashes) -> None:
         """Queue deletes, written with the next group (called under the store's lock: it

@@ -129,6 +129,37 @@ def test_disconnect_mid_put_leaves_nothing(daemon):
         assert c.put_n(hs, [block_of(h, BB) for h in hs]) == [PutStatus.STORED] * 4
 
 
+@pytest.mark.parametrize("use_shm", [False, True], ids=["tcp", "same-host"])
+def test_a_put_of_a_block_another_connections_put_has_reserved_is_stored(daemon, use_shm):
+    """Another client's PUT of the same block is still coming (its slots reserved) and never
+    completes: the daemon answered EXISTS to every other put of that block meanwhile, and
+    once the first connection was cut nobody had stored it. Now the other put stores it
+    (over TCP, or copied by a same-host client into a granted slot), whatever becomes of
+    the first."""
+    hs = hash_blocks(NS, np.arange(4 * 16) + (52525 if use_shm else 53535))  # (one daemon)
+    data = [block_of(h, BB) for h in hs]
+    with raw_conn(daemon) as s:  # A: header + a block and a bit, then it waits, then gone
+        hello(s)
+        s.sendall(w.encode(w.Put(hashes=w.pack_hashes(hs)), w.Op.PUT, False, 4 * BB))
+        s.sendall(data[0].tobytes() + b"\x01" * 100)
+        with Client(daemon.url, namespace=NS, use_shm=use_shm) as b:
+            deadline = time.monotonic() + 10
+            while not b.stats().open_reservations and time.monotonic() < deadline:
+                time.sleep(0.01)  # (A's slots are reserved once its header is read)
+            assert b.stats().open_reservations == 1
+            assert b.put_n(hs[1:3], data[1:3]) == [PutStatus.STORED] * 2
+            assert b.uses_shm is use_shm
+            assert _blocks_are(b, hs[1:3])
+    with Client(daemon.url, namespace=NS) as c:  # A's connection is gone: aborted
+        deadline = time.monotonic() + 10
+        while c.stats().open_reservations and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats().open_reservations == 0
+        assert c.contains_n(hs) == [False, True, True, False] and _blocks_are(c, hs[1:3])
+        assert c.put_n(hs, data) == [PutStatus.STORED, PutStatus.EXISTS, PutStatus.EXISTS,
+                                     PutStatus.STORED]
+
+
 def _call(s: socket.socket, msg: w.Message, payload=()) -> w.Frame:
     w.send_frame(s, msg, msg.OP, False, payload)
     return w.recv_frame(s, 1 << 30)

@@ -364,7 +364,6 @@ def test_two_phase_put(tmp_path):
         res = s.reserve_n(CHAIN[:2])
         assert res.statuses == (PutStatus.STORED,) * 2
         assert s.contains_n(CHAIN[:2]) == [False, False]            # invisible before commit
-        assert s.put_n(CHAIN[:1], blocks(1)) == [PutStatus.EXISTS]  # but its slot is taken
         s.write_reserved(res, blocks(2))
         s.commit(res.reservation_id)
         assert torch.equal(read(s, CHAIN[:2])[1], blocks(2))
@@ -850,3 +849,92 @@ def test_a_windowed_fetch_says_which_row_each_copied_block_is_in(tmp_path):
         assert torch.equal(rows[0], data[0]) and torch.equal(rows[2], data[2])
         s.release(lease.lease_id)
         assert s.remove_n(CHAIN[:5]) == 4, "a reader count was left held"
+
+
+@pytest.mark.parametrize("kind", [TierKind.DRAM, TierKind.SSD], ids=["dram", "ssd"])
+def test_a_put_of_a_block_another_put_has_reserved_stores_it_too(tmp_path, kind):
+    """A hash reserved by a put still in flight was answered EXISTS to every other put of
+    it: when that first put then failed (a disk that refused its write, a client gone
+    midway, a same-host writer timed out), the block was stored by no one, and the put
+    told EXISTS had stored nothing. Now each stores it; the first to commit keeps it, the
+    other's slot goes back (same hash, same bytes), and an abort loses nothing."""
+    data = blocks(3)
+    sizes = {"dram": 8} if kind is TierKind.DRAM else {"dram": 0, "ssd": 8}
+    for order in ("abort", "first commits", "second commits", "both abort"):
+        with make(tmp_path / order.replace(" ", "-"), **sizes) as s:
+            first = s.reserve_n(CHAIN[:2])
+            s.write_reserved(first, data[:2])
+            second = s.reserve_n(CHAIN[1:3])  # CHAIN[1] reserved by the first, not stored
+            assert second.statuses == (PutStatus.STORED,) * 2
+            assert s.stats().tier(kind).used_blocks == 4
+            s.write_reserved(second, data[1:3])
+            assert s.contains_n(CHAIN[:3]) == [False] * 3
+            if order == "abort":
+                s.abort(first.reservation_id)
+                s.commit(second.reservation_id)
+                assert s.contains_n(CHAIN[:3]) == [False, True, True]
+            elif order == "first commits":
+                s.commit(first.reservation_id)
+                assert s.put_n(CHAIN[1:2], data[1:2]) == [PutStatus.EXISTS]
+                s.commit(second.reservation_id)  # its CHAIN[1] is a twin: the slot back
+                assert s.contains_n(CHAIN[:3]) == [True] * 3
+            elif order == "second commits":
+                s.commit(second.reservation_id)
+                s.commit(first.reservation_id)
+                assert s.contains_n(CHAIN[:3]) == [True] * 3
+            else:
+                s.abort(second.reservation_id)
+                s.abort(first.reservation_id)
+                assert s.contains_n(CHAIN[:3]) == [False] * 3
+                assert s.stats().tier(kind).used_blocks == 0
+                continue
+            stored = s.contains_n(CHAIN[:3]).count(True)
+            assert s.stats().tier(kind).used_blocks == stored  # no slot kept twice
+            tiers, out = read(s, CHAIN[:3])
+            for i in range(3):
+                if tiers[i] is not None:
+                    assert torch.equal(out[i], data[i])
+            said = [h for ev in s.drain_events() if ev.kind is EventKind.STORED
+                    for h in ev.block_hashes]
+            assert said.count(CHAIN[1]) == 1  # stored once, whoever won
+            if kind is TierKind.SSD:  # and so it is on disk: the index and the headers
+                s.close()
+                with make(tmp_path / order.replace(" ", "-"), **sizes) as again:
+                    tiers, out = read(again, CHAIN[:3])
+                    assert [t is not None for t in tiers] == [order != "abort", True, True]
+                    assert torch.equal(out[1:], data[1:])
+                    assert again.stats().tier(kind).used_blocks == stored
+                    assert again.tier(TierKind.SSD).num_recovered_from_slabs == 0
+                continue
+            s.remove_n(CHAIN[:3])
+            assert s.stats().tier(kind).used_blocks == 0  # nothing leaked
+
+
+def test_a_put_whose_twin_failed_on_the_disk_is_stored(tmp_path, monkeypatch):
+    """The report that found it: put A's write to the SSD tier is refused (ENOSPC, as a
+    copy-on-write filesystem gives on a full disk) while put B of the same block runs: A is
+    NO_SPACE, and B, told EXISTS before, had stored nothing. B must be stored and read."""
+    import errno
+    with make(tmp_path, dram=0, ssd=8, background_interval_s=None) as s:
+        slabs = s.tier(TierKind.SSD).slabs
+        writing, go = threading.Event(), threading.Event()
+        real = os.pwritev
+
+        def refusing(fd, bufs, offset):
+            if fd == slabs.fd and threading.current_thread().name == "A":
+                writing.set()
+                go.wait(10)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, bufs, offset)
+        monkeypatch.setattr(os, "pwritev", refusing)
+        got = {}
+        a = threading.Thread(target=lambda: got.update(A=s.put_n(CHAIN[:1], blocks(1))),
+                             name="A")
+        a.start()
+        assert writing.wait(10)
+        got["B"] = s.put_n(CHAIN[:1], blocks(1))
+        go.set()
+        a.join(10)
+        assert got == {"A": [PutStatus.NO_SPACE], "B": [PutStatus.STORED]}
+        tiers, out = read(s, CHAIN[:1])
+        assert tiers == [TierKind.SSD] and torch.equal(out[0], blocks(1)[0])
