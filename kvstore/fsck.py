@@ -59,7 +59,7 @@ def _namespace(path: str) -> Namespace:
     except (OSError, ValueError, TypeError) as e:  # unreadable, not JSON, not a namespace
         raise ConfigError(f"{meta} does not name a namespace ({e}): the tier rewrites it at "
                           "its next open; fsck cannot check the blocks without it") from e
-    if old_layout(path, ns.block_bytes):
+    if old_layout(path, ns):
         raise ConfigError(f"{path} is an SSD tier of an older layout (headers inside slabs.dat): "
                           "the daemon moves it aside and starts it empty at its next start; "
                           "there is nothing to check or repair in place")
@@ -111,7 +111,7 @@ def _unlisted(slabs: SlabFile, claimed: set, named: dict[int, set[bytes]]
     free = [s for s in range(slabs.num_grown) if s not in claimed]
     dst = memoryview(np.empty(slabs.block_bytes, np.uint8))
     intact, damaged = 0, []
-    for slot, h, c in slabs.headers(free):
+    for slot, h, c in slabs.headers(free, unreadable_as_none=True):
         if h is None or h in named.get(slot, ()):  # (that entry's verdict stands)
             continue
         if slabs.read_n([slot], [c], [dst])[0]:
@@ -160,7 +160,7 @@ def _entry_problem(slabs: SlabFile, key: bytes, value: bytes, claimed: set,
                 f"{slabs.num_grown} slots)")
     # before the claim: a stale entry (a delete a crash cut off) naming the same slot as the
     # block now in it takes nothing from it
-    ((_, holder, c),) = slabs.headers([slot])
+    ((_, holder, c),) = slabs.headers([slot], unreadable_as_none=True)
     if (holder is not None and holder not in named[slot] and c == want
             and damaged_copy(h, holder)):  # the header's hash field damaged (not a block of
         claimed.add(slot)  # its own to adopt)

@@ -42,6 +42,9 @@ from kvstore.keys import Namespace
 from kvstore.layout import HEADER_BYTES, HeaderEncoder, checksum, decode_header
 
 SLABS, HEADERS = "slabs.dat", "headers.dat"
+# written beside the files by every open of a tier of this layout: a directory with it is
+# never taken for the first layout, whatever its payload bytes look like (`old_layout`)
+LAYOUT, LAYOUT_TEXT = "layout", "slab payloads, headers.dat apart\n"
 RESTORING = ".restoring"  # headers.dat + this: lost headers being written again
 PAGE = 4096
 EXTENT_BYTES = 256 << 20  # the largest extent
@@ -66,15 +69,22 @@ def stride_of(block_bytes: int) -> int:
     return -(-block_bytes // PAGE) * PAGE
 
 
-def old_layout(directory: str, block_bytes: int) -> bool:
+def old_layout(directory: str, ns: Namespace) -> bool:
     """Whether `directory` holds a slab file of the first layout (each slot's header inside
     it, after the payload, slots page-rounded with it): a slabs.dat with no headers.dat
-    whose first slots show such a header. With none, it is a current tier whose
-    headers.dat was lost (`headers_missing`)."""
+    whose first slots each show such a header of `ns`'s blocks or nothing (a slot never
+    written, or freed), one header at least. With any other bytes there, it is a current
+    tier whose headers.dat was lost (`headers_missing`): where the old layout kept a header,
+    the current one has payload bytes. (Any header found there was taken for the old layout,
+    and a tenant whose blocks began like one had its tier set aside and started empty.) A
+    directory with the LAYOUT file is of the current layout, whatever its bytes."""
+    block_bytes = ns.block_bytes
     path = os.path.join(directory, SLABS)
-    if not os.path.isfile(path) or os.path.exists(os.path.join(directory, HEADERS)):
+    if not os.path.isfile(path) or os.path.exists(os.path.join(directory, HEADERS)) \
+            or os.path.exists(os.path.join(directory, LAYOUT)):
         return False
     old_stride = stride_of(block_bytes + HEADER_BYTES)
+    found = False
     try:
         with open(path, "rb") as f:
             for slot in range(64):
@@ -82,14 +92,33 @@ def old_layout(directory: str, block_bytes: int) -> bool:
                 raw = f.read(HEADER_BYTES)
                 if len(raw) < HEADER_BYTES:
                     break
-                try:
-                    decode_header(raw)
-                    return True
-                except BlockFormatError:
+                if not any(raw):
                     continue
+                try:
+                    hdr = decode_header(raw)
+                except BlockFormatError:
+                    return False
+                if hdr.ns_id != ns.ns_id or hdr.shape != ns.block_shape:
+                    return False
+                found = True
     except OSError:
         return True  # unreadable: not read as ours either
-    return False
+    return found
+
+
+def _mark_layout(directory: str) -> None:
+    """The LAYOUT file, where it is not yet (a tier made before it was written gets it at
+    its next open: its headers.dat, or the open's restore of it, says it is of this
+    layout). Best effort: without it, `old_layout` still looks at the bytes."""
+    path = os.path.join(directory, LAYOUT)
+    if os.path.exists(path):
+        return
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(LAYOUT_TEXT)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # (a full disk: the next open writes it)
 
 
 def headers_missing(directory: str) -> bool:
@@ -129,6 +158,7 @@ class SlabFile:
             os.close(self.hfd)
             raise
         if not readonly:
+            _mark_layout(directory)
             self._dev = os.fstat(self.fd).st_dev
             with _open_lock:
                 _open_on[self._dev] += 1
@@ -320,17 +350,24 @@ class SlabFile:
             ok[i] = sums[i] is not None and h.intdigest() == sums[i]
         return ok
 
-    def headers(self, slots: Sequence[int]) -> Iterator[tuple[int, bytes | None, int]]:
+    def headers(self, slots: Sequence[int], unreadable_as_none: bool = False
+                ) -> Iterator[tuple[int, bytes | None, int]]:
         """(slot, block hash, checksum) of the headers found in `slots` (hash None: no valid
         header of this namespace); what recovery checks and rebuilds an index from. The
-        header file is read up to HEADER_WINDOW headers at a time (sorted slots: once over)."""
+        header file is read up to HEADER_WINDOW headers at a time (sorted slots: once over).
+        A read the disk refuses raises TierIOError: taken for "no header" (as it was), one
+        EIO at open had the tier drop every index entry of that window and free its slots.
+        With `unreadable_as_none` (a check's report), those slots are no header."""
         window, base, last = b"", 0, max(slots, default=0)
         for slot in slots:
             if not base <= slot < base + len(window) // HEADER_BYTES:
                 base, n = slot, min(HEADER_WINDOW, last - slot + 1)
                 try:
                     window = os.pread(self.hfd, n * HEADER_BYTES, slot * HEADER_BYTES)
-                except OSError:
+                except OSError as e:
+                    if not unreadable_as_none:
+                        raise TierIOError(f"the SSD tier's headers at {self.headers_path} "
+                                          f"cannot be read: {e}") from e
                     window = b""
             at = (slot - base) * HEADER_BYTES
             raw = window[at:at + HEADER_BYTES]

@@ -57,7 +57,7 @@ class SsdTier:
     persistent = True
 
     def __init__(self, ns: Namespace, path: str, num_slots: int, durable: bool = True) -> None:
-        _set_aside_old_layout(path, ns.block_bytes)
+        _set_aside_old_layout(path, ns)
         os.makedirs(path, exist_ok=True)
         _write_tier_file(path, ns)
         self.ns, self.path, self.durable = ns, path, durable
@@ -390,13 +390,13 @@ def _write_tier_file(path: str, ns: Namespace) -> None:
     os.replace(meta + ".tmp", meta)
 
 
-def _set_aside_old_layout(path: str, block_bytes: int) -> None:
+def _set_aside_old_layout(path: str, ns: Namespace) -> None:
     """A directory of an older layout is moved aside, not read: its blocks are a cache, and
     the new tier starts empty beside it. Layouts: one RocksDB value per block (a RocksDB
     `CURRENT` at the top), then a slab file whose slots held each block's header."""
     if os.path.isfile(os.path.join(path, "CURRENT")):
         layout = "one-value-per-block"
-    elif old_layout(path, block_bytes):
+    elif old_layout(path, ns):
         layout = "header-in-slot slab"
     else:
         return

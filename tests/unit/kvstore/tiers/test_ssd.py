@@ -786,6 +786,34 @@ def test_tier_json_names_the_namespace_the_directory_was_last_opened_for(tmp_pat
     assert report.clean and report.num_ok == 2
 
 
+@pytest.mark.parametrize("whose", ["this namespace's", "another namespace's"])
+def test_blocks_that_begin_like_a_header_are_no_old_layout(tmp_path, caplog, whose):
+    """The first layout kept each slot's header where a current tier keeps payload bytes
+    (4 KiB blocks: the start of every odd slot). A tier whose headers.dat was lost, with
+    a block there that began like a header (any namespace's: a tenant's own bytes), was
+    taken for the first layout, set aside, and started empty. It is written again from
+    its index, as any tier that lost its headers is."""
+    ns = Namespace("m4k", num_layers=1, num_kv_heads=1, head_dim=64)  # 4 KiB blocks
+    other = Namespace("m4k-other", num_layers=1, num_kv_heads=1, head_dim=64)
+    assert ns.block_bytes == 4096
+    hashes = hash_blocks(ns, list(range(16 * 8)))
+    tier = SsdTier(ns, str(tmp_path / "ssd"), 8)
+    slots = tier.alloc_n(6)
+    data = torch.randint(0, 256, (6, ns.block_bytes), dtype=torch.uint8)
+    for row in data:
+        row[:HEADER_BYTES] = torch.frombuffer(bytearray(encode_header(
+            ns if whose.startswith("this") else other, hashes[7], 0)), dtype=torch.uint8)
+    tier.write_n(slots, hashes[:6], data)
+    tier.close()
+    os.unlink(tmp_path / "ssd" / "headers.dat")
+    tier = SsdTier(ns, str(tmp_path / "ssd"), 8)
+    assert dict(tier.recover()) == {bytes(h): s for h, s in zip(hashes[:6], slots)}
+    out = torch.zeros(6, ns.block_bytes, dtype=torch.uint8)
+    assert tier.read_n(slots, hashes[:6], out) == [True] * 6 and torch.equal(out, data)
+    assert not [p for p in os.listdir(tmp_path) if ".legacy-" in p]
+    tier.close()
+
+
 def test_a_lost_header_file_is_written_again_from_the_index(tmp_path, caplog):
     """headers.dat deleted (or lost with a damaged disk) beside an intact slabs.dat and
     index: fsck says so, and the next open writes the headers again from the index, every
@@ -1044,3 +1072,34 @@ def test_an_index_that_cannot_open_for_want_of_space_serves_from_the_headers(tmp
         assert all(bytes(h) in tier.raw_db() for h in hs)
     finally:
         tier.close()
+
+
+def test_a_header_read_the_disk_refuses_at_open_is_an_error_not_an_empty_tier(tmp_path,
+                                                                             monkeypatch):
+    """An EIO reading headers.dat at open was taken for "no header there": the open then
+    dropped every index entry of those slots (deleted from the index) and freed them, a
+    whole tier lost to one transient error. The open fails instead (the namespace is not
+    served for now, its files untouched), and the next one finds every block."""
+    import errno
+    tier = SsdTier(NS, str(tmp_path), 8)
+    slots = tier.alloc_n(5)
+    tier.write_n(slots, HASHES[:5], _blocks(5))
+    tier.close()
+    real = os.pread
+
+    def failing(fd, n, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("headers.dat"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, n, offset)
+    monkeypatch.setattr(os, "pread", failing)
+    tier = SsdTier(NS, str(tmp_path), 8)
+    with pytest.raises(TierIOError, match="cannot be read"):
+        tier.recover()
+    tier.close()
+    monkeypatch.setattr(os, "pread", real)
+    tier = SsdTier(NS, str(tmp_path), 8)
+    assert dict(tier.recover()) == {bytes(h): s for h, s in zip(HASHES[:5], slots)}
+    out = torch.zeros(5, NS.block_bytes, dtype=torch.uint8)
+    assert tier.read_n(slots, HASHES[:5], out) == [True] * 5 and torch.equal(out, _blocks(5))
+    assert tier.num_dropped_at_open == 0
+    tier.close()
