@@ -179,7 +179,7 @@ def claim_data_dir(path: str) -> int:
     for every namespace."""
     what = f"the data dir {path!r}"
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)  # (one that exists is left as it is)
         if not os.access(path, os.W_OK):  # a read-only filesystem or directory
             raise PermissionError(f"{path} is not writable")
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -276,7 +276,7 @@ class Registry:
         existed = os.path.isdir(directory)
         store = agent = None
         try:
-            os.makedirs(directory, exist_ok=True)
+            _private_dir(directory)
             _write_meta(directory, ns)
             store = TieredStore(ns, StoreConfig(tiers, reservation_timeout_s=self.cfg.reservation_timeout_s,
                                                 node_id=self.cfg.node_id, background_interval_s=0.5))
@@ -374,6 +374,16 @@ class Registry:
             if self._dir_lock >= 0:
                 os.close(self._dir_lock)  # another daemon may take the directory now
                 self._dir_lock = -1
+
+
+def _private_dir(directory: str) -> None:
+    """A namespace's directory, readable by the daemon's uid alone: its RocksDB index (the
+    hashes of every block it holds: which prompts were seen) and its metadata files were
+    made by the umask, 0644, under a directory any uid could list. One made by an older
+    version is closed now."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if os.stat(directory).st_mode & 0o077:
+        os.chmod(directory, 0o700)
 
 
 def _write_meta(directory: str, ns: Namespace) -> None:

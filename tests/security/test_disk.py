@@ -364,3 +364,22 @@ def test_ssd_tiers_sharing_a_disk_each_leave_their_index_room(small_disk):
             t.close()
     for i in range(3):  # and each reopens
         SsdTier(NS, str(small_disk / f"ssd{i}"), 4096).close()
+
+
+def test_a_namespaces_files_are_the_daemons_uid_alone(make_daemon, tmp_path):
+    """The SSD tier's index (every block's hash: which prompts this namespace has seen) and
+    the metadata files were made 0644 under a directory any uid could list and read. The
+    namespace's directory is 0700, also one an older version made open."""
+    data = tmp_path / "data"
+    d = make_daemon(data_dir=str(data))
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        hs = hash_blocks(NS, np.arange(4 * 16))
+        assert c.put_n(hs, [block_of(h, NS.block_bytes) for h in hs]) == [PutStatus.STORED] * 4
+    (ns_dir,) = [p for p in data.iterdir() if p.is_dir()]
+    assert ns_dir.stat().st_mode & 0o777 == 0o700  # (what is in it: the umask's)
+    d.stop()
+    os.chmod(ns_dir, 0o755)  # as an older version left it
+    d = make_daemon(data_dir=str(data))
+    with Client(d.url, namespace=NS, use_shm=False) as c:
+        assert c.contains_n(hs) == [True] * 4
+    assert ns_dir.stat().st_mode & 0o777 == 0o700
