@@ -68,6 +68,10 @@ class DaemonConfig:
                                  "(0 = no cap)", flag="--tenant-disk", kind="size")
     tenant_limits: tuple[tuple[str, int, int, int], ...] = ()  # [tenants.NAME] overrides
     tokens: tuple[tuple[str, str], ...] = ()  # (token, tenant or ADMIN), from --token-file
+    scratch_bytes: int = opt(1 << 30, "memory all connections together may use to move "
+                             "SSD and GPU blocks in and out (each request's window shrinks "
+                             "to fit, down to a block or two)", flag="--scratch-memory",
+                             kind="size")
     block_tokens: int = opt(0, "accept only namespaces with this block size in tokens "
                             "(0 = any)")
     max_connections: int = opt(1024, "open data-plane connections at most (a quarter of "
@@ -157,7 +161,7 @@ class DaemonConfig:
         if not 0 <= self.spin_us <= 1e6:
             raise ConfigError(f"--spin-us is 0 to 1000000 microseconds, not {self.spin_us}")
         for name in ("quota_blocks", "block_tokens", "tenant_memory_bytes",
-                     "tenant_disk_bytes", "shutdown_grace_s"):
+                     "tenant_disk_bytes", "shutdown_grace_s", "scratch_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if self.cluster_ttl_s < 1 or self.max_payload_bytes < 1:

@@ -132,12 +132,17 @@ class Session:
     def scratch(self, nbytes: int) -> torch.Tensor:
         if self._scratch_bytes < nbytes:
             self._drop_scratch()
-            # in a mapping of its own, so that letting it go gives it back to the OS: from
-            # the heap it stayed there (glibc keeps what a thread's arena freed, and the
-            # daemon raises its trim threshold: tune_malloc_for_large_blocks)
-            self._scratch = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+            _count_scratch(nbytes)  # (before it is made: `window_rows` of other
+            # connections, deciding meanwhile, count it)
+            try:
+                # in a mapping of its own, so that letting it go gives it back to the OS:
+                # from the heap it stayed there (glibc keeps what a thread's arena freed, and
+                # the daemon raises its trim threshold: tune_malloc_for_large_blocks)
+                self._scratch = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+            except BaseException:
+                _count_scratch(-nbytes)
+                raise
             self._scratch_bytes = nbytes
-            _count_scratch(nbytes)
         return self._scratch[:nbytes]
 
     def trim_scratch(self) -> None:
@@ -153,6 +158,18 @@ class Session:
             _count_scratch(-self._scratch_bytes)
             self._scratch, self._scratch_bytes = torch.empty(0, dtype=torch.uint8), 0
             self._rows = self._scratch.view(0, 0)
+
+    def window_rows(self, n: int, least: int, block_bytes: int) -> torch.Tensor:
+        """`scratch_rows` of a request's window: n rows, fewer where all connections' scratch
+        together would pass --scratch-memory, `least` at any rate (every connection streams
+        a block or two). 24 connections that each asked for 32 MiB of SSD blocks and never
+        read the reply held 32 MiB each until their deadlines (over a minute, renewed by
+        asking again): the connections one tenant may open could hold tens of GiB, outside
+        every memory limit."""
+        with _scratch_lock:
+            others = _scratch_kept - self._scratch_bytes
+        room = (self.cfg.scratch_bytes - others) // block_bytes
+        return self.scratch_rows(max(least, min(n, room)), block_bytes)
 
     def scratch_rows(self, n: int, block_bytes: int) -> torch.Tensor:
         """`[n, block_bytes]` of scratch; the view is kept for the next request of the same
@@ -454,7 +471,8 @@ class Session:
             self.tally.bytes_in += bb
             return
         inline = sum(1 for i in indices if slots[i] is None or slots[i][0] is not TierKind.DRAM)
-        scratch = self.scratch_rows(min(inline, max(1, SCRATCH_WINDOW // bb)), bb) if inline else None
+        scratch = (self.window_rows(min(inline, max(1, SCRATCH_WINDOW // bb)), 1, bb)
+                   if inline else None)
         waiting: dict[TierKind, list[tuple[int, int]]] = {}  # tier -> (scratch row, block)
         used, failed = 0, None
         for i in indices:
@@ -534,13 +552,13 @@ class Session:
             # copied up front, the rest read part by part as the reply goes out (_stream).
             # A GET of 1 GiB of SSD blocks held 1 GiB of scratch for as long as its client
             # took to read it, and a few such clients ran the host out of memory.
-            window = max(1, SCRATCH_WINDOW // bb)
-            k = min(len(hashes), window)
-            scratch = self.scratch_rows(2 * k, bb)
+            k = min(len(hashes), max(1, SCRATCH_WINDOW // bb))
+            scratch = self.window_rows(2 * k, 2, bb)
+            k = len(scratch) // 2
             # (no TTL while the reply goes out: a same-host client's starts once it is out)
             lease = store.fetch_n(hashes, scratch[:k], ttl_s=math.inf,
                                   lease_tier=TierKind.DRAM if arena is not None else None,
-                                  prefix=msg.prefix, max_copied=window)
+                                  prefix=msg.prefix, max_copied=k)
         tiers = tier_bytes([None if h is None else h[0] for h in lease.hits])
         slots = [w.NO_SLOT if h is None else h[1] for h in lease.hits]
         hits = [i for i, h in enumerate(lease.hits) if h is not None]

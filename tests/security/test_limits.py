@@ -546,6 +546,43 @@ def test_a_get_of_ssd_blocks_its_client_does_not_read_holds_a_window_not_its_bat
     assert all(np.array_equal(blocks[i], block_of(hs[i], bb)) for i in (0, 63, 64, n - 1))
 
 
+def test_scratch_in_use_by_unread_gets_is_bounded_all_together(make_daemon):
+    """Each GET of SSD blocks streams through two windows of scratch (16 MiB each): 24
+    connections that each asked for 32 MiB and never read held 32 MiB apiece until their
+    deadlines (over a minute, and asking again renews it), and the 768 connections one
+    tenant may open, tens of GiB outside every memory limit. All connections' scratch
+    together stays within --scratch-memory (each request's window shrinks to fit, down to
+    two blocks); every reply, read at last, is whole and exact."""
+    d, ns, hs = _ssd_daemon_holding(make_daemon, 32 << 20, "128MiB", 888,
+                                    "--scratch-memory", "24MiB")
+    bb, n = ns.block_bytes, len(hs)
+    before = rss_kib(d.pid)
+    conns = []
+    try:
+        for _ in range(8):
+            s = raw_conn(d, timeout=60)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            assert call(s, hello_msg(ns)).op is w.Op.HELLO
+            w.send_frame(s, w.Get(hashes=w.pack_hashes(hs)), w.Op.GET, False)
+            conns.append(s)
+        for s in conns:  # every one's send is blocked on us
+            assert wait_for(lambda: _unsent_by_daemon(s) > 0, 30)
+        time.sleep(0.5)
+        grown = (rss_kib(d.pid) - before) << 10
+        assert grown < (24 << 20) + 8 * 2 * bb + (16 << 20), \
+            f"{grown >> 20} MiB resident for 8 unread GETs of 32 MiB"
+        for s in conns:
+            reply = w.recv_frame(s, 1 << 30)
+            assert reply.op is w.Op.GET and reply.msg.tiers == bytes([TierKind.SSD]) * n
+            got = bytearray(reply.payload_bytes)
+            w.recv_exact(s, memoryview(got))
+            blocks = np.frombuffer(got, np.uint8).reshape(n, bb)
+            assert all(np.array_equal(blocks[i], block_of(hs[i], bb)) for i in range(n))
+    finally:
+        for s in conns:
+            s.close()
+
+
 def test_scratch_kept_by_idle_connections_is_bounded_all_together(make_daemon):
     """Each connection keeps the scratch its last request took (a GET of SSD blocks: two
     16 MiB windows), up to 64 MiB, and all of them together at most SCRATCH_KEEP_TOTAL
