@@ -167,7 +167,9 @@ class TieredStore(Reads, Grants):
         # EXISTS only for blocks stored: a hash another put has reserved is stored again
         # here (told EXISTS, a put whose twin then failed on a full disk, or whose client
         # went away, had stored nothing); whichever commits first keeps it (`TierMap.claim`)
-        known = {h for h in keys if visible(entries.get(h))}
+        known = {h for h in keys if h in entries}
+        if known:
+            known = {h for h in known if entries[h].state is State.COMMITTED}
         if known:
             p.touch([entries[h] for h in keys if h in known])  # don't evict them for this put
             fresh = [h for h in dict.fromkeys(keys) if h not in known]

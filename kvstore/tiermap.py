@@ -356,19 +356,19 @@ class TierMap:
         committed first is a twin: its slot goes back (content-addressed: the block is
         stored). One that commits first, while another put of the hash is still reserved,
         takes the hash from it (that put then finds it committed)."""
-        entries, won, twins = self.entries, [], []
+        entries, twins, committed = self.entries, [], State.COMMITTED
         for e in group:
             cur = entries.get(e.hash)
             if cur is not e:
-                if cur is not None and cur.state is State.COMMITTED:
+                if cur is not None and cur.state is committed:
                     twins.append(e)
                     continue
                 entries[e.hash] = e
-            e.state = State.COMMITTED
-            won.append(e)
-        if twins:
-            self.release_reserved(twins)
-        return won
+            e.state = committed
+        if not twins:
+            return group
+        self.release_reserved(twins)
+        return [e for e in group if e.state is committed]
 
     def forget_reserved(self, group: Sequence[Entry]) -> None:
         """Reserved (never visible) entries leave the map, their slots still taken: the
