@@ -508,6 +508,16 @@ def test_a_stalled_put_to_ssd_holds_a_window_of_scratch_not_its_whole_batch(make
         assert c.stats().tier(TierKind.SSD).used_blocks == n
 
 
+def _hello(d, ns, rcvbuf: int = 0) -> socket.socket:
+    """A raw connection that said HELLO for `ns` (with a small receive buffer: a client
+    that reads slowly)."""
+    s = raw_conn(d, timeout=60)
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    assert call(s, hello_msg(ns)).op is w.Op.HELLO
+    return s
+
+
 def _ssd_daemon_holding(make_daemon, nbytes: int, ssd_size: str, seed: int, *args):
     """A daemon with no DRAM tier holding `nbytes` of 256 KiB blocks on SSD, each block's
     bytes `block_of` its hash; (daemon, namespace, hashes)."""
@@ -529,9 +539,7 @@ def test_a_get_of_ssd_blocks_its_client_does_not_read_holds_a_window_not_its_bat
     read at last, is whole and exact."""
     d, ns, hs = _ssd_daemon_holding(make_daemon, 96 << 20, "256MiB", 777)
     bb, n = ns.block_bytes, len(hs)
-    with raw_conn(d, timeout=60) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-        assert call(s, hello_msg(ns)).op is w.Op.HELLO
+    with _hello(d, ns, rcvbuf=64 << 10) as s:
         before = rss_kib(d.pid)
         w.send_frame(s, w.Get(hashes=w.pack_hashes(hs)), w.Op.GET, False)
         assert wait_for(lambda: _unsent_by_daemon(s) > 0, 30)  # its send is blocked on us
@@ -560,9 +568,7 @@ def test_scratch_in_use_by_unread_gets_is_bounded_all_together(make_daemon):
     conns = []
     try:
         for _ in range(8):
-            s = raw_conn(d, timeout=60)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            assert call(s, hello_msg(ns)).op is w.Op.HELLO
+            s = _hello(d, ns, rcvbuf=64 << 10)
             w.send_frame(s, w.Get(hashes=w.pack_hashes(hs)), w.Op.GET, False)
             conns.append(s)
         for s in conns:  # every one's send is blocked on us
@@ -596,8 +602,7 @@ def test_scratch_kept_by_idle_connections_is_bounded_all_together(make_daemon):
     conns = []
     try:
         for _ in range(20):
-            s = raw_conn(d, timeout=60)
-            assert call(s, hello_msg(ns)).op is w.Op.HELLO
+            s = _hello(d, ns)
             reply = call(s, w.Get(hashes=w.pack_hashes(hs)))
             assert reply.op is w.Op.GET and reply.payload_bytes == n * bb
             got = bytearray(reply.payload_bytes)
