@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -85,6 +86,9 @@ class SsdTier:
         # Whichever commits first (publish_n) holds the hash; the other's slot is freed
         # without touching the hash's entry.
         self._twins: dict[int, tuple[bytes, int]] = {}
+        # `_held` and `_twins` change together under it: write_n runs outside the store's
+        # lock, and two of one hash at once both found it free and both took it
+        self._held_lock = threading.Lock()
         self._free = FreeSlots(0)
         self._grow_failed_at: float | None = None
         self._closed = False
@@ -138,11 +142,12 @@ class SsdTier:
 
     def free_n(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         gone = []  # the hashes held in these very slots
-        for slot, h in zip(slots, hashes):
-            h = bytes(h)
-            if self._twins.pop(slot, None) is None and self._held.get(h, (-1,))[0] == slot:
-                del self._held[h]
-                gone.append(h)
+        with self._held_lock:
+            for slot, h in zip(slots, hashes):
+                h = bytes(h)
+                if self._twins.pop(slot, None) is None and self._held.get(h, (-1,))[0] == slot:
+                    del self._held[h]
+                    gone.append(h)
         self.index.forget_n(gone)  # deleted with the next index write (see ssdindex)
         try:  # before the slots can be reused (under the store lock): no new header is hit
             self.slabs.erase_headers(slots)
@@ -158,9 +163,12 @@ class SsdTier:
         """Readers on this host reach SSD blocks through the daemon only: nothing to show
         them. A twin (see `_twins`) that commits first takes its hash over (its index entry
         queued: written outside the store's lock, see ssdindex)."""
-        won = [(slot, self._twins.pop(slot)) for slot in slots if slot in self._twins]
-        for slot, (h, c) in won:
-            self._held[h] = (slot, c)
+        if not self._twins:
+            return
+        with self._held_lock:
+            won = [(slot, self._twins.pop(slot)) for slot in slots if slot in self._twins]
+            for slot, (h, c) in won:
+                self._held[h] = (slot, c)
         if won:
             self.index.queue_n([h for _, (h, _) in won], [s for s, _ in won],
                                [c for _, (_, c) in won])
@@ -171,13 +179,14 @@ class SsdTier:
         self._check_open()
         sums = self.slabs.write_n(slots, hashes, _host_views(srcs, self.slot_bytes))
         mine = []  # (the hashes not held in another slot: see _twins)
-        for h, slot, c in zip(map(bytes, hashes), slots, sums):
-            held = self._held.get(h)
-            if held is None or held[0] == slot:
-                self._held[h] = (slot, c)
-                mine.append((h, slot, c))
-            else:
-                self._twins[slot] = (h, c)
+        with self._held_lock:
+            for h, slot, c in zip(map(bytes, hashes), slots, sums):
+                held = self._held.get(h)
+                if held is None or held[0] == slot:
+                    self._held[h] = (slot, c)
+                    mine.append((h, slot, c))
+                else:
+                    self._twins[slot] = (h, c)
         if mine:  # queued, after the bytes and headers: never an entry without them (the
             self.index.put_n(*zip(*mine))  # headers alone already bring it back at open)
 

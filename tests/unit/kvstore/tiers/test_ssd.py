@@ -1103,3 +1103,27 @@ def test_a_header_read_the_disk_refuses_at_open_is_an_error_not_an_empty_tier(tm
     assert tier.read_n(slots, HASHES[:5], out) == [True] * 5 and torch.equal(out, _blocks(5))
     assert tier.num_dropped_at_open == 0
     tier.close()
+
+
+@pytest.mark.parametrize("winner", ["first", "second"])
+def test_two_writes_of_one_hash_keep_the_one_published(tmp_path, winner):
+    """Two puts of one block may each write a slot (kvstore.tiermap.claim): the slot
+    published holds the hash, the other's is freed, and neither undoes the other (the free
+    of the loser's slot forgot the hash, index entry and all, when the tier was keyed by
+    hash alone). The index says so after a reopen, with nothing left to adopt."""
+    tier = SsdTier(NS, str(tmp_path), 8)
+    a, b = tier.alloc_n(2)
+    data = _blocks(1)
+    tier.write_n([a], HASHES[:1], data)
+    tier.write_n([b], HASHES[:1], data)
+    keep, lose = (a, b) if winner == "first" else (b, a)
+    tier.publish_n([keep], HASHES[:1])
+    tier.free_n([lose], HASHES[:1])
+    out = torch.zeros(1, NS.block_bytes, dtype=torch.uint8)
+    assert tier.read_n([keep], HASHES[:1], out) == [True] and torch.equal(out, data)
+    assert tier.read_n([lose], HASHES[:1], out) == [False]
+    tier.close()
+    tier = SsdTier(NS, str(tmp_path), 8)
+    assert tier.recover() == [(bytes(HASHES[0]), keep)]
+    assert tier.num_recovered_from_slabs == 0 and tier.num_dropped_at_open == 0
+    tier.close()
