@@ -32,7 +32,8 @@ class GenerateStats(NamedTuple):
     num_computed_tokens: int  # prompt tokens the model ran a forward pass over
     num_saved_blocks: int     # blocks handed to the store after generating (new or not)
     bypassed: bool            # plain generate ran: batch > 1, a caller-owned cache, padding
-    # in the attention mask, inputs_embeds, or a model with sliding-window layers
+    # in the attention mask, inputs_embeds, a model with sliding-window layers, or more
+    # than one sequence generated (beams, num_return_sequences, assisted or contrastive)
 
 
 def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, tenant: str = "",
@@ -138,13 +139,31 @@ class KVTierGenerate:
     def _offloadable(self, input_ids, kwargs) -> bool:
         """Whether this call's KV is a function of its token ids alone, as block hashes
         assume: one sequence of ids (not inputs_embeds), no cache of the caller's, no padding
-        (left padding shifts every position: the same ids get other KV), and every layer
-        holding the whole sequence (a sliding-window layer keeps only its window)."""
+        (left padding shifts every position: the same ids get other KV), every layer
+        holding the whole sequence (a sliding-window layer keeps only its window), and one
+        sequence generated from it, by plain greedy or sampled decoding. Beam search and
+        num_return_sequences widen the batch inside generate: row 0 of the cache was saved
+        under the hashes of the best sequence (another beam's KV, loaded by a later call on
+        that text), and a loaded one-row cache met the widened batch and crashed. Assisted
+        and contrastive decoding rewrite the cache as they go."""
         mask = kwargs.get("attention_mask")
         return (input_ids is not None and input_ids.shape[0] == 1 and self._full_attention
                 and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
                 and kwargs.get("inputs_embeds") is None
-                and (mask is None or bool(torch.all(mask != 0))))
+                and (mask is None or bool(torch.all(mask != 0)))
+                and self._one_plain_sequence(kwargs))
+
+    def _one_plain_sequence(self, kwargs) -> bool:
+        """What generate will do with `kwargs` (over the generation config passed, or the
+        model's): one beam, one sequence returned, no assistant or lookup, no contrastive
+        search."""
+        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+
+        def setting(name: str):
+            return kwargs[name] if name in kwargs else getattr(config, name, None)
+        return ((setting("num_beams") or 1) == 1 and (setting("num_return_sequences") or 1) == 1
+                and kwargs.get("assistant_model") is None
+                and not setting("prompt_lookup_num_tokens") and not setting("penalty_alpha"))
 
     def _load_prefix(self, hashes) -> tuple[Any, int]:
         from transformers import DynamicCache

@@ -240,3 +240,43 @@ def test_models_of_one_name_share_kv_only_when_their_weights_are_equal(tmp_path)
     assert namespace_for(rope, "m").revision != runs["old"][0]
     named = [namespace_for(m, "m", revision="v7") for m in (old, retrained)]
     assert named[0] == named[1] and named[0].revision == "v7"
+
+
+@pytest.mark.parametrize("widen", [dict(num_beams=3), dict(num_return_sequences=3, do_sample=True),
+                                   dict(generation_config="beams")],
+                         ids=["num_beams", "num_return_sequences", "a beam config"])
+def test_calls_that_generate_more_than_one_sequence_are_generated_plainly(tmp_path, widen):
+    """Beam search and num_return_sequences widen the batch inside generate: row 0 of the
+    cache was saved under the hashes of the best sequence (another beam's KV: a later
+    greedy call on that text loaded it and diverged from plain generate), and a second such
+    call, its prefix stored, crashed in transformers (a one-row cache met three rows)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.generation_config.pad_token_id = 0
+    if widen.get("generation_config") == "beams":  # (the widening in a config, not kwargs)
+        widen = dict(generation_config=GenerationConfig(num_beams=3, max_new_tokens=10,
+                                                        pad_token_id=0))
+    ids = torch.randint(1, 300, (1, 21), generator=torch.Generator().manual_seed(3))
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)), model_id="tiny-llama",
+                        block_tokens=3)
+    args = dict(max_new_tokens=10, **widen)
+    try:
+        with torch.no_grad():
+            for _ in range(2):  # (the second call crashed once the first stored the prefix)
+                torch.manual_seed(1)
+                out = kv.generate(ids, **args)
+                assert kv.last.bypassed and kv.last.num_saved_blocks == 0
+                torch.manual_seed(1)
+                assert torch.equal(out, model.generate(ids, **args))
+            longer = out[:1]  # a greedy call on what the widened one wrote: its own KV
+            assert torch.equal(kv.generate(longer, max_new_tokens=5, do_sample=False),
+                               model.generate(longer, max_new_tokens=5, do_sample=False))
+            assert not kv.last.bypassed and kv.last.num_loaded_tokens == 0
+    finally:
+        kv.close()
