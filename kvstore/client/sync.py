@@ -34,6 +34,10 @@ from kvstore.stats import StoreStats
 from kvstore.api import MatchResult, PutStatus, leading_hits
 from transfer import BackendKind, TransferError
 
+# what a call met when close() in another thread unmapped the memory it was using (see
+# Client._closed_meanwhile)
+CLOSE_RACE = (ValueError, TypeError, AttributeError, BufferError)
+
 
 class Client:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
@@ -240,12 +244,25 @@ class Client:
             rows = byte_rows(srcs, n, self.block_bytes)
         if not n:
             return []
-        puts = self._direct_puts()
-        if puts is not None:
-            done = self._put_direct(puts, hashes, rows)
-            if done is not None:
-                return done
-        return self._run(self._put_n, w.pack_hashes(hashes), rows)
+        try:
+            puts = self._direct_puts()
+            if puts is not None:
+                done = self._put_direct(puts, hashes, rows)
+                if done is not None:
+                    return done
+            return self._run(self._put_n, w.pack_hashes(hashes), rows)
+        except CLOSE_RACE as e:
+            raise self._closed_meanwhile(e)
+
+    def _closed_meanwhile(self, e: Exception) -> Exception:
+        """What to raise for `e`, an error of a call that `close()` (in another thread) may
+        have cut short by unmapping what it was copying (the arena, the slot directory, the
+        put ring): ConnectError, as any call on a closed Client gets, where it was closed;
+        `e` itself where not. (The errors such a call met were a released memoryview's
+        ValueError or a TypeError of a mapping set to None.)"""
+        if self._closed:
+            return ConnectError("this Client is closed (by another thread, during this call)")
+        return e
 
     def _put_direct(self, puts: DirectPuts, hashes: Sequence[bytes], rows) -> list[PutStatus] | None:
         """`puts.put_n`, or None when its channel broke (the daemon went away mid-put: its
@@ -390,18 +407,21 @@ class Client:
         rows = read_rows(dsts, n, self.block_bytes, directory is not None, VECTOR_READS)
         if not n:
             return []
-        self._flush_puts()  # this client's puts readable first (a memory read if none wait)
-        if directory is None or not directory.writer_alive():
-            return self._run(self._get_n, w.pack_hashes(hashes),
-                             request_rows(rows, dsts, n, self.block_bytes))
-        tiers, missed = self._direct_reads(arena, hashes, rows)
-        if missed:
-            rows = request_rows(rows, dsts, n, self.block_bytes)
-            found = self._run(self._get_n, w.pack_hashes([hashes[i] for i in missed]),
-                              [rows[i] for i in missed])
-            for i, t in zip(missed, found):
-                tiers[i] = t
-        return tiers
+        try:
+            self._flush_puts()  # this client's puts readable first (a memory read if none wait)
+            if directory is None or not directory.writer_alive():
+                return self._run(self._get_n, w.pack_hashes(hashes),
+                                 request_rows(rows, dsts, n, self.block_bytes))
+            tiers, missed = self._direct_reads(arena, hashes, rows)
+            if missed:
+                rows = request_rows(rows, dsts, n, self.block_bytes)
+                found = self._run(self._get_n, w.pack_hashes([hashes[i] for i in missed]),
+                                  [rows[i] for i in missed])
+                for i, t in zip(missed, found):
+                    tiers[i] = t
+            return tiers
+        except CLOSE_RACE as e:
+            raise self._closed_meanwhile(e)
 
     def _direct_reads(self, arena: ArenaMap, hashes: Sequence[bytes], rows,
                       prefix: bool = False) -> tuple[list[TierKind | None], list[int]]:
@@ -504,16 +524,19 @@ class Client:
         rows = read_rows(dsts, n, self.block_bytes, directory is not None, VECTOR_READS)
         if not n:
             return MatchResult(0, ())
-        self._flush_puts()
-        tiers: list[TierKind | None] = []
-        if directory is not None and directory.writer_alive():
-            tiers, missed = self._direct_reads(arena, hashes, rows, prefix=True)
-            tiers = tiers[:missed[0]] if missed else tiers
-        start = len(tiers)
-        if start < len(hashes):
-            tiers += self._run(self._get_n, w.pack_hashes(hashes[start:]),
-                               select_rows(request_rows(rows, dsts, n, self.block_bytes),
-                                           range(start, n)), True)
+        try:
+            self._flush_puts()
+            tiers: list[TierKind | None] = []
+            if directory is not None and directory.writer_alive():
+                tiers, missed = self._direct_reads(arena, hashes, rows, prefix=True)
+                tiers = tiers[:missed[0]] if missed else tiers
+            start = len(tiers)
+            if start < len(hashes):
+                tiers += self._run(self._get_n, w.pack_hashes(hashes[start:]),
+                                   select_rows(request_rows(rows, dsts, n, self.block_bytes),
+                                               range(start, n)), True)
+        except CLOSE_RACE as e:
+            raise self._closed_meanwhile(e)
         hit = leading_hits(tiers)
         return MatchResult(hit, tuple(tiers[:hit]))
 

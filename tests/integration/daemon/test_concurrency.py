@@ -50,3 +50,53 @@ def test_processes_mixed_put_get(daemon):
     with ctx.Pool(4) as pool:
         bad = pool.starmap(_worker, [(daemon.url, 100 + i, i % 2 == 0) for i in range(4)])
     assert bad == [0, 0, 0, 0]
+
+
+def test_a_client_closed_while_other_threads_use_it_fails_their_calls_clearly(daemon):
+    """close() in one thread while others are mid-call (same host: direct reads from the
+    arena and the slot directory, direct puts into the ring) failed those calls with a
+    released memoryview's ValueError or a TypeError of a mapping already None. Each such
+    call ends with ConnectError (as any call on a closed Client does) or completes, and
+    what a completed read returned is exact."""
+    import time
+
+    from kvstore.client.errors import ConnectError
+    hs = hash_blocks(NS, np.arange(40 * 16) + 31337)
+    data = np.stack([block_of(h, BB) for h in hs])
+    for rnd in range(8):
+        c = Client(daemon.url, namespace=NS)
+        assert c.uses_shm
+        c.put_n(hs, data)
+        errors, bad = [], []
+
+        def reader(batch: int):
+            out = np.zeros((batch, BB), np.uint8)
+            try:
+                while True:
+                    for i in range(0, len(hs), batch):
+                        got = c.get_n(hs[i:i + batch], out)
+                        bad.extend(j for j, t in enumerate(got)
+                                   if t is not None and not (out[j] == data[i + j]).all())
+            except Exception as e:  # noqa: BLE001 - every kind is looked at below
+                errors.append(e)
+
+        def putter():
+            rng = np.random.default_rng(rnd)
+            try:
+                while True:
+                    more = hash_blocks(NS, rng.integers(0, 1 << 30, 16 * 4))
+                    c.put_n(more, np.stack([block_of(h, BB) for h in more]))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=reader, args=(b,)) for b in (1, 4, 40)]
+        threads.append(threading.Thread(target=putter))
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        c.close()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert bad == []
+        assert len(errors) == 4 and all(isinstance(e, ConnectError) for e in errors), errors
