@@ -52,6 +52,9 @@ _scratch_kept = 0  # bytes of scratch all sessions hold (`_count_scratch`)
 _scratch_lock = threading.Lock()
 
 
+_NO_SCRATCH = torch.empty(0, dtype=torch.uint8)
+
+
 def _count_scratch(delta: int) -> None:
     global _scratch_kept
     with _scratch_lock:
@@ -129,53 +132,61 @@ class Session:
 
     # ------------------------------------------------------------ plumbing
 
-    def scratch(self, nbytes: int) -> torch.Tensor:
-        if self._scratch_bytes < nbytes:
-            self._drop_scratch()
-            _count_scratch(nbytes)  # (before it is made: `window_rows` of other
-            # connections, deciding meanwhile, count it)
+    def scratch(self, want: int, least: int | None = None, unit: int = 1) -> torch.Tensor:
+        """`want` bytes of scratch (this connection's, kept between requests: see
+        trim_scratch). With `least`: fewer where all connections' scratch together would
+        pass --scratch-memory, in whole `unit`s, `least` at any rate (every connection moves
+        a block or two). Decided and counted in one step under the lock, so connections
+        asking at once cannot each find the whole budget free. 24 connections that each
+        asked for 32 MiB of SSD blocks and never read the reply held 32 MiB apiece until
+        their deadlines (over a minute, renewed by asking again): the connections one tenant
+        may open could hold tens of GiB, outside every memory limit."""
+        global _scratch_kept
+        with _scratch_lock:
+            if least is not None:
+                room = self.cfg.scratch_bytes - (_scratch_kept - self._scratch_bytes)
+                want = max(least, min(want, room // unit * unit))
+            grow = self._scratch_bytes < want
+            if grow:
+                _scratch_kept += want - self._scratch_bytes
+        if grow:
+            self._scratch, self._rows = _NO_SCRATCH, _NO_SCRATCH.view(0, 0)
             try:
                 # in a mapping of its own, so that letting it go gives it back to the OS:
                 # from the heap it stayed there (glibc keeps what a thread's arena freed, and
                 # the daemon raises its trim threshold: tune_malloc_for_large_blocks)
-                self._scratch = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+                self._scratch = torch.frombuffer(mmap.mmap(-1, want), dtype=torch.uint8)
             except BaseException:
-                _count_scratch(-nbytes)
+                _count_scratch(-want)
+                self._scratch_bytes = 0
                 raise
-            self._scratch_bytes = nbytes
-        return self._scratch[:nbytes]
+            self._scratch_bytes = want
+        return self._scratch[:want]
 
     def trim_scratch(self) -> None:
         """After each request: scratch a big batch took (a put's or a GET's SSD / GPU blocks)
         is let go rather than kept for the connection's idle life, and so is any once all
-        connections keep more than SCRATCH_KEEP_TOTAL."""
-        n = self._scratch_bytes
-        if n and (n > SCRATCH_KEEP or _scratch_kept > SCRATCH_KEEP_TOTAL):
+        connections keep more than SCRATCH_KEEP_TOTAL (both within --scratch-memory: kept,
+        it would hold other connections' windows to their least)."""
+        n, budget = self._scratch_bytes, self.cfg.scratch_bytes
+        if n and (n > min(SCRATCH_KEEP, budget // 8)
+                  or _scratch_kept > min(SCRATCH_KEEP_TOTAL, budget // 4)):
             self._drop_scratch()
 
     def _drop_scratch(self) -> None:
         if self._scratch_bytes:
             _count_scratch(-self._scratch_bytes)
-            self._scratch, self._scratch_bytes = torch.empty(0, dtype=torch.uint8), 0
+            self._scratch, self._scratch_bytes = _NO_SCRATCH, 0
             self._rows = self._scratch.view(0, 0)
 
     def window_rows(self, n: int, least: int, block_bytes: int) -> torch.Tensor:
-        """`scratch_rows` of a request's window: n rows, fewer where all connections' scratch
-        together would pass --scratch-memory, `least` at any rate (every connection streams
-        a block or two). 24 connections that each asked for 32 MiB of SSD blocks and never
-        read the reply held 32 MiB each until their deadlines (over a minute, renewed by
-        asking again): the connections one tenant may open could hold tens of GiB, outside
-        every memory limit."""
-        with _scratch_lock:
-            others = _scratch_kept - self._scratch_bytes
-        room = (self.cfg.scratch_bytes - others) // block_bytes
-        return self.scratch_rows(max(least, min(n, room)), block_bytes)
-
-    def scratch_rows(self, n: int, block_bytes: int) -> torch.Tensor:
-        """`[n, block_bytes]` of scratch; the view is kept for the next request of the same
-        shape (a GET of one block is the common case: no torch view op per request)."""
-        if self._rows.shape != (n, block_bytes):
-            self._rows = self.scratch(n * block_bytes).view(n, block_bytes)
+        """`[n, block_bytes]` of scratch for a request's window: fewer rows to stay within
+        --scratch-memory, `least` at any rate (see `scratch`). The view is kept for the next
+        request of the same shape."""
+        if self._rows.shape == (n, block_bytes):  # (held already: the common case, a GET
+            return self._rows  # of one block that missed, with no lock or view op)
+        flat = self.scratch(n * block_bytes, least * block_bytes, block_bytes)
+        self._rows = flat.view(flat.numel() // block_bytes, block_bytes)
         return self._rows
 
     def recv_into(self, buf: torch.Tensor | np.ndarray) -> None:
@@ -191,7 +202,7 @@ class Session:
         every other client, yet missed) and this thread for as long as it liked."""
         if not nbytes:
             return
-        chunk = self.scratch(min(nbytes, 4 << 20))
+        chunk = self.scratch(min(nbytes, 4 << 20), min(nbytes, 64 << 10))
         bound = None
         try:
             bound = self._bound_payload(nbytes)

@@ -589,6 +589,45 @@ def test_scratch_in_use_by_unread_gets_is_bounded_all_together(make_daemon):
             s.close()
 
 
+@pytest.mark.parametrize("how", ["stalled puts", "refused payloads"])
+def test_scratch_in_use_by_stalled_puts_is_bounded_all_together(make_daemon, how):
+    """The same bound for payloads the daemon takes in: puts of SSD blocks that stall
+    partway (each through a window of scratch), and payloads it refuses and drains (a PUT
+    of the wrong size: 4 MiB of scratch each, which bypassed the bound). Each connection
+    ends by its deadline or when the rest comes; every byte is read, the daemon healthy."""
+    d, ns, hs = _ssd_daemon_holding(make_daemon, 1 << 20, "512MiB", 999,
+                                    "--scratch-memory", "8MiB")
+    bb = ns.block_bytes
+    before = rss_kib(d.pid)
+    conns = []
+    try:
+        for i in range(16):
+            s = _hello(d, ns)
+            more = hash_blocks(ns, np.arange(64 * ns.block_tokens) + 10_000 * (i + 1))
+            wrong = 1 if how == "refused payloads" else 0  # a byte short of whole blocks
+            nbytes = 64 * bb - wrong
+            s.sendall(w.encode(w.Put(hashes=w.pack_hashes(more)), w.Op.PUT, False, nbytes))
+            s.sendall(bytes(nbytes - bb))  # all but the last block's worth, then silence
+            conns.append((s, nbytes))
+        for s, _ in conns:
+            assert wait_for(lambda: unread_by_daemon(s) == 0, 30)  # it took what was sent
+        grown = (rss_kib(d.pid) - before) << 10
+        assert grown < (8 << 20) + 16 * bb + (16 << 20), \
+            f"{grown >> 20} MiB resident for 16 stalled payloads of 16 MiB"
+        for s, nbytes in conns:
+            s.sendall(bytes(bb))
+            reply = w.recv_frame(s, 1 << 30)
+            if how == "stalled puts":
+                assert reply.op is w.Op.PUT and reply.msg.statuses == b"\x00" * 64
+            else:
+                assert reply.op is w.Op.ERROR and reply.msg.code == w.ErrorCode.BLOCK_SIZE
+    finally:
+        for s, _ in conns:
+            s.close()
+    with Client(d.url, namespace=ns, use_shm=False) as c:
+        assert None not in c.get_n(hs[:2], np.zeros((2, bb), np.uint8))
+
+
 def test_scratch_kept_by_idle_connections_is_bounded_all_together(make_daemon):
     """Each connection keeps the scratch its last request took (a GET of SSD blocks: two
     16 MiB windows), up to 64 MiB, and all of them together at most SCRATCH_KEEP_TOTAL
