@@ -72,19 +72,18 @@ def stride_of(block_bytes: int) -> int:
 def old_layout(directory: str, ns: Namespace) -> bool:
     """Whether `directory` holds a slab file of the first layout (each slot's header inside
     it, after the payload, slots page-rounded with it): a slabs.dat with no headers.dat
-    whose first slots each show such a header of `ns`'s blocks or nothing (a slot never
-    written, or freed), one header at least. With any other bytes there, it is a current
-    tier whose headers.dat was lost (`headers_missing`): where the old layout kept a header,
-    the current one has payload bytes. (Any header found there was taken for the old layout,
-    and a tenant whose blocks began like one had its tier set aside and started empty.) A
-    directory with the LAYOUT file is of the current layout, whatever its bytes."""
+    whose first slots show such a header (any: one torn by a crash, or another namespace's
+    that reopened the directory, still says so). With none, it is a current tier whose
+    headers.dat was lost (`headers_missing`). Where the first layout kept a header the
+    current one keeps payload bytes, a tenant's own: a directory with the LAYOUT file,
+    which every open of the current layout writes, is of the current layout, whatever its
+    bytes (one whose blocks began like a header was set aside and started empty)."""
     block_bytes = ns.block_bytes
     path = os.path.join(directory, SLABS)
     if not os.path.isfile(path) or os.path.exists(os.path.join(directory, HEADERS)) \
             or os.path.exists(os.path.join(directory, LAYOUT)):
         return False
     old_stride = stride_of(block_bytes + HEADER_BYTES)
-    found = False
     try:
         with open(path, "rb") as f:
             for slot in range(64):
@@ -92,18 +91,14 @@ def old_layout(directory: str, ns: Namespace) -> bool:
                 raw = f.read(HEADER_BYTES)
                 if len(raw) < HEADER_BYTES:
                     break
-                if not any(raw):
-                    continue
                 try:
-                    hdr = decode_header(raw)
+                    decode_header(raw)
+                    return True
                 except BlockFormatError:
-                    return False
-                if hdr.ns_id != ns.ns_id or hdr.shape != ns.block_shape:
-                    return False
-                found = True
+                    continue
     except OSError:
         return True  # unreadable: not read as ours either
-    return found
+    return False
 
 
 def _mark_layout(directory: str) -> None:

@@ -569,7 +569,8 @@ def test_a_header_file_cut_short_by_a_crash_loses_only_its_missing_slots(tmp_pat
     tier.close()
 
 
-@pytest.mark.parametrize("layout", ["header-in-slot slab", "one-value-per-block"])
+@pytest.mark.parametrize("layout", ["header-in-slot slab", "one-value-per-block",
+                                    "header-in-slot slab, torn and another namespace's"])
 def test_a_directory_of_an_older_layout_is_moved_aside_and_fsck_says_so(tmp_path, layout,
                                                                       caplog):
     path = tmp_path / "ssd"
@@ -577,14 +578,23 @@ def test_a_directory_of_an_older_layout_is_moved_aside_and_fsck_says_so(tmp_path
         db = Rdict(str(path))
         db[bytes(HASHES[0])] = b"an old block"
         db.close()
-    else:  # the first slab layout: slabs.dat alone, each slot payload | header | pad
+    else:  # the first slab layout: slabs.dat alone, each slot payload | header | pad (a
+        # header torn by a crash, or of a namespace that reopened the directory, says so too)
         path.mkdir()
+        other = Namespace("m-other", num_layers=2, num_kv_heads=2, head_dim=16,
+                          dtype="float16", block_tokens=4)
         old_stride = -(-(NS.block_bytes + HEADER_BYTES) // 4096) * 4096
         with open(path / "slabs.dat", "wb") as f:
             for i, row in enumerate(_blocks(2)):
                 payload = row.numpy().tobytes()
-                slot = payload + encode_header(NS, HASHES[i], checksum(payload))
+                header = encode_header(NS, HASHES[i], checksum(payload))
+                if layout != "header-in-slot slab" and i == 0:
+                    header = header[:20] + bytes(HEADER_BYTES - 20)  # torn
+                elif layout != "header-in-slot slab":
+                    header = encode_header(other, HASHES[i], checksum(payload))
+                slot = payload + header
                 f.write(slot + bytes(old_stride - len(slot)))
+        layout = "header-in-slot slab"  # (what the log says)
         (path / "tier.json").write_text(json.dumps(dataclasses.asdict(NS)))
         with pytest.raises(ConfigError, match="older layout"):
             fsck(str(path))
@@ -805,6 +815,7 @@ def test_blocks_that_begin_like_a_header_are_no_old_layout(tmp_path, caplog, who
             ns if whose.startswith("this") else other, hashes[7], 0)), dtype=torch.uint8)
     tier.write_n(slots, hashes[:6], data)
     tier.close()
+    assert (tmp_path / "ssd" / "layout").exists()  # (what says so, whatever the bytes)
     os.unlink(tmp_path / "ssd" / "headers.dat")
     tier = SsdTier(ns, str(tmp_path / "ssd"), 8)
     assert dict(tier.recover()) == {bytes(h): s for h, s in zip(hashes[:6], slots)}
