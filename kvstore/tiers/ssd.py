@@ -187,8 +187,9 @@ class SsdTier:
                     mine.append((h, slot, c))
                 else:
                     self._twins[slot] = (h, c)
-        if mine:  # queued, after the bytes and headers: never an entry without them (the
-            self.index.put_n(*zip(*mine))  # headers alone already bring it back at open)
+            if mine:  # queued, after the bytes and headers: never an entry without them
+                self.index.queue_n(*zip(*mine))  # (the headers alone bring it back at open)
+        self.index.write_if_due()  # (here, outside both locks)
 
     def read_n(self, slots: Sequence[int], hashes: Sequence[bytes], dsts: ByteBatch) -> list[bool]:
         """Straight into host destinations (one preadv per run of slots); device ones

@@ -156,6 +156,10 @@ class SlotIndex:
         the rest once GROUP_OPS wait. Never raises (a refused write is logged; its entries
         wait for the next one, and the open after a crash adopts them from the headers)."""
         self.queue_n(hashes, slots, sums)
+        self.write_if_due()
+
+    def write_if_due(self) -> None:
+        """Write what is queued once GROUP_OPS wait (outside the store's lock)."""
         if len(self._queue) >= GROUP_OPS:
             self.write_queued()
 
