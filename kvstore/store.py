@@ -113,7 +113,11 @@ class TieredStore(Reads, Grants):
         self.abort(res.reservation_id)
         with self._lock:
             self._num_write_errors += 1
-        return [PutStatus.NO_SPACE if s is PutStatus.STORED else s for s in res.statuses]
+        # a block the batch named twice is NO_SPACE both times (its second was EXISTS: the
+        # first was to store it)
+        placed = {h for h, s in zip(res.hashes, res.statuses) if s is PutStatus.STORED}
+        return [PutStatus.NO_SPACE if s is PutStatus.STORED or h in placed else s
+                for h, s in zip(res.hashes, res.statuses)]
 
     def put_encoded_n(self, blobs: Sequence) -> list[PutStatus]:
         """Store encoded blocks (header + payload, as on the wire or on disk). Each is checked

@@ -938,3 +938,24 @@ def test_a_put_whose_twin_failed_on_the_disk_is_stored(tmp_path, monkeypatch):
         assert got == {"A": [PutStatus.NO_SPACE], "B": [PutStatus.STORED]}
         tiers, out = read(s, CHAIN[:1])
         assert tiers == [TierKind.SSD] and torch.equal(out[0], blocks(1)[0])
+
+
+def test_a_block_named_twice_in_a_put_the_disk_refuses_is_no_space_both_times(tmp_path,
+                                                                            monkeypatch):
+    """The second naming of a block in one batch is EXISTS (the first stores it); when the
+    disk then refused the write, the first became NO_SPACE and the second stayed EXISTS:
+    told stored, nothing was."""
+    import errno
+    with make(tmp_path, dram=0, ssd=8, background_interval_s=None) as s:
+        slabs = s.tier(TierKind.SSD).slabs
+        real = os.pwritev
+
+        def refusing(fd, bufs, offset):
+            if fd == slabs.fd:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, bufs, offset)
+        monkeypatch.setattr(os, "pwritev", refusing)
+        got = s.put_n([CHAIN[0], CHAIN[1], CHAIN[0]], blocks(3))
+        assert got == [PutStatus.NO_SPACE] * 3 and s.contains_n(CHAIN[:2]) == [False] * 2
+        monkeypatch.setattr(os, "pwritev", real)
+        assert s.put_n([CHAIN[0], CHAIN[0]], blocks(2)) == [PutStatus.STORED, PutStatus.EXISTS]
