@@ -24,9 +24,9 @@ import uuid
 import numpy as np
 
 try:
-    from transfer import _stream
-except ImportError:  # built without a C compiler: mmap.madvise, the GIL held
-    _stream = None
+    from transfer._stream import populate as _populate
+except ImportError:  # built without a C compiler (or before it had populate): mmap.madvise,
+    _populate = None  # the GIL held
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
@@ -65,8 +65,8 @@ def _prefault(mm: mmap.mmap, view: np.ndarray, writable: bool) -> None:
     arena stood still for ~0.5 s, every tenant's requests with it).
     """
     try:
-        if _stream is not None:
-            _stream.populate(mm, writable)
+        if _populate is not None:
+            _populate(mm, writable)
         else:
             mm.madvise(MADV_POPULATE_WRITE if writable else MADV_POPULATE_READ)
     except (OSError, ValueError):
