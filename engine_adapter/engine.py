@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from engine_adapter.block_pool import BlockPool
@@ -55,7 +56,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids")
             return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
+        return _token_ids(prompt)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat (`[{"role": "user", "content": ...}]`) with the model's template."""
@@ -229,3 +230,24 @@ def _as_params(params: SamplingParams | dict | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"sampling params must be SamplingParams or a dict, got {type(params).__name__}")
     return params
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt of token ids as ints, each an integer (an int, a numpy or torch integer, or
+    a float with no fraction): [1.7, 2.2] was taken for [1, 2], bytes and bools for ids, and
+    a 2-D tensor or a NaN raised a bare ValueError."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise InvalidRequestError("a prompt is text or a sequence of token ids, not bytes")
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.detach().cpu()
+    try:
+        arr = np.asarray(prompt)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"a prompt's token ids must be integers ({e})") from None
+    if arr.ndim != 1 and arr.size:
+        raise InvalidRequestError(f"a prompt is one sequence of token ids, not shape {arr.shape}")
+    if arr.size and (arr.dtype.kind not in "iuf" or (arr.dtype.kind == "f" and not (
+            np.all(np.isfinite(arr)) and np.all(arr == np.trunc(arr))))):
+        raise InvalidRequestError(f"a prompt's token ids must be integers, got {arr.dtype} "
+                                  f"values such as {arr.reshape(-1)[0]!r}")
+    return [int(t) for t in arr.reshape(-1).tolist()]

@@ -207,3 +207,20 @@ def test_any_workload_ends_with_each_request_as_it_runs_alone(tiny_model, refere
         expected = reference(p, m)[:min(m, cap + 1 - len(p))]
         assert r.output_token_ids == expected
     assert engine.pool.num_free == num_blocks
+
+
+@pytest.mark.parametrize("prompt", [[1.7, 2.2, 3.9], b"\x01\x02\x03", [True, False, True],
+                                    [[1, 2], [3, 4]], [1.0, float("nan")], ["1", "2"]],
+                         ids=["fractions", "bytes", "bools", "2-D", "NaN", "strings"])
+def test_a_prompt_of_ids_that_are_not_integers_is_refused(tiny_model, reference, prompt):
+    """[1.7, 2.2, 3.9] was served as [1, 2, 3], bytes and bools as ids, and a 2-D or NaN
+    prompt raised a bare ValueError: each is refused, saying why, and the engine serves on
+    (integral floats and integer tensors are ids as ever)."""
+    engine = LLMEngine(tiny_model, config(64))
+    with pytest.raises(InvalidRequestError, match="token ids|bytes|one sequence"):
+        engine.add_request(prompt, greedy(2))
+    assert not engine.has_unfinished
+    ids = tokens(9, 4)
+    want = reference(ids, 3)
+    assert engine.generate([[float(t) for t in ids]], greedy(3))[0].token_ids == want
+    assert engine.generate([torch.tensor(ids)], greedy(3))[0].token_ids == want
