@@ -173,7 +173,7 @@ def pack_hashes(hashes) -> bytes:
     try:  # bytes, and any other buffer, joined as they are: no generator, no copies
         out = b"".join(hashes)
     except TypeError:
-        out = b"".join(bytes(h) for h in hashes)
+        out = b"".join(map(hash_bytes, hashes))
     if len(out) != HASH_BYTES * len(hashes) or (
             len(hashes) > 1 and not all(map(HASH_BYTES.__eq__, map(len, hashes)))):
         # (each checked: a 15-byte and a 17-byte hash made two keys the caller never named)
@@ -181,6 +181,16 @@ def pack_hashes(hashes) -> bytes:
         raise ValueError(f"block hashes are {HASH_BYTES} bytes each; hash {bad} of "
                          f"{len(hashes)} is {len(hashes[bad])}")
     return out
+
+
+def hash_bytes(h) -> bytes:
+    """One block hash as bytes: a bytes-like object of HASH_BYTES (a str or an int made
+    "string argument without an encoding", "object of type 'int' has no len()" or, on the
+    same-host path, bytes(5): five zero bytes)."""
+    if isinstance(h, (str, int)) or not hasattr(h, "__len__"):
+        raise TypeError(f"block hashes are {HASH_BYTES}-byte bytes objects (as hash_blocks "
+                        f"makes them), not {type(h).__name__}")
+    return bytes(h)
 
 
 def _msg(op: Op, reply: bool = False):

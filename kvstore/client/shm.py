@@ -87,7 +87,7 @@ class ArenaMap:
         tiers: list[TierKind | None] = [None] * n
         missed, touched = [], []
         for i, h in enumerate(hashes):
-            h = bytes(h)
+            h = h if type(h) is bytes else w.hash_bytes(h)
             found = None if prefix and missed else d.find(h)
             if found is None:
                 missed.append(i)

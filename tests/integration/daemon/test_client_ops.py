@@ -207,3 +207,16 @@ def test_a_tcp_get_streams_dram_slots_and_falls_back_for_a_batch_with_ssd_blocks
         more = chain(89, 8)
         assert all(s is not PutStatus.NO_SPACE for s in
                    c.put_n(more, np.stack([block_of(h, BB) for h in more])))
+
+
+@pytest.mark.parametrize("bad", ["abcdefghijklmnop", 5, 3.0], ids=["str", "int", "float"])
+def test_a_hash_that_is_not_bytes_is_refused_saying_so(client, bad):
+    """A str hash raised "string argument without an encoding", an int "object of type 'int'
+    has no len()" over TCP and, on the same-host path, became bytes(5): five zero bytes,
+    refused as "not 5"."""
+    rows = np.zeros((1, BB), np.uint8)
+    for call in (lambda: client.put_n([bad], rows), lambda: client.get_n([bad], rows)):
+        with pytest.raises(TypeError, match=f"16-byte bytes objects .*not {type(bad).__name__}"):
+            call()
+    h = hash_blocks(NS, np.arange(16) + 8080)
+    assert client.put_n(h, [block_of(h[0], BB)]) in ([PutStatus.STORED], [PutStatus.EXISTS])
