@@ -33,6 +33,13 @@ class LLMEngine:
                  tokenizer: Any = None, store: KVStoreLike | None = None,
                  eos_token_id: int | None = None, record_logits: bool = False) -> None:
         mc = model.config
+        weights = next(model.parameters(), None)
+        if weights is not None and weights.dtype != getattr(torch, config.dtype):
+            raise ValueError(f"the model's weights are {str(weights.dtype).removeprefix('torch.')} "
+                              f"but EngineConfig.dtype is {config.dtype}: they must agree (load "
+                              f"the model in {config.dtype}, or set dtype="
+                              f"{str(weights.dtype).removeprefix('torch.')!r}); the first step "
+                              "failed on it")
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.ns = Namespace(mc.name, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype,
                             config.block_tokens, revision=mc.revision, tenant=config.tenant,

@@ -224,3 +224,19 @@ def test_a_prompt_of_ids_that_are_not_integers_is_refused(tiny_model, reference,
     want = reference(ids, 3)
     assert engine.generate([[float(t) for t in ids]], greedy(3))[0].token_ids == want
     assert engine.generate([torch.tensor(ids)], greedy(3))[0].token_ids == want
+
+
+@pytest.mark.parametrize("weights,cache", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_an_engine_whose_cache_dtype_is_not_its_models_is_refused_at_once(weights, cache):
+    """A float32 model with EngineConfig(dtype="bfloat16") was built, and failed at its
+    first step with a kernel's dtype error; it is refused when made, saying what to do."""
+    from engine_adapter.config import ModelConfig
+    from engine_adapter.loader import random_model
+    mc = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+                     name="t")
+    model = random_model(mc, dtype=weights)
+    with pytest.raises(ValueError, match=f"weights are {weights} but EngineConfig.dtype is {cache}"):
+        LLMEngine(model, EngineConfig(num_blocks=16, block_tokens=4, dtype=cache))
+    engine = LLMEngine(model, EngineConfig(num_blocks=16, block_tokens=4, dtype=weights))
+    assert len(engine.generate([[1, 2, 3, 4, 5]], greedy(2))[0].token_ids) == 2
