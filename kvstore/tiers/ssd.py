@@ -279,20 +279,29 @@ class SsdTier:
                 if len(vouched) == 1:
                     header_hash = vouched[0]
                     mended.append((slot, header_hash, c))
-            for h, _ in named:
-                if h == header_hash:  # with the header's checksum: the one written with
-                    found[h] = (slot, c)  # these bytes
-                else:
+            for h, ec in named:
+                if h != header_hash:
                     dropped.append(h)
+                elif ec != c and self._payload_sums_to(slot, ec):  # the header's checksum
+                    found[h] = (slot, ec)  # field was damaged (the payload is the index's):
+                    mended.append((slot, h, ec))  # written again, the block kept
+                else:  # with the header's checksum: the one written with these bytes
+                    found[h] = (slot, c)
         if mended:
-            log.warning("SSD tier %s: %d block headers named another block than the index "
-                        "with the index's checksum (damaged): written again", self.path,
-                        len(mended))
+            log.warning("SSD tier %s: %d block headers disagreed with the index where the "
+                        "index is right (damaged): written again", self.path, len(mended))
             try:
                 self.slabs.write_headers(mended)
             except TierIOError as e:
                 log.warning("%s", e)
         return found, dropped
+
+    def _payload_sums_to(self, slot: int, c: int) -> bool:
+        """Whether `slot`'s payload reads back with checksum `c` (at open, for an entry and
+        a header of one block that disagree on it: the header's field damaged made an
+        intact block a miss)."""
+        buf = memoryview(np.empty(self.slot_bytes, np.uint8))
+        return self.slabs.read_n([slot], [c], [buf])[0]
 
     def _adopt_from_slabs(self, found: dict[bytes, tuple[int, int]]
                           ) -> dict[bytes, tuple[int, int]]:

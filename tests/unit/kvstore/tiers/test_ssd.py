@@ -1138,3 +1138,23 @@ def test_two_writes_of_one_hash_keep_the_one_published(tmp_path, winner):
     assert tier.recover() == [(bytes(HASHES[0]), keep)]
     assert tier.num_recovered_from_slabs == 0 and tier.num_dropped_at_open == 0
     tier.close()
+
+
+def test_a_header_whose_checksum_field_is_damaged_keeps_its_intact_block(tmp_path):
+    """The header's checksum won over the index's at open: one flipped bit in that field
+    made an intact block a miss. The payload decides (read once, at open): the index's
+    checksum stands where the payload has it, and the header is written again."""
+    tier = SsdTier(NS, str(tmp_path), 8)
+    slots = tier.alloc_n(3)
+    tier.write_n(slots, HASHES[:3], _blocks(3))
+    tier.close()
+    a, b = encode_header(NS, HASHES[1], 0), encode_header(NS, HASHES[1], (1 << 64) - 1)
+    field = next(i for i in range(HEADER_BYTES) if a[i] != b[i])  # (the checksum's first byte)
+    _flip(tmp_path / "headers.dat", slots[1] * HEADER_BYTES + field)
+    tier = SsdTier(NS, str(tmp_path), 8)
+    assert dict(tier.recover()) == {bytes(h): s for h, s in zip(HASHES[:3], slots)}
+    out = torch.zeros(3, NS.block_bytes, dtype=torch.uint8)
+    assert tier.read_n(slots, HASHES[:3], out) == [True] * 3 and torch.equal(out, _blocks(3))
+    assert _header(tmp_path, slots[1]).checksum == checksum(_blocks(3)[1].numpy().tobytes())
+    tier.close()
+    assert fsck(str(tmp_path)).clean
