@@ -17,6 +17,10 @@ def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
             raise BlockSizeError("a meta tensor holds no bytes: pass a tensor on a real device")
         if not buf.is_contiguous():
             raise BlockSizeError("block tensors must be contiguous (call .contiguous() first)")
+        if writable and buf.requires_grad:  # (its bytes written behind autograd's back, as
+            # torch refuses an in-place write into a leaf that requires grad)
+            raise TypeError("destination tensor requires grad: read into its .detach(), "
+                            "or a tensor made without requires_grad")
         return buf.reshape(-1).view(torch.uint8)
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:

@@ -86,3 +86,14 @@ def test_something_that_is_no_buffer_is_named_in_the_error(buf, n):
     says what a block buffer may be and what it got, for an empty batch as for any."""
     with pytest.raises(TypeError, match=f"tensors, numpy arrays or bytes-like.*{type(buf).__name__}"):
         byte_rows(buf, n, 8, writable=True)
+
+
+def test_a_destination_that_requires_grad_is_refused_and_a_source_is_not():
+    """A get wrote into a tensor that requires grad, behind autograd's back (torch itself
+    refuses an in-place write into such a leaf); as a put's source it is only read."""
+    dst = torch.zeros((2, 16), requires_grad=True)
+    with pytest.raises(TypeError, match="requires grad.*detach"):
+        byte_rows(dst, 2, 64, writable=True)
+    assert host_rows(dst, 2, 64) is None and host_address(dst, 128) is None
+    assert byte_rows(dst.detach(), 2, 64, writable=True).shape == (2, 64)
+    assert byte_rows(dst, 2, 64).shape == (2, 64)
