@@ -90,6 +90,12 @@ class PutRing:
         """Commit records the daemon has not taken yet."""
         return int(self.head[CW] - self.head[CR])
 
+    def ended(self) -> bool:
+        """Has the daemon ended this channel (`mark_ended`)? A record published before the
+        daemon marked it is committed by its last drain; one published after may never be:
+        a client that sees the mark after publishing puts those blocks again by request."""
+        return bool(self.head[CLOSED])
+
     def take_grants(self, n: int) -> list[int]:
         """Up to n granted slots."""
         r, w = int(self.head[GR]), int(self.head[GW])
@@ -110,6 +116,15 @@ class PutRing:
         idx = (np.arange(r, r + n) % self.capacity) if n else np.empty(0, np.int64)
         recs = self.commits[idx]
         return [bytes(v) for v in recs["hash"]], recs["slot"].tolist()
+
+    def mark_ended(self) -> None:
+        """The daemon's last drain follows (`ended`). The mark is stored before that drain
+        reads the client's write index, and the client reads it after storing its index:
+        on x86-64 a store may pass a later load, so both sides put a locked instruction
+        between (the daemon takes the channel's lock, the client rings its eventfd, whose
+        kernel side takes a spinlock): then either the drain sees the client's records or
+        the client sees the mark."""
+        self.head[CLOSED] = 1
 
     def consume(self, n: int) -> None:
         """The n oldest records are committed: their ring entries are free again."""

@@ -223,10 +223,10 @@ class AsyncClient:
         arena = self._arena
         if not self.direct_puts or arena is None or arena.directory is None:
             return None
-        if self._puts is not None and self._puts.arena is arena:
+        if self._puts is not None and self._puts.arena is arena and not self._puts.ended:
             return self._puts
         async with self._lock():
-            if self._puts is not None and self._puts.arena is arena:
+            if self._puts is not None and self._puts.arena is arena and not self._puts.ended:
                 return self._puts
             await self._drop_puts_locked()
             if self._local is None:

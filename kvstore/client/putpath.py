@@ -65,6 +65,7 @@ class DirectPuts:
         self.unseen: set[bytes] = set()  # put, maybe not committed yet (EXISTS if put again)
         self.lock = threading.Lock()  # put_n, flush and close, one at a time
         self.closed = False  # (under the lock: a put never publishes into a closed ring)
+        self.ended = False  # the daemon ended the channel (PutRing.ended): open another
 
     @classmethod
     def open(cls, conn: Connection, arena: ArenaMap) -> "DirectPuts":
@@ -85,8 +86,9 @@ class DirectPuts:
         if directory.closed or not directory.writer_alive():
             return None  # the daemon (or this namespace's store) is gone: ask it anew
         with self.lock:
-            if self.closed:
-                return None  # another thread ended the channel (its FLUSH failed)
+            if self.closed or self._ended():
+                return None  # another thread ended the channel (its FLUSH failed), or the
+                # daemon did (it is stopping): by request
             if not self.ring.pending():
                 self.unseen.clear()  # all committed: the slot directory shows them now
             if len(hashes) == 1 and self.grants and self.ring.room():
@@ -126,6 +128,9 @@ class DirectPuts:
             self.unseen.update(bytes(hashes[i]) for i in new)
             if new:
                 os.eventfd_write(self.doorbell, 1)
+                if self._ended():
+                    return None  # published after the daemon's last drain, maybe: by
+                    # request (what that drain committed answers EXISTS there)
         stored = set(new)
         return [PutStatus.STORED if i in stored else PutStatus.EXISTS
                 for i in range(len(hashes))]
@@ -148,8 +153,16 @@ class DirectPuts:
             self.grants.append(slot)  # never published: still ours
             raise
         self.unseen.add(h)
-        os.eventfd_write(self.doorbell, 1)
+        os.eventfd_write(self.doorbell, 1)  # (before the look below: see PutRing.mark_ended)
+        if self._ended():
+            return None  # (as put_n's)
         return [PutStatus.STORED]
+
+    def _ended(self) -> bool:
+        """Has the daemon ended this channel? Then nothing more is published into it."""
+        if not self.ended and self.ring.ended():
+            self.ended = True
+        return self.ended
 
     def _take(self, n: int) -> list[int]:
         """Up to n granted slots, as many as are granted now."""
@@ -187,8 +200,9 @@ class DirectPuts:
         return len(self.grants) >= n and self.ring.room() >= n
 
     def pending(self) -> bool:
-        """Are puts published that the daemon has not committed yet?"""
-        return not self.closed and bool(self.ring.pending())
+        """Are puts published that the daemon has not committed yet? (Not in a channel the
+        daemon ended: its last drain committed all it will, and no FLUSH can be answered.)"""
+        return not self.closed and not self._ended() and bool(self.ring.pending())
 
     def flush(self) -> None:
         """Every put so far is committed (visible to any request) when this returns."""
@@ -208,7 +222,7 @@ class DirectPuts:
             if self.closed:
                 return
             try:
-                if self.conn is not None and flush and self.ring.pending():
+                if self.conn is not None and flush and self.pending():
                     self.conn.call(w.Flush())
             finally:
                 self.closed = True

@@ -283,14 +283,14 @@ class Client:
         if not self.direct_puts or arena is None or arena.directory is None:
             return None
         puts = self._puts
-        if puts is not None and puts.arena is arena:
+        if puts is not None and puts.arena is arena and not puts.ended:
             return puts
         # (one opener at a time: threads making their first puts together each opened a
         # channel, the last one kept, and the puts through the others were never flushed,
         # a thread's get missing the block it had just put)
         with self._puts_opening:
             puts, local = self._puts, self._local
-            if puts is not None and puts.arena is arena:
+            if puts is not None and puts.arena is arena and not puts.ended:
                 return puts
             if self._closed:
                 return None

@@ -190,7 +190,8 @@ class ServedConnection:
         hosted = self.session.hosted
         entered = hosted is not None and hosted.enter()  # (a clear waits for this too)
         try:  # (not entered: a clear is closing the store meanwhile; it is left alone)
-            self.session.end(store=entered or hosted is None)
+            self.session.end(store=entered or hosted is None,
+                             stopping=self.server.stopping.is_set())
         except StoreClosedError:
             pass  # stores closed at shutdown: their reservations and leases went with them
         finally:

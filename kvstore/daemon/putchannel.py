@@ -132,16 +132,25 @@ class PutChannel:
             self.granted.update(slots)
             self.ring.push_grants(slots)
 
-    def close(self, store: bool = True) -> None:
-        """The connection ended: commit what is published, give every other slot back
-        (once: a second call drains nothing and gives nothing back). `store` False: the
-        namespace is being cleared (its store closes, taking every slot with it): only
-        this channel's own descriptors and memory go."""
+    def close(self, store: bool = True, give_back: bool = True) -> None:
+        """The connection ended: mark the ring ended (`PutRing.mark_ended`: a client that
+        publishes after this drain learns that its records may not be committed, and puts
+        them by request), commit what is published, give every other slot back (once: a
+        second call drains nothing and gives nothing back). `store` False: the namespace is
+        being cleared (its store closes, taking every slot with it): only this channel's
+        own descriptors and memory go. `give_back` False (the daemon is stopping, its
+        client maybe mid-copy into a granted slot): the grants stay out of use until the
+        store closes, so that no other put can be handed a slot that client still writes.
+        A graceful stop told a client STORED for puts it published after the last drain,
+        and lost them (the client saw nothing of the channel's end)."""
+        with self.lock:
+            if not self.closed:
+                self.ring.mark_ended()
         try:
             if store:
                 self.drain()
         finally:
-            self._give_back(store)
+            self._give_back(store and give_back)
 
     def _give_back(self, store: bool = True) -> None:
         with self.lock:

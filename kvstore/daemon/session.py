@@ -368,13 +368,13 @@ class Session:
         n = self.channel.drain(msg.want) if self.channel is not None else 0
         self.reply(w.Op.FLUSH, w.Ack(value=n))
 
-    def _close_channel(self, store: bool = True) -> None:
+    def _close_channel(self, store: bool = True, give_back: bool = True) -> None:
         if self.channel is not None:
             channel, self.channel = self.channel, None
             try:
                 if self.drainer is not None:
                     self.drainer.remove(channel)
-                channel.close(store)
+                channel.close(store, give_back)
             finally:  # no longer a (silent) put channel: the idle timeout is back (a
                 # re-HELLO after PUTS left the connection with none, for good)
                 self._rcvtimeo, self._rcvtimeo_s = None, 0.0
@@ -821,12 +821,14 @@ class Session:
             self.hosted.drop_agent_key(self.agent_key)
         self.agent_key = b""
 
-    def end(self, store: bool = True) -> None:
+    def end(self, store: bool = True, stopping: bool = False) -> None:
         """Everything this connection held, given back (it closed). `store` False: its
         namespace is being cleared, and the store's close, running meanwhile, ends its
-        reservations, leases and grants: only what the connection holds itself goes."""
+        reservations, leases and grants: only what the connection holds itself goes.
+        `stopping`: the daemon ends the connection, its client maybe still putting through
+        its put channel: the channel's grants are kept out of use (PutChannel.close)."""
         try:
-            self._close_channel(store)
+            self._close_channel(store, give_back=not stopping)
         finally:
             try:
                 if store:
