@@ -23,9 +23,10 @@ from kvstore.buffers import byte_rows, host_rows, read_rows, request_rows, selec
 from kvstore.client.aconn import AsyncConnection
 from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
+from kvstore.client import forks
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (MAX_STAGE_BYTES, SPIN_US, STAGED_PUT_BYTES, TouchLog,
-                                    as_numpy, copy_row, flags_of, get_layout, payload_views,
+                                    as_numpy, check_timeouts, copy_row, flags_of, get_layout, payload_views,
                                     row_view, match_of, put_statuses, raise_unless_retryable,
                                     reusable_after, stage, stats_of)
 from kvstore.client.shm import SHARE_REFUSALS, VECTOR_READS, ArenaMap, open_arena
@@ -55,6 +56,7 @@ class AsyncClient:
         if namespace is None:
             raise ValueError("AsyncClient needs namespace=Namespace(model, num_layers, "
                              "num_kv_heads, head_dim, ...): the model whose KV blocks it stores")
+        check_timeouts(timeout_s, connect_timeout_s)
         self.addr, self.token, self.ns = parse_url(url), token, namespace
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.pool_size, self.use_shm = pool_size, use_shm
@@ -72,6 +74,50 @@ class AsyncClient:
         self._touches = TouchLog()  # direct reads the daemon has not heard of yet
         self._touch_task: asyncio.Task | None = None  # the TOUCH in flight, if any
         self._connected = self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # where its connections live
+        forks.track(self)
+
+    def _follow_loop(self) -> None:
+        """Called on the loop each call runs on. Connections, the put channel's and the
+        TOUCH in flight belong to the loop they were made on; on another loop (a second
+        `asyncio.run`) they are let go and made again there (reused, they failed now and
+        then with 'Event loop is closed'). Puts the channel published are committed first
+        (the daemon's drainer takes them at their doorbell): the new loop's calls see them.
+        For calls on several loops at once, make one client per loop."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        first, self._loop = self._loop is None, loop
+        if first:
+            return
+        idle, self._idle = self._idle, []
+        puts, puts_conn = self._puts, self._puts_conn
+        self._puts = self._puts_conn = None
+        self._puts_lock, self._touch_task = None, None
+        for conn in idle:
+            conn.close()
+        if puts is not None:
+            puts.wait_committed(self.timeout_s)
+            puts.close(flush=False)
+            puts_conn.close()
+
+    def _after_fork(self) -> None:
+        """In a child made by os.fork() (kvstore.client.forks): this process's copies of
+        the parent's connections, put channel and arena mapping go, none of them used (the
+        parent still is); the next call connects afresh."""
+        idle, self._idle = self._idle, []
+        puts, puts_conn = self._puts, self._puts_conn
+        arena, self._arena = self._arena, None
+        self._puts = self._puts_conn = None
+        self._puts_lock, self._touch_task, self._loop = None, None, None
+        self._busy, self._touches = set(), TouchLog()
+        for conn in idle:
+            conn.close()  # (only this process's descriptor: the socket stays the parent's)
+        if puts is not None:
+            puts.forget()
+            puts_conn.close()
+        if arena is not None:
+            arena.close()
 
     async def connect(self) -> AsyncClient:
         """Open (and check: address, token, namespace) a first connection now."""
@@ -142,6 +188,7 @@ class AsyncClient:
     async def _conn(self) -> AsyncIterator[AsyncConnection]:
         if self._closed:
             raise ConnectError("this AsyncClient is closed")
+        self._follow_loop()
         conn = self._idle.pop() if self._idle else await self._new_conn()
         self._hand_out(conn)
         try:
@@ -220,14 +267,18 @@ class AsyncClient:
         return await self._run(self._put_n, w.pack_hashes(hashes), rows)
 
     async def _direct_puts(self) -> DirectPuts | None:
+        self._follow_loop()
         arena = self._arena
-        if not self.direct_puts or arena is None or arena.directory is None:
+        if not self.direct_puts or arena is None or arena.directory is None or self._closed:
             return None
         if self._puts is not None and self._puts.arena is arena and not self._puts.ended:
             return self._puts
         async with self._lock():
             if self._puts is not None and self._puts.arena is arena and not self._puts.ended:
                 return self._puts
+            if self._closed or arena is not self._arena:
+                return None  # closed meanwhile (close() unmapped the arena): by request,
+                # which says so
             await self._drop_puts_locked()
             if self._local is None:
                 return None  # the daemon went away: by request until one finds it again
@@ -265,6 +316,7 @@ class AsyncClient:
         connection may be one reply behind: a FLUSH cancelled mid-wait left it so, and every
         later FLUSH read the one before's reply, the gets after it missing blocks just put
         and removed blocks coming back); a timeout is raised, as a cancellation is."""
+        self._follow_loop()
         if self._puts is None or not self._puts.pending():
             return
         async with self._lock():
@@ -366,19 +418,24 @@ class AsyncClient:
         if not self._direct_ok() or not arena.directory.writer_alive():
             return [None] * len(hashes), list(range(len(hashes)))
         tiers, missed, touched = arena.read_direct(hashes, rows, prefix)
-        if touched and self._touches.add(touched):
+        sent = self._touch_task
+        if touched and self._touches.add(touched) and (sent is None or sent.done()):
+            # (one TOUCH in flight at most: a hung daemon chained one more per read that
+            # fell due, each waiting timeout_s, and close() waited for them all)
             batch = self._touches.take()
             if batch is not None:  # sent beside the reads that follow, not waited for here
-                self._touch_task = asyncio.ensure_future(self._send_touch(batch, self._touch_task))
+                self._touch_task = asyncio.ensure_future(self._send_touch(batch, None))
         return tiers, missed
 
-    async def _send_touch(self, batch: w.Touch, before: asyncio.Future | None) -> None:
+    async def _send_touch(self, batch: w.Touch, before: asyncio.Future | None) -> bool:
+        """One TOUCH (after `before`: they land in order); whether the daemon answered."""
         if before is not None:
-            await asyncio.wait([before])  # TOUCHes land in order
+            await asyncio.wait([before])
         try:
             await self._call(batch)
+            return True
         except (ConnectError, RequestTimeout, w.RemoteError):
-            pass  # only statistics and recency are lost
+            return False  # only statistics and recency are lost
 
     async def _send_touches(self) -> None:
         """Direct reads send nothing; the daemon learns of them (hits, LRU recency) in
@@ -387,8 +444,11 @@ class AsyncClient:
         before, self._touch_task = self._touch_task, None
         if before is not None:
             await asyncio.wait([before])
+            if before.cancelled() or before.exception() is not None or not before.result():
+                return  # unanswered: the rest would each wait as long
         while (batch := self._touches.take(everything=True)) is not None:
-            await self._send_touch(batch, None)
+            if not await self._send_touch(batch, None):
+                return
 
     async def _get_n(self, conn: AsyncConnection, packed: bytes, rows,
                      prefix: bool = False) -> list[TierKind | None]:
@@ -484,6 +544,7 @@ class AsyncClient:
     async def close(self) -> None:
         if self._closed:
             return
+        self._follow_loop()
         if self._connected:
             await self._send_touches()
             async with self._lock():

@@ -51,16 +51,18 @@ class DirectPuts:
             raise
         try:
             self.ring = PutRing(self.segment.array)
+            if arena.array is None:
+                raise ConnectionError("the arena was unmapped (the client is closing)")
+            # the biggest batch worth a FLUSH that asks for its slots: what the ring can hold
+            # and the daemon may grant (half the arena)
+            self.max_batch = min(self.ring.grant_capacity, self.ring.capacity,
+                                 len(arena.array) // 2)
         except BaseException:
             os.close(self.doorbell)
             self.segment.close()
             raise
         self.conn, self.arena = conn, arena
         self.grants: list[int] = []  # slots taken from the ring, not used yet
-        # the biggest batch worth a FLUSH that asks for its slots: what the ring can hold and
-        # the daemon may grant (half the arena)
-        self.max_batch = min(self.ring.grant_capacity, self.ring.capacity,
-                             len(arena.array) // 2)
         self.refused = (0, -REFUSED_RETRY_S)  # (batch size, when): the last FLUSH that fell short
         self.unseen: set[bytes] = set()  # put, maybe not committed yet (EXISTS if put again)
         self.lock = threading.Lock()  # put_n, flush and close, one at a time
@@ -211,6 +213,32 @@ class DirectPuts:
         with self.lock:
             if not self.closed and self.ring.pending():
                 self.conn.call(w.Flush())
+
+    def wait_committed(self, timeout_s: float) -> bool:
+        """Wait (polling, up to `timeout_s`) until the daemon has committed every record
+        published (its drainer takes them at their doorbell): for a caller that cannot
+        send a FLUSH. Whether it did."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def forget(self) -> None:
+        """In a child made by os.fork(): the ring, doorbell and connection are the parent's
+        channel: only this process's copies go, with nothing published, rung or sent (and
+        no lock taken: a parent's thread that held it does not exist here)."""
+        self.closed = self.ended = True
+        self.lock = threading.Lock()
+        try:
+            if self.conn is not None:
+                self.conn.close()
+        finally:
+            try:
+                os.close(self.doorbell)
+            finally:
+                self.segment.close()
 
     def close(self, flush: bool = True) -> None:
         """Flush (unless `flush` is False: the channel failed), then end the channel (the

@@ -4,6 +4,7 @@ buffers and the daemon's shared memory. The two clients differ only in how they 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import NamedTuple, Sequence
 
@@ -81,6 +82,15 @@ class TouchLog:
         self.sent_at = time.monotonic()
         return w.Touch(hashes=b"".join(batch), reads=np.fromiter(
             (min(n, w.TOUCH_MAX_READS) for n in batch.values()), "<u4", len(batch)).tobytes())
+
+
+def check_timeouts(timeout_s: float, connect_timeout_s: float) -> None:
+    """A client's timeouts are finite seconds (an infinite one raised a bare OverflowError
+    from the socket layer at the first connection)."""
+    for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise ValueError(f"{name} is a finite number of seconds, not {value!r}")
 
 
 def reusable_after(e: BaseException) -> bool:

@@ -20,10 +20,11 @@ from kvstore.buffers import byte_rows, host_rows, read_rows, request_rows, selec
 from kvstore.client.conn import Connection, LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
+from kvstore.client import forks
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (INLINE_GET_BYTES, INLINE_PUT_BYTES, MAX_STAGE_BYTES,
-                                    SPIN_US, STAGED_PUT_BYTES, TouchLog, as_numpy, copy_row,
-                                    flags_of, get_layout, match_of, payload_views,
+                                    SPIN_US, STAGED_PUT_BYTES, TouchLog, as_numpy, check_timeouts,
+                                    copy_row, flags_of, get_layout, match_of, payload_views,
                                     put_statuses, stage, raise_unless_retryable,
                                     reusable_after, row_view, stats_of)
 from kvstore.client.shm import VECTOR_READS, ArenaMap, map_arena
@@ -62,6 +63,7 @@ class Client:
         if namespace is None:
             raise ValueError("Client needs namespace=Namespace(model, num_layers, num_kv_heads, "
                              "head_dim, ...): the model whose KV blocks it stores")
+        check_timeouts(timeout_s, connect_timeout_s)
         self.addr, self.token, self.ns = parse_url(url), token, namespace
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.spin_us = spin_us
@@ -84,8 +86,27 @@ class Client:
         self._touch_sent: Future | None = None
         self._closed = False
         self.block_bytes = namespace.block_bytes
+        forks.track(self)
         with self._conn():  # fail fast: wrong address, token or namespace
             pass
+
+    def _after_fork(self) -> None:
+        """In a child made by os.fork() (kvstore.client.forks): this process's copies of
+        the parent's connections, put channel, arena mapping and touch helper go, none of
+        them used (the parent still is); the next call connects afresh. Connections other
+        threads of the parent were using at the fork are left open here, never used."""
+        self._lock, self._puts_opening = threading.Lock(), threading.Lock()
+        idle, self._idle = self._idle, []
+        puts, self._puts = self._puts, None
+        arena, self._arena = self._arena, None
+        self._agent = None  # (its sockets and threads are the parent's)
+        self._touches, self._toucher, self._touch_sent = TouchLog(), None, None
+        for conn in idle:
+            conn.close()  # (only this process's descriptor: the socket stays the parent's)
+        if puts is not None:
+            puts.forget()
+        if arena is not None:
+            arena.close()
 
     # ------------------------------------------------------------ connections
 
@@ -431,7 +452,10 @@ class Client:
         if touched:
             with self._lock:
                 due = self._touches.add(touched)
-            if due:
+            sent = self._touch_sent
+            if due and (sent is None or sent.done()):  # one TOUCH in flight at most: a hung
+                # daemon queued one more per read that fell due, each waiting timeout_s, and
+                # close() waited for them all (16 reads: 31 s at timeout_s=2)
                 batch = self._due_touches()
                 if batch:
                     self._touch_later(batch)
@@ -464,14 +488,19 @@ class Client:
             return self._touches.take(everything)
 
     def _send_all_touches(self) -> None:
+        """Whatever waits, until one TOUCH fails (the daemon is gone or hung: the rest would
+        each wait as long)."""
         while (batch := self._due_touches(everything=True)) is not None:
-            self._send_touches(batch)
+            if not self._send_touches(batch):
+                return
 
-    def _send_touches(self, batch: w.Touch) -> None:
+    def _send_touches(self, batch: w.Touch) -> bool:
+        """One TOUCH; whether the daemon answered it."""
         try:
             self._call(batch)
+            return True
         except (ConnectError, RequestTimeout, w.RemoteError):
-            pass  # only statistics and recency are lost
+            return False  # only statistics and recency are lost
 
 
     def _get_n(self, conn: Connection, packed: bytes, rows,
@@ -612,7 +641,9 @@ class Client:
             return
         if self._toucher is not None:
             self._toucher.shutdown(wait=True)
-        self._send_all_touches()
+        sent = self._touch_sent
+        if sent is None or sent.exception() is not None or sent.result():
+            self._send_all_touches()  # (not after one that went unanswered)
         self._closed = True
         with self._puts_opening:  # (no thread opens one after this)
             self._drop_puts()
