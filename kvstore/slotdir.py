@@ -153,7 +153,7 @@ class SlotDirectoryReader:
 
     def __init__(self, fd: int, num_slots: int) -> None:
         """`fd`: a read-only descriptor of the directory (`SlotDirectory.share_fd`); the
-        reader keeps it (for the liveness check) and closes it with `close`."""
+        reader keeps it (for the liveness check) and closes it once let go (`close`)."""
         try:
             size = os.fstat(fd).st_size
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -164,6 +164,7 @@ class SlotDirectoryReader:
         magic, n, table_size, _ = HEADER.unpack_from(self._mm, 0)
         if magic != MAGIC or n != num_slots or size < _layout(n)[3] + 8 * table_size:
             self._mm.close()
+            self._fd = -1
             os.close(fd)
             raise ConfigError(f"not the slot directory of a {num_slots}-slot arena")
         self._v = _Views(self._mm, num_slots)
@@ -187,6 +188,9 @@ class SlotDirectoryReader:
         except BlockingIOError:
             self._alive_at = now
             return True  # the writer holds its exclusive lock: alive
+        except OSError:  # (closed meanwhile: see close)
+            self._dead = True
+            return False
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._dead = True
         return False
@@ -247,13 +251,24 @@ class SlotDirectoryReader:
         return self._gen[slots] == gens
 
     def close(self) -> None:
+        """Unmapped now; its descriptor is closed when the last reference goes (`__del__`):
+        a thread inside `writer_alive` (a client closed from another thread) flocked a
+        number closed under it (EBADF), or one reused for another file meanwhile."""
         if self._mm.closed:
             return
+        self._dead = True
         self._v.release()
         self._gen = self._owner = self._table = None
         try:
             self._mm.close()
         except BufferError:
             pass
-        os.close(self._fd)
+
+    def __del__(self) -> None:
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except (OSError, TypeError):  # (at interpreter exit)
+                pass
 

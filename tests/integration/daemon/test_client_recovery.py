@@ -290,3 +290,84 @@ def test_a_put_channel_ended_by_one_thread_waits_for_a_put_in_another(make_daemo
         assert got and got[0][0] is not None
     with Client(d.url, namespace=NS) as reader:
         assert reader.contains_n(hs[1:]) == [True]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_close_waits_for_one_touch_at_most_while_the_daemon_hangs(make_daemon, kind):
+    """Same-host reads need no request, so an application keeps reading while the daemon
+    hangs; the TOUCH reports they fall due for each waited timeout_s, one queued behind
+    the other, and close() sent them all: 16 reads, 31 s at timeout_s=2. Now one is in
+    flight at most, and close() gives up on the rest once one goes unanswered."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    hs = chain(7, 200)
+    tmo = 1.0
+
+    async def reads_then_close(c) -> float:
+        await c.put_n(hs, blocks(hs))
+        await c.stats()
+        stopped(d.pid)
+        out = np.zeros((len(hs), BB), np.uint8)
+        for _ in range(12):
+            assert None not in await c.get_n(hs, out)  # straight from shared memory
+            await asyncio.sleep(0.06)  # (a TOUCH falls due every 50 ms)
+        t0 = time.monotonic()
+        await c.close()
+        return time.monotonic() - t0
+
+    try:
+        if kind == "async":
+            took = asyncio.run(reads_then_close(AsyncClient(d.url, namespace=NS, timeout_s=tmo)))
+        else:
+            c = Client(d.url, namespace=NS, timeout_s=tmo)
+            c.put_n(hs, blocks(hs))
+            c.stats()
+            stopped(d.pid)
+            out = np.zeros((len(hs), BB), np.uint8)
+            for _ in range(12):
+                assert None not in c.get_n(hs, out)
+                time.sleep(0.06)
+            t0 = time.monotonic()
+            c.close()
+            took = time.monotonic() - t0
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    assert took < 3 * tmo + 1, f"close() took {took:.1f}s against a hung daemon (timeout_s={tmo})"
+
+
+def test_client_timeouts_are_finite_seconds():
+    for bad in (float("inf"), float("nan"), "5", None):
+        with pytest.raises(ValueError, match="timeout_s is a finite number of seconds"):
+            Client("kvtier://127.0.0.1:1", namespace=NS, timeout_s=bad)
+        with pytest.raises(ValueError, match="timeout_s is a finite number of seconds"):
+            AsyncClient("kvtier://127.0.0.1:1", namespace=NS, connect_timeout_s=bad)
+
+
+def test_an_async_client_closed_under_its_first_put_says_so(make_daemon):
+    """close() while the first put_n opens the put channel: the put raised a bare TypeError
+    (the channel was opened on the closed client's unmapped arena) and the ring's memory and
+    doorbell stayed open in the process."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    hs = chain(8, 2)
+
+    async def main() -> list:
+        c = AsyncClient(d.url, namespace=NS)
+        await c.connect()
+        return await asyncio.gather(c.put_n(hs[:1], blocks(hs[:1])), c.close(),
+                                    c.put_n(hs[1:], blocks(hs[1:])), return_exceptions=True)
+
+    rings = _put_rings()
+    first, _, second = asyncio.run(main())
+    for outcome in (first, second):
+        assert isinstance(outcome, (list, ConnectError)), repr(outcome)
+    assert _put_rings() <= rings
+
+
+def _put_rings() -> int:
+    """How many put rings this process has open."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "kvtier-putring" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # closed meanwhile
+    return n

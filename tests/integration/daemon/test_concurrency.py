@@ -89,14 +89,28 @@ def test_a_client_closed_while_other_threads_use_it_fails_their_calls_clearly(da
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
 
+        def spaced_reader():
+            # one buffer per block, each call after the slot directory's liveness probe falls
+            # due (ALIVE_CHECK_S): a close() meanwhile closed the descriptor that probe
+            # flocks, and the call raised OSError EBADF
+            outs = [bytearray(BB) for _ in hs]
+            try:
+                while True:
+                    time.sleep(0.021)
+                    got = c.get_n(hs, outs)
+                    bad.extend(j for j, t in enumerate(got)
+                               if t is not None and bytes(outs[j]) != data[j].tobytes())
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
         threads = [threading.Thread(target=reader, args=(b,)) for b in (1, 4, 40)]
-        threads.append(threading.Thread(target=putter))
+        threads += [threading.Thread(target=putter), threading.Thread(target=spaced_reader)]
         for t in threads:
             t.start()
-        time.sleep(0.05)
+        time.sleep(0.05 + rnd * 0.004)
         c.close()
         for t in threads:
             t.join(30)
         assert not any(t.is_alive() for t in threads)
         assert bad == []
-        assert len(errors) == 4 and all(isinstance(e, ConnectError) for e in errors), errors
+        assert len(errors) == 5 and all(isinstance(e, ConnectError) for e in errors), errors
