@@ -54,8 +54,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, f) <= 0:
-                raise ModelLoadError(f"ModelConfig.{f} must be > 0, got {getattr(self, f)}")
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):  # ("48" from a config.json)
+                raise ModelLoadError(f"ModelConfig.{f} must be an integer, got {v!r}")
+            if v <= 0:
+                raise ModelLoadError(f"ModelConfig.{f} must be > 0, got {v}")
+        for f in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 \
+                    or v == float("inf"):
+                # (rope_theta <= 0: every decode step's logits were NaN)
+                raise ModelLoadError(f"ModelConfig.{f} must be a finite number > 0, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads ({self.num_heads}) must be a multiple of "
                                  f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention")

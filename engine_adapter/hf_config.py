@@ -43,8 +43,20 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def model_config_from_hf(hf: Any, name: str | None = None) -> ModelConfig:
-    """From a transformers config object or its dict (config.json)."""
+    """From a transformers config object or its dict (config.json). A field missing or of
+    the wrong type is a ModelLoadError naming it."""
     d = hf if isinstance(hf, dict) else hf.to_dict()
+    try:
+        return _model_config(d, name)
+    except ModelLoadError:
+        raise
+    except KeyError as e:
+        raise ModelLoadError(f"config field {e.args[0]} is missing") from e
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"a config field has a value of the wrong type or range: {e}") from e
+
+
+def _model_config(d: Mapping[str, Any], name: str | None) -> ModelConfig:
     kind = d.get("model_type", "llama")
     if kind not in FAMILIES:
         raise ModelLoadError(f"model_type {kind!r} is not a Llama-architecture model "
@@ -71,6 +83,8 @@ def model_config_from_hf(hf: Any, name: str | None = None) -> ModelConfig:
 
 def _refuse_unsupported(d: Mapping[str, Any], kind: str) -> None:
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        raise ModelLoadError(f"config field rope_parameters must be a mapping, got {rope!r}")
     for field, neutral in UNSUPPORTED.items():
         value = rope.get(field, d.get(field)) if field == "partial_rotary_factor" else d.get(field)
         if value is not None and value not in neutral:
@@ -90,7 +104,8 @@ def _refuse_unsupported(d: Mapping[str, Any], kind: str) -> None:
 
 
 def _rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})  # (a mapping:
+    # _refuse_unsupported checked)
     theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -98,9 +113,10 @@ def _rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
                              "(supported: default, llama3)")
     if rope_type == "default":
         return theta, None
+    # (transformers fills original_max_position_embeddings in with max_position_embeddings)
+    original = rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
     return theta, RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                              float(rope["high_freq_factor"]),
-                              int(rope["original_max_position_embeddings"]))
+                              float(rope["high_freq_factor"]), int(original))
 
 
 def _biases(d: Mapping[str, Any], kind: str) -> tuple[bool, bool, bool]:

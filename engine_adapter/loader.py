@@ -47,7 +47,7 @@ def random_model(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Lla
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return model.to(DTYPES[dtype]).eval()
+    return model.to(_dtype(dtype)).eval()
 
 
 class _Weights:
@@ -61,11 +61,18 @@ class _Weights:
         self.used: set[str] = set()
         self.model_name = model_name
 
-    def take(self, *names: str) -> torch.Tensor:
-        """The named tensors concatenated along dim 0 (fused projections)."""
+    def take(self, *names: str, rows: tuple[int, ...] = ()) -> torch.Tensor:
+        """The named tensors concatenated along dim 0 (fused projections), each checked to
+        have its `rows` (dim 0) where given: joined, q/k/v of the wrong sizes whose sum fit
+        the fused parameter loaded, and computed garbage (transformers refuses them)."""
         missing = [n for n in names if n not in self.w]
         if missing:
             raise ModelLoadError(f"weights do not fit {self.model_name}: missing {missing}")
+        for n, want in zip(names, rows):
+            got = tuple(self.w[n].shape)
+            if not got or got[0] != want:
+                raise ModelLoadError(f"weights do not fit {self.model_name}: {n} has shape "
+                                     f"{list(got)}, its config says {want} rows")
         self.used.update(names)
         return torch.cat([self.w[n] for n in names]) if len(names) > 1 else self.w[names[0]]
 
@@ -81,17 +88,21 @@ class _Weights:
 def _layer_weights(cfg: ModelConfig, w: _Weights, i: int) -> dict[str, torch.Tensor]:
     """Our fused parameters of layer i from Hugging Face's per-projection names."""
     p, attn, mlp = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv, gate_up = (q, kv, kv), (cfg.intermediate_size,) * 2
     out = {p + n: w.take(p + n) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")}
-    out[attn + "qkv_proj.weight"] = w.take(*(f"{attn}{x}_proj.weight" for x in "qkv"))
+    out[attn + "qkv_proj.weight"] = w.take(*(f"{attn}{x}_proj.weight" for x in "qkv"), rows=qkv)
     out[attn + "o_proj.weight"] = w.take(attn + "o_proj.weight")
-    out[mlp + "gate_up_proj.weight"] = w.take(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+    out[mlp + "gate_up_proj.weight"] = w.take(mlp + "gate_proj.weight", mlp + "up_proj.weight",
+                                              rows=gate_up)
     out[mlp + "down_proj.weight"] = w.take(mlp + "down_proj.weight")
     if cfg.attention_bias:
-        out[attn + "qkv_proj.bias"] = w.take(*(f"{attn}{x}_proj.bias" for x in "qkv"))
+        out[attn + "qkv_proj.bias"] = w.take(*(f"{attn}{x}_proj.bias" for x in "qkv"), rows=qkv)
     if cfg.o_proj_bias:
         out[attn + "o_proj.bias"] = w.take(attn + "o_proj.bias")
     if cfg.mlp_bias:
-        out[mlp + "gate_up_proj.bias"] = w.take(mlp + "gate_proj.bias", mlp + "up_proj.bias")
+        out[mlp + "gate_up_proj.bias"] = w.take(mlp + "gate_proj.bias", mlp + "up_proj.bias",
+                                                rows=gate_up)
         out[mlp + "down_proj.bias"] = w.take(mlp + "down_proj.bias")
     return out
 
@@ -102,11 +113,17 @@ def from_state_dict(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
     ...). A missing weight, or one the config gives no use for, raises ModelLoadError."""
     w = _Weights(weights, cfg.name)
     ours = {"embed_tokens.weight": w.take("embed_tokens.weight"), "norm.weight": w.take("norm.weight")}
-    if cfg.tie_word_embeddings:
-        w.used.add("lm_head.weight")   # tied: transformers too uses the embedding, whatever is stored
+    stored = w.w.get("lm_head.weight")
+    if cfg.tie_word_embeddings and (stored is None or stored is ours["embed_tokens.weight"]
+                                    or torch.equal(stored, ours["embed_tokens.weight"])):
+        w.used.add("lm_head.weight")
         ours["lm_head.weight"] = ours["embed_tokens.weight"]
     else:
+        # (tied in the config, but the checkpoint holds an lm_head of its own that differs:
+        # transformers 5 then leaves the two untied and uses the stored head; so do we, and
+        # a head of the wrong shape fails below, as it does there)
         ours["lm_head.weight"] = w.take("lm_head.weight")
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     for i in range(cfg.num_layers):
         ours.update(_layer_weights(cfg, w, i))
     w.check_all_used()
@@ -115,7 +132,15 @@ def from_state_dict(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
         model.load_state_dict(ours, strict=True)
     except RuntimeError as e:
         raise ModelLoadError(f"weights do not fit {cfg.name}: {e}") from e
-    return model.to(DTYPES[dtype]).eval()
+    return model.to(_dtype(dtype)).eval()
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ModelLoadError(f"dtype {name!r} is not one the engine runs in "
+                             f"({', '.join(DTYPES)})") from None
 
 
 def from_transformers(hf_model: Any, dtype: str = "float32", name: str | None = None) -> LlamaForCausalLM:
@@ -138,9 +163,8 @@ def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
     """From a Hugging Face model directory: config.json + one or more *.safetensors."""
     from safetensors.torch import load_file
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors in {path!r}")
+    _dtype(dtype)  # (refused before any weight is read)
+    files = _weight_files(path)
     cfg = model_config_from_hf(_hf_config(path), name=os.path.basename(os.path.normpath(path)))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
@@ -151,15 +175,53 @@ def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
     return from_state_dict(cfg, {k: v.float() for k, v in weights.items()}, dtype)
 
 
+def _weight_files(path: str) -> list[str]:
+    """The safetensors files of a Hugging Face directory, as transformers picks them: the
+    shards `model.safetensors.index.json` names, else `model.safetensors`, else the one
+    *.safetensors there is. Every *.safetensors was loaded, in name order: a stray
+    backup's tensors overrode the real shards' (wrong logits), and a Mistral-style
+    `consolidated.safetensors` beside the Hugging Face weights failed the load."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a safetensors index ({e})") from e
+        files = [os.path.join(path, n) for n in names]
+        gone = [n for n, f in zip(names, files) if os.path.basename(n) != n or not os.path.exists(f)]
+        if gone:
+            raise ModelLoadError(f"{index} names shards that are not in {path!r}: {gone[:4]}")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors in {path!r}")
+    if len(files) > 1:
+        raise ModelLoadError(f"{len(files)} *.safetensors files in {path!r} and no "
+                             f"model.safetensors.index.json saying which hold the model: "
+                             f"{[os.path.basename(f) for f in files][:4]}")
+    return files
+
+
 def _hf_config(path: str) -> Any:
     """The directory's config as transformers reads it (its defaults filled in, old field
     names mapped) when transformers is installed, else config.json as written."""
     try:
         from transformers import AutoConfig
     except ImportError:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f)
-    return AutoConfig.from_pretrained(path)
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path!r} has no readable config.json ({e})") from e
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - its own validation errors are of many kinds
+        raise ModelLoadError(f"transformers does not read the config in {path!r}: {e}") from e
 
 
 GGUF_CACHE_FORMAT = 2  # what a kept conversion holds, and how it is keyed

@@ -152,3 +152,106 @@ def test_checkpoints_sharing_a_directory_name_get_their_own_kv_namespace(tmp_pat
     assert a.config.name == b.config.name == "final"
     assert ns[0] != ns[1] and ns[0].ns_id != ns[1].ns_id
     assert ns[0] == ns[2]  # the same weights: the same blocks, in any process
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+def test_a_tied_config_with_a_head_of_its_own_uses_that_head_as_transformers_does(tmp_path):
+    """config.json says tie_word_embeddings, the weights hold an lm_head that differs from
+    the embedding: transformers 5 leaves them untied and uses the stored head. The loader
+    dropped it for the embedding: other logits (up to 1.3 off), other tokens."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    make_hf("llama", 4, 2, 16, False, None, seed=11).save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
+    cfg["tie_word_embeddings"] = True
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)  # the oracle's
+    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(4))
+    ref = _logits(hf, ids)
+    for ours in (from_hf_dir(str(tmp_path)), from_transformers(hf)):
+        torch.testing.assert_close(run_chunks(ours, ids, [12, 8]), ref, atol=3e-5, rtol=1e-5)
+    # tied, and a stored head of the wrong shape: refused (transformers refuses it too)
+    w = load_file(tmp_path / "model.safetensors")
+    w["lm_head.weight"] = torch.zeros(3, 3)
+    save_file(w, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="lm_head"):
+        from_hf_dir(str(tmp_path))
+    # and a truly tied checkpoint still loads as tied
+    tied = make_hf("llama", 4, 2, 16, True, None, seed=12)
+    torch.testing.assert_close(run_chunks(from_transformers(tied), ids, [20]), _logits(tied, ids),
+                               atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("names,rows", [
+    (("q_proj", "k_proj", "v_proj"), (32, 32, 32)),  # 96 rows joined, as 64 + 16 + 16 are
+    (("gate_proj", "up_proj"), (40, 152)),  # 192 joined, as 96 + 96
+])
+def test_projections_of_the_wrong_sizes_are_refused_even_when_joined_they_fit(names, rows):
+    hf = make_hf("llama", 4, 2, 16, False, None, seed=13, hidden_size=48)
+    state = dict(hf.state_dict())
+    for name, n in zip(names, rows):
+        part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj")) else "mlp"
+        state[f"model.layers.0.{part}.{name}.weight"] = torch.zeros(n, 48)
+    with pytest.raises(ModelLoadError, match=f"{names[0]}.weight has shape"):
+        from_state_dict(model_config_from_hf(hf.config), state)
+
+
+def test_a_directory_loads_the_shards_its_index_names_and_nothing_else(tmp_path):
+    """Every *.safetensors was loaded, in name order: a stray backup with the same tensor
+    names overrode the real shards (logits 4.5 off), and Mistral's consolidated.safetensors
+    beside the Hugging Face weights failed the load."""
+    from safetensors.torch import save_file
+    hf = make_hf("llama", 4, 2, 16, False, None, seed=14)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded, with an index
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    junk = {k: torch.randn_like(v) for k, v in hf.state_dict().items()}
+    save_file(junk, tmp_path / "model-old-backup.safetensors")
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
+    ids = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(run_chunks(from_hf_dir(str(tmp_path)), ids, [16]),
+                               _logits(hf, ids), atol=3e-5, rtol=1e-5)
+    single = tmp_path / "single"
+    hf.save_pretrained(single)  # one model.safetensors, no index: that file alone
+    save_file(junk, single / "z-backup.safetensors")
+    torch.testing.assert_close(run_chunks(from_hf_dir(str(single)), ids, [16]),
+                               _logits(hf, ids), atol=3e-5, rtol=1e-5)
+    os.rename(single / "model.safetensors", single / "weights.safetensors")
+    with pytest.raises(ModelLoadError, match="2 \\*.safetensors files .* no model.safetensors.index.json"):
+        from_hf_dir(str(single))  # two candidates, nothing saying which
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+    ({"hidden_size": "48"}, "hidden_size|wrong type"),
+    ({"rope_parameters": "default"}, "rope_parameters"),
+    ({"rope_theta": 0.0}, "rope_theta"),
+    ({"rope_theta": -1.0}, "rope_theta"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps"),
+    ({"num_attention_heads": 4.0}, "num_heads"),
+])
+def test_a_config_field_missing_or_of_the_wrong_type_is_a_load_error(fields, named):
+    d = llama_dict(**fields)
+    d = {k: v for k, v in d.items() if v is not None}
+    with pytest.raises(ModelLoadError, match=named):
+        model_config_from_hf(d)
+
+
+def test_llama3_rope_without_its_original_length_takes_the_models_as_transformers_does():
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    cfg = model_config_from_hf(llama_dict(rope_parameters=rope, max_position_embeddings=777))
+    assert cfg.rope_scaling.original_max_position_embeddings == 777
+
+
+def test_an_engine_dtype_the_model_cannot_run_in_is_named(tmp_path):
+    make_hf("llama", 4, 2, 16, False, None, seed=15).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="dtype 'float64'"):
+        from_hf_dir(str(tmp_path), dtype="float64")
