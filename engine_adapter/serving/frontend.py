@@ -12,7 +12,6 @@ blocks to the pool) and decoded on a decode worker, or, colocated, run on one wo
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -107,9 +106,15 @@ def _load_tokenizer():
 
 
 async def _healthz(request: web.Request) -> web.Response:
+    """ok: a request can be served (a live colocated worker, or a live prefill and a live
+    decode worker); 503 otherwise, so that a load balancer stops sending here. It said ok
+    with a prefill worker alone, which could serve nothing."""
     router = request.app[ROUTER_KEY]
-    live = [w.name for w in router.workers if w.alive]
-    return web.json_response({"ok": bool(live), "live_workers": live})
+    live = [w for w in router.workers if w.alive]
+    roles = {w.role for w in live}
+    ok = Role.COLOCATED in roles or {Role.PREFILL, Role.DECODE} <= roles
+    return web.json_response({"ok": ok, "live_workers": [w.name for w in live]},
+                             status=200 if ok else 503)
 
 
 async def _cluster(request: web.Request) -> web.Response:
@@ -136,9 +141,10 @@ async def _locate(request: web.Request) -> web.Response:
     try:
         body = await request.json()
         req = api.parse(body, bool(body.get("messages")), request.app[CFG_KEY].model)
-    except (json.JSONDecodeError, api.BadRequest, AttributeError) as e:
+        hashes = _hashes(request.app, _tokenize(request.app, req))
+    except (ValueError, TypeError, OverflowError, api.BadRequest, AttributeError) as e:
+        # (bytes not UTF-8, max_tokens "x", token ids past int32: each was a 500)
         return _error(400, f"POST a completions or chat body: {e}", "invalid_request_error")
-    hashes = _hashes(request.app, _tokenize(request.app, req))
     match = request.app[ROUTER_KEY].index.query(hashes)
     return web.json_response({"blocks": len(hashes),
                               "nodes": {n: match.length(n) for n in match.nodes()}})
@@ -192,9 +198,15 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(503, str(e), "service_unavailable")
     headers = {"X-Kvtier-Prefill-Worker": pw.name, "X-Kvtier-Decode-Worker": dw.name}
     gen = _generate(app, rid, ids, params, pw, dw, est)
-    if req.stream:
-        return await _stream(request, req, rid, gen, headers)
-    return await _unary(req, rid, gen, headers, m)
+    try:
+        if req.stream:
+            return await _stream(request, req, rid, gen, headers)
+        return await _unary(request, req, rid, gen, headers, m)
+    finally:
+        # (a client that went away left the generator suspended: the worker generated on
+        # to max_tokens for nobody, and the router counted the request in flight until a
+        # garbage collection happened to close it)
+        await gen.aclose()
 
 
 def _hashes(app: web.Application, ids: list[int]) -> tuple[bytes, ...]:
@@ -242,6 +254,7 @@ async def _generate(app: web.Application, rid: str, ids: list[int], params: Samp
     """Progress of one request, recording its metrics; raises the router's errors."""
     router, m = app[ROUTER_KEY], app[METRICS_KEY]
     start, n_prompt, booking = time.perf_counter(), len(ids), _Booking(pw, est)
+    events = rest = None
     for w in {pw, dw}:
         w.inflight += 1
     try:
@@ -254,8 +267,8 @@ async def _generate(app: web.Application, rid: str, ids: list[int], params: Samp
                         n_prompt)
         yield last
         if events is not None and not first.finished:
-            async for last in _rest(dw, events, n_prompt + params.max_tokens, cached,
-                                    n_prompt, m):
+            rest = _rest(dw, events, n_prompt + params.max_tokens, cached, n_prompt, m)
+            async for last in rest:
                 yield last
         if last.num_tokens > 1:
             m.tpot.observe((time.perf_counter() - first_at) / (last.num_tokens - 1))
@@ -269,6 +282,11 @@ async def _generate(app: web.Application, rid: str, ids: list[int], params: Samp
         booking.done()
         for w in {pw, dw}:
             w.inflight -= 1
+        # closed, not left to the garbage collector: the worker's stream ends now (its
+        # connection closed: the worker aborts the request), and its load with it
+        for gen in (rest, events):
+            if gen is not None:
+                await gen.aclose()
 
 
 async def _rest(dw, events, kv_tokens: int, cached: int, n_prompt: int,
@@ -308,12 +326,13 @@ def _count_prompt(m: Metrics, n_prompt: int, local: int, loaded: int) -> None:
     m.computed_tokens.inc(n_prompt - local - loaded)
 
 
-async def _unary(req: api.ApiRequest, rid: str, gen: AsyncIterator[Progress], headers: dict,
-                 m: Metrics) -> web.Response:
+async def _unary(request: web.Request, req: api.ApiRequest, rid: str,
+                 gen: AsyncIterator[Progress], headers: dict, m: Metrics) -> web.Response:
     last = None
     try:
         async for last in gen:
-            pass
+            if _gone(request):
+                return web.Response(status=499)  # (nobody reads it: the request ends here)
     except WorkerRejectedError as e:
         return _error(400, str(e), "invalid_request_error")
     except WorkerDiedError as e:
@@ -338,21 +357,34 @@ async def _stream(request: web.Request, req: api.ApiRequest, rid: str,
             sent = last.text if last.text.startswith(sent) else sent
             await resp.write(api.sse(api.chunk(req, rid, delta, last.finish_reason, first)))
             first = False
+        if req.include_usage and last is not None:
+            usage = api.Usage(last.num_prompt_tokens, last.num_tokens, last.cached_tokens)
+            await resp.write(api.sse(api.usage_chunk(req, rid, usage)))
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:  # the client went away: its request ends with this
+        pass  # handler (_serve closes the generator; the worker aborts the request)
     except WorkerRejectedError as e:
-        await resp.write(api.sse(api.error_body(str(e), "invalid_request_error", 400)))
-        return resp
+        await _last_event(resp, api.error_body(str(e), "invalid_request_error", 400))
     except WorkerDiedError as e:
-        await resp.write(api.sse(api.error_body(str(e), "worker_failed", 503)))
-        return resp
+        await _last_event(resp, api.error_body(str(e), "worker_failed", 503))
     except Exception as e:  # the stream is open: end it with an error event, not a cut
         log.exception("request %s failed", rid)
-        await resp.write(api.sse(api.error_body(f"internal error: {e}", "internal_error", 500)))
-        return resp
-    if req.include_usage and last is not None:
-        usage = api.Usage(last.num_prompt_tokens, last.num_tokens, last.cached_tokens)
-        await resp.write(api.sse(api.usage_chunk(req, rid, usage)))
-    await resp.write(b"data: [DONE]\n\n")
+        await _last_event(resp, api.error_body(f"internal error: {e}", "internal_error", 500))
     return resp
+
+
+async def _last_event(resp: web.StreamResponse, body: dict) -> None:
+    try:
+        await resp.write(api.sse(body))
+    except ConnectionResetError:
+        pass  # the client is gone too: nothing to tell
+
+
+def _gone(request: web.Request) -> bool:
+    """Has the client closed its connection (a unary request's: nothing is written to it
+    until the answer is whole)?"""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:

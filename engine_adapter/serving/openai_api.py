@@ -66,7 +66,18 @@ def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
     if not isinstance(options, dict):  # (a list here raised AttributeError: a 500)
         raise BadRequest("'stream_options' must be an object, e.g. {\"include_usage\": true}")
     return ApiRequest(chat, str(body.get("model") or default_model), prompt, _params(body, chat),
-                      bool(body.get("stream", False)), bool(options.get("include_usage", False)))
+                      _flag(body, "stream"), _flag(options, "include_usage"))
+
+
+def _flag(body: dict, key: str) -> bool:
+    """A boolean field (false when absent): "false" read as true streamed an answer asked for
+    whole."""
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be true or false, not {value!r}")
+    return value
 
 
 def _params(body: dict, chat: bool) -> dict:
@@ -75,11 +86,18 @@ def _params(body: dict, chat: bool) -> dict:
         max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
-    p: dict = {"max_tokens": int(max_tokens), "temperature": float(body.get("temperature", 1.0)),
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):  # (1.7 served 1 token)
+        raise BadRequest(f"'max_tokens' must be an integer, not {max_tokens!r}")
+    p: dict = {"max_tokens": max_tokens, "temperature": float(body.get("temperature", 1.0)),
                "top_p": float(body.get("top_p", 1.0))}
     stop = body.get("stop")
     if stop:
-        p["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            # ({"a": 1} was taken for the stop string "a")
+            raise BadRequest(f"'stop' must be a string or a list of strings, not {stop!r}")
+        p["stop"] = stop
     for key in ("seed", "top_k", "ignore_eos"):
         if body.get(key) is not None:
             p[key] = body[key]

@@ -104,7 +104,14 @@ def test_odd_requests_are_a_400_or_served_and_the_workers_serve_on(cluster):
             ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
             ("/v1/completions", {"prompt": "hi", "max_tokens": 1e300}, "max_tokens"),
             ("/v1/completions", {"prompt": "hi", "stream_options": [1]}, "stream_options"),
-            ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "role")):
+            ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "role"),
+            # (these were coerced: "false" streamed, 1.7 served 1 token, {"a": 1} stopped at "a")
+            ("/v1/completions", {"prompt": "hi", "stream": "false"}, "stream"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 1.7}, "max_tokens"),
+            ("/v1/completions", {"prompt": "hi", "stop": {"a": 1}}, "stop"),
+            # /cluster/locate: bad bodies were a 500
+            ("/cluster/locate", {"prompt": "hi", "max_tokens": "x"}, "max_tokens"),
+            ("/cluster/locate", {"prompt": [2 ** 40] * 16}, "int32")):
         status, msg = cluster.post_json(path, body)
         assert status == 400 and why in msg["error"]["message"], (body, status, msg)
     req = urllib.request.Request(cluster.url + "/v1/completions",
@@ -117,6 +124,46 @@ def test_odd_requests_are_a_400_or_served_and_the_workers_serve_on(cluster):
         status, msg = cluster.post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2,
                                                             "temperature": 1e-50})
         assert status == 200 and msg["usage"]["completion_tokens"] == 2, msg
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_client_that_leaves_a_stream_ends_its_request(cluster):
+    """A client that closed its stream after two events left the request running: the
+    decode worker generated on to max_tokens for nobody, and the router counted it in
+    flight (its load) until a garbage collection happened to close it."""
+    import socket
+    from urllib.parse import urlparse
+    body = json.dumps({"prompt": "Tell a very long story:", "max_tokens": 3000,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    url = urlparse(cluster.url)
+    with socket.create_connection((url.hostname, url.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        got = b""
+        while got.count(b"data:") < 3:
+            got += s.recv(4096)
+        head = got.split(b"\r\n\r\n", 1)[0].decode()
+    worker = next(line.split(":", 1)[1].strip() for line in head.split("\r\n")
+                  if line.lower().startswith("x-kvtier-decode-worker"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        workers = cluster.get_json("/cluster")["workers"]
+        if all(w["inflight"] == 0 for w in workers):
+            break
+        time.sleep(0.1)
+    assert all(w["inflight"] == 0 for w in workers), workers
+    pid = next(w["pid"] for w in workers if w["name"] == worker)
+    time.sleep(1.0)  # (the abort reaches the worker's engine loop)
+    before = _cpu_s(pid)
+    time.sleep(2.0)
+    assert _cpu_s(pid) - before < 0.8, "the decode worker kept generating for nobody"
+    status, msg = cluster.post_json("/v1/completions", {"prompt": "Again:", "max_tokens": 3})
+    assert status == 200 and msg["usage"]["completion_tokens"] == 3
 
 
 def test_killed_decode_worker_ends_its_stream_with_an_error(cluster):
@@ -157,6 +204,26 @@ def test_killed_decode_worker_ends_its_stream_with_an_error(cluster):
     assert victim in cluster.output()
     status, msg = cluster.post_json("/v1/completions", {"prompt": "Again:", "max_tokens": 4})
     assert status == 200 and msg["usage"]["completion_tokens"] == 4
+
+
+def test_health_says_no_once_no_decode_worker_is_left(cluster):
+    """/healthz said ok with only the prefill worker alive, which can serve nothing: a load
+    balancer kept sending requests that all failed."""
+    workers = cluster.get_json("/cluster")["workers"]
+    assert cluster.get_json("/healthz")["ok"]
+    for w in workers:
+        if w["role"] == "decode" and w["alive"]:
+            os.kill(w["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            cluster.get_json("/healthz")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and not json.load(e)["ok"]
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("/healthz still says ok with no decode worker alive")
 
 
 def test_ctrl_c_stops_every_process(cluster):
