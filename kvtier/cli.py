@@ -44,11 +44,12 @@ def _hash_run(args: argparse.Namespace) -> int:
     try:
         ns = Namespace(args.model, args.num_layers, args.num_kv_heads, args.head_dim,
                        args.dtype, args.block_tokens, args.revision, args.tenant)
-    except ValueError as e:  # a dimension out of range, an unknown dtype: said, no traceback
-        print(f"kvtier hash: {e}", file=sys.stderr)
+        hashes = hash_blocks(ns, args.tokens)
+    except ValueError as e:  # a dimension out of range, an unknown dtype, a token id past
+        print(f"kvtier hash: {e}", file=sys.stderr)  # int32: said, no traceback
         return 2
     print(f"namespace {ns.ns_id:#018x}  block {ns.block_bytes} bytes  shape {ns.block_shape}")
-    for i, h in enumerate(hash_blocks(ns, args.tokens)):
+    for i, h in enumerate(hashes):
         print(f"block {i}: {h.hex()}")
     return 0
 

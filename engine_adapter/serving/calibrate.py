@@ -99,6 +99,8 @@ def _time_loads(engine, prompt: list[int]) -> list[TransferSample]:
     (another worker's calibration evicted them meanwhile) is no sample."""
     bt, cache = engine.config.block_tokens, engine.runner.kv_cache
     hashes = hash_blocks(engine.ns, prompt[:len(prompt) // bt * bt])
+    if not hashes:
+        return []  # (a prompt under one block: nothing to time)
     staged = cache.new_zeros((len(hashes), *cache.shape[1:]))
     out = []
     for n in (2, 8, len(hashes)):

@@ -28,6 +28,7 @@ from engine_adapter.serving.ports import bind, wait_port_file
 from engine_adapter.serving.protocol import Role
 from engine_adapter.serving.router import POOL_NODE, Router, WorkerHandle
 from kvstore import lifetime
+from kvstore.config import parse_size
 from kvstore.daemon.process import DaemonProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,6 +61,23 @@ class ClusterConfig:
                              "(or use --colocated K)")
         if self.chunk_tokens < 16:
             raise ValueError("--chunk-tokens must be >= 16 (one block)")
+        # (each of these started the store and the workers, then failed with a traceback)
+        if self.num_blocks < 2:
+            raise ValueError("--num-blocks must be >= 2: a worker's cache holds at least "
+                             "two 16-token blocks")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be >= 1")
+        if self.threads < 0:
+            raise ValueError("--threads must be >= 0 (0: the cores shared out)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not a port (0-65535; 0: any free one)")
+        for flag, size in (("--dram-size", self.dram_size), ("--ssd-size", self.ssd_size)):
+            try:
+                parse_size(size)
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+        if self.data_dir and os.path.exists(self.data_dir) and not os.path.isdir(self.data_dir):
+            raise ValueError(f"--data-dir {self.data_dir} exists and is not a directory")
 
     @property
     def pooled(self) -> bool:
@@ -245,7 +263,14 @@ def run(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     api = f"http://{cfg.host}:{sock.getsockname()[1]}"
-    with sock, cluster_processes(cfg) as router:
+    with sock, contextlib.ExitStack() as stack:
+        try:
+            router = stack.enter_context(cluster_processes(cfg))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - a start that failed: said, not a traceback
+            print(f"kvtier cluster: could not start: {e}", file=sys.stderr)
+            return 1
         names = ", ".join(n for n, _ in cfg.roles)
         print(f"kvtier cluster: starting {names} ({cfg.describe}); {cpu_plan(cfg).describe(cfg)}"
               f"\nthe API opens at {api} once every worker has loaded its model and measured "

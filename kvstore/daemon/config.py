@@ -181,6 +181,12 @@ class DaemonConfig:
             if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
                                     or not math.isfinite(value)):
                 raise ConfigError(f"{f.name} must be a finite number, not {value!r}")
+            # (node_id = 5 started a daemon whose every HELLO reply the clients refused;
+            # data_dir = 5 was a TypeError traceback)
+            if kind == "str" and not isinstance(value, str):
+                raise ConfigError(f"{f.name} must be a string, not {value!r}")
+            if kind == "str | None" and value is not None and not isinstance(value, str):
+                raise ConfigError(f"{f.name} must be a string, not {value!r}")
 
     @property
     def timeout_periods(self) -> tuple[float, int]:

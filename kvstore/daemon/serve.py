@@ -128,9 +128,43 @@ class _BadRequests(logging.Filter):
         return True
 
 
+def memory_limit() -> int | None:
+    """The most memory this process may use: the host's (MemTotal), or its cgroup's limit
+    where that is lower; None where neither can be read."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def check_memory(cfg: DaemonConfig, limit: int | None) -> None:
+    """A DRAM tier is one namespace's arena, faulted in when the namespace opens: one bigger
+    than the memory this process may use started, and failed every HELLO ('Python int too
+    large to convert to C long') or was killed by the OOM killer at the first client."""
+    if limit is not None and cfg.dram_bytes > limit:
+        raise ConfigError(f"--dram-size {cfg.dram_bytes / 2**30:.1f} GiB is more than the "
+                          f"{limit / 2**30:.1f} GiB of memory this host (or its cgroup) "
+                          "allows: each namespace's DRAM tier is held in memory; pick a "
+                          "smaller --dram-size")
+
+
 def run(args: argparse.Namespace) -> int:
     lifetime.exit_with_parent()  # started by `kvtier cluster` / `kvtier demo`: end with it
     cfg = build_config(args)
+    check_memory(cfg, memory_limit())
     _own_threads()
     from kvstore.tuning import tune_malloc_for_large_blocks
     tune_malloc_for_large_blocks()  # block-sized buffers reuse the heap instead of fresh mmaps

@@ -69,6 +69,19 @@ def test_odd_arguments_are_one_line_errors(capsys):
     assert main(["hash", "--model", "m", "--num-layers", "0", "--num-kv-heads", "1",
                  "--head-dim", "8", "1", "2"]) == 2
     assert "num_layers" in capsys.readouterr().err
+    assert main(["hash", "--model", "m", "--num-layers", "1", "--num-kv-heads", "1",
+                 "--head-dim", "8", "99999999999"]) == 2
+    assert "int32" in capsys.readouterr().err
+    # kvtier cluster: each of these started the store and the workers, then failed with a
+    # traceback (or, --port, an OverflowError at the bind)
+    for argv, says in ((["--num-blocks", "1"], "--num-blocks"),
+                       (["--max-num-seqs", "0"], "--max-num-seqs"),
+                       (["--threads", "-1"], "--threads"), (["--port", "70000"], "--port"),
+                       (["--dram-size", "1e9"], "--dram-size"),
+                       (["--data-dir", __file__], "--data-dir")):
+        assert main(["cluster", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
     for argv, says in ((["--requests", "0"], "--requests"), (["--sessions", "0"], "--sessions"),
                        (["--workload", "/nowhere.jsonl"], "no such file"),
                        (["--dram-size", "abc"], "--dram-size")):

@@ -67,7 +67,8 @@ def test_toml(tmp_path):
     dict(high_watermark=2.0), dict(low_watermark=0.99, high_watermark=0.5),
     dict(durable="no"), dict(dram_bytes=True), dict(max_payload_bytes="1GiB"),
     dict(max_connections=1.5), dict(cluster_ttl_s=-1), dict(spin_us=-5),
-    dict(block_tokens=-16), dict(quota_blocks=-3), dict(log_level="bogus")])
+    dict(block_tokens=-16), dict(quota_blocks=-3), dict(log_level="bogus"),
+    dict(node_id=5), dict(data_dir=5), dict(host=None), dict(advertise=7), dict(cluster=1)])
 def test_a_value_of_the_wrong_kind_or_range_is_refused_at_start(kw):
     """Each of these started a daemon that then failed every connection (inf, NaN: an
     OverflowError, a ValueError), refused every HELLO, or silently meant something else
@@ -101,3 +102,18 @@ def test_a_port_in_use_is_a_one_line_error(tmp_path):
                            capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "pick another --port" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_dram_tier_bigger_than_the_memory_there_is_is_refused_at_start():
+    """It started, then failed every HELLO ('Python int too large to convert to C long') or
+    was killed by the OOM killer when the first namespace's arena was faulted in."""
+    from kvstore.daemon.serve import check_memory, memory_limit
+    check_memory(DaemonConfig(dram_bytes=1 << 30), 4 << 30)
+    check_memory(DaemonConfig(dram_bytes=1 << 50), None)  # (nothing known: nothing refused)
+    with pytest.raises(ConfigError, match="--dram-size .* more than"):
+        check_memory(DaemonConfig(dram_bytes=2 << 30), 1 << 30)
+    limit = memory_limit()
+    assert limit is None or limit > 0
+    if limit is not None:
+        with pytest.raises(ConfigError, match="--dram-size"):
+            check_memory(DaemonConfig(dram_bytes=(1 << 50) * 1024), limit)
