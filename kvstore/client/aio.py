@@ -13,6 +13,7 @@ its memcpy takes (~1 ms per 5 MB)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
 
@@ -77,12 +78,13 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None  # where its connections live
         forks.track(self)
 
-    def _follow_loop(self) -> None:
+    async def _follow_loop(self) -> None:
         """Called on the loop each call runs on. Connections, the put channel's and the
         TOUCH in flight belong to the loop they were made on; on another loop (a second
         `asyncio.run`) they are let go and made again there (reused, they failed now and
         then with 'Event loop is closed'). Puts the channel published are committed first
-        (the daemon's drainer takes them at their doorbell): the new loop's calls see them.
+        (the daemon's drainer takes them at their doorbell; waited for on this loop, within
+        timeout_s, else RequestTimeout, as a FLUSH's): the new loop's calls see them.
         For calls on several loops at once, make one client per loop."""
         loop = asyncio.get_running_loop()
         if loop is self._loop:
@@ -96,8 +98,16 @@ class AsyncClient:
         self._puts_lock, self._touch_task = None, None
         for conn in idle:
             conn.close()
-        if puts is not None:
-            puts.wait_committed(self.timeout_s)
+        if puts is None:
+            return
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            while puts.pending():
+                if time.monotonic() > deadline:
+                    raise RequestTimeout(f"the daemon did not commit this client's puts within "
+                                         f"{self.timeout_s}s (a FLUSH would have waited as long)")
+                await asyncio.sleep(0.0005)
+        finally:
             puts.close(flush=False)
             puts_conn.close()
 
@@ -105,7 +115,8 @@ class AsyncClient:
         """In a child made by os.fork() (kvstore.client.forks): this process's copies of
         the parent's connections, put channel and arena mapping go, none of them used (the
         parent still is); the next call connects afresh."""
-        idle, self._idle = self._idle, []
+        idle, self._idle = self._idle + list(self._busy), []  # (busy: in a call of the
+        # parent's at the fork; its descriptor here kept the connection open at the daemon)
         puts, puts_conn = self._puts, self._puts_conn
         arena, self._arena = self._arena, None
         self._puts = self._puts_conn = None
@@ -188,7 +199,7 @@ class AsyncClient:
     async def _conn(self) -> AsyncIterator[AsyncConnection]:
         if self._closed:
             raise ConnectError("this AsyncClient is closed")
-        self._follow_loop()
+        await self._follow_loop()
         conn = self._idle.pop() if self._idle else await self._new_conn()
         self._hand_out(conn)
         try:
@@ -267,7 +278,7 @@ class AsyncClient:
         return await self._run(self._put_n, w.pack_hashes(hashes), rows)
 
     async def _direct_puts(self) -> DirectPuts | None:
-        self._follow_loop()
+        await self._follow_loop()
         arena = self._arena
         if not self.direct_puts or arena is None or arena.directory is None or self._closed:
             return None
@@ -316,7 +327,7 @@ class AsyncClient:
         connection may be one reply behind: a FLUSH cancelled mid-wait left it so, and every
         later FLUSH read the one before's reply, the gets after it missing blocks just put
         and removed blocks coming back); a timeout is raised, as a cancellation is."""
-        self._follow_loop()
+        await self._follow_loop()
         if self._puts is None or not self._puts.pending():
             return
         async with self._lock():
@@ -544,7 +555,7 @@ class AsyncClient:
     async def close(self) -> None:
         if self._closed:
             return
-        self._follow_loop()
+        await self._follow_loop()
         if self._connected:
             await self._send_touches()
             async with self._lock():

@@ -214,17 +214,6 @@ class DirectPuts:
             if not self.closed and self.ring.pending():
                 self.conn.call(w.Flush())
 
-    def wait_committed(self, timeout_s: float) -> bool:
-        """Wait (polling, up to `timeout_s`) until the daemon has committed every record
-        published (its drainer takes them at their doorbell): for a caller that cannot
-        send a FLUSH. Whether it did."""
-        deadline = time.monotonic() + timeout_s
-        while self.pending():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.0005)
-        return True
-
     def forget(self) -> None:
         """In a child made by os.fork(): the ring, doorbell and connection are the parent's
         channel: only this process's copies go, with nothing published, rung or sent (and

@@ -9,6 +9,7 @@ reached raises `ConnectError`, a silent one `RequestTimeout`.
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterator, Sequence
@@ -75,6 +76,7 @@ class Client:
         self.agent_backends = tuple(BackendKind(b) for b in agent_backends)
         self._agent: AgentPath | None = None
         self._idle: list[Connection] = []
+        self._made: weakref.WeakSet[Connection] = weakref.WeakSet()  # every one still open
         self._lock = threading.Lock()
         self._arena: ArenaMap | None = None
         self._local: LocalAddress | None = None  # the daemon's local socket, once found
@@ -92,11 +94,12 @@ class Client:
 
     def _after_fork(self) -> None:
         """In a child made by os.fork() (kvstore.client.forks): this process's copies of
-        the parent's connections, put channel, arena mapping and touch helper go, none of
-        them used (the parent still is); the next call connects afresh. Connections other
-        threads of the parent were using at the fork are left open here, never used."""
+        the parent's connections (idle or in another thread's call at the fork: open here,
+        the daemon never saw the parent close them), put channel, arena mapping and touch
+        helper go, none of them used (the parent still is); the next call connects afresh."""
         self._lock, self._puts_opening = threading.Lock(), threading.Lock()
-        idle, self._idle = self._idle, []
+        idle, self._idle = list(self._made), []
+        self._made = weakref.WeakSet()
         puts, self._puts = self._puts, None
         arena, self._arena = self._arena, None
         self._agent = None  # (its sockets and threads are the parent's)
@@ -128,6 +131,7 @@ class Client:
         except BaseException:
             conn.close()
             raise
+        self._made.add(conn)
         return conn
 
     def _connect(self, addr) -> Connection:

@@ -112,3 +112,55 @@ def test_an_async_client_moves_to_a_second_event_loop(daemon):
             assert _exact(asyncio.run(c.get_n(hs[:k + 1], dst)), dst, src[:k + 1])
             assert asyncio.run(c.contains_n(hs[:k + 1])) == [True] * (k + 1)
         asyncio.run(c.close())
+
+
+def test_connections_in_use_at_the_fork_close_at_the_daemon_with_the_parents_client(make_daemon):
+    """The child kept its copies of the connections other threads of the parent were using
+    at the fork: once the parent closed its Client the daemon still saw them open (counted
+    against the connection caps, holding what they held) until every child exited."""
+    import re
+    import threading
+    import time
+    import urllib.request
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+
+    def connections() -> float:
+        text = urllib.request.urlopen(d.http + "/metrics", timeout=5).read().decode()
+        return float(re.findall(r"^kvtier_connections (\S+)$", text, re.M)[0])
+
+    hs = hash_blocks(NS, np.arange(32 * 16) + 4711)
+    src = np.stack([block_of(h, BB) for h in hs])
+    c = Client(d.url, namespace=NS, use_shm=False, pool_size=4)
+    c.put_n(hs, src)
+    stop, kids = threading.Event(), []
+
+    def reads():
+        dst = np.zeros_like(src)
+        while not stop.is_set():
+            c.get_n(hs, dst)
+
+    readers = [threading.Thread(target=reads) for _ in range(3)]
+    for t in readers:
+        t.start()
+    try:
+        time.sleep(0.2)
+        for _ in range(3):
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(30)  # a long-lived child that never uses the client
+                os._exit(0)
+            kids.append(pid)
+        stop.set()
+        for t in readers:
+            t.join(30)
+        c.close()
+        for _ in range(100):
+            if connections() == 0:
+                break
+            time.sleep(0.05)
+        assert connections() == 0
+    finally:
+        stop.set()
+        for pid in kids:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)

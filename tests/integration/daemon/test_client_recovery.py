@@ -371,3 +371,38 @@ def _put_rings() -> int:
         except OSError:
             pass  # closed meanwhile
     return n
+
+
+def test_an_async_client_on_a_new_loop_waits_for_its_puts_on_that_loop(make_daemon):
+    """A second loop's first call waits until the daemon has committed what the first
+    loop put through the put channel; it waited with time.sleep, freezing the new loop for
+    up to timeout_s against a hung daemon (asyncio.wait_for(..., 0.3) took 5 s)."""
+    d = make_daemon(dram_size="64MiB", ssd_size="0")
+    hs = chain(9, 8)
+    c = AsyncClient(d.url, namespace=NS, timeout_s=5.0)
+
+    async def first() -> None:
+        await c.put_n(hs[:4], blocks(hs[:4]))
+        await c.contains_n(hs[:1])
+        assert c.uses_shm and c._puts is not None
+        stopped(d.pid)
+        await c.put_n(hs[4:], blocks(hs[4:]))  # into the ring, nobody drains it
+
+    async def second() -> float:
+        t0 = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(c.contains_n(hs[:1]), 0.3)
+        return time.monotonic() - t0
+
+    try:
+        asyncio.run(first())
+        took = asyncio.run(second())
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    assert took < 2.0, f"the new loop was held {took:.1f}s"
+    for _ in range(50):  # once the daemon is back: the channel given up on closed, and the
+        if asyncio.run(c.contains_n(hs)) == [True] * len(hs):  # daemon drained it at its
+            break  # end (soon, not at once: another of its threads)
+        time.sleep(0.1)
+    assert asyncio.run(c.contains_n(hs)) == [True] * len(hs)
+    asyncio.run(c.close())
