@@ -74,7 +74,7 @@ def _model_config(d: Mapping[str, Any], name: str | None) -> ModelConfig:
         head_dim=d.get("head_dim") or d["hidden_size"] // heads,
         rms_norm_eps=float(d["rms_norm_eps"]), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=d.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(d, "tie_word_embeddings"),
         attention_bias=qkv_bias, o_proj_bias=o_bias, mlp_bias=mlp_bias,
         hidden_act=d.get("hidden_act", "silu"), sliding_window=window, sliding_layers=sliding_layers,
         name=name or d.get("_name_or_path") or kind,
@@ -125,8 +125,18 @@ def _biases(d: Mapping[str, Any], kind: str) -> tuple[bool, bool, bool]:
         return True, False, False
     if kind == "mistral":
         return False, False, False
-    attn = bool(d.get("attention_bias", False))
-    return attn, attn, bool(d.get("mlp_bias", False))
+    attn = _flag(d, "attention_bias")
+    return attn, attn, _flag(d, "mlp_bias")
+
+
+def _flag(d: Mapping[str, Any], field: str) -> bool:
+    """A boolean field (false when absent): the string "false" was read as true."""
+    value = d.get(field, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"config field {field} must be true or false, not {value!r}")
+    return value
 
 
 def _sliding_window(d: Mapping[str, Any], kind: str) -> tuple[int | None, tuple[int, ...]]:

@@ -61,18 +61,18 @@ class _Weights:
         self.used: set[str] = set()
         self.model_name = model_name
 
-    def take(self, *names: str, rows: tuple[int, ...] = ()) -> torch.Tensor:
+    def take(self, *names: str, shapes: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
         """The named tensors concatenated along dim 0 (fused projections), each checked to
-        have its `rows` (dim 0) where given: joined, q/k/v of the wrong sizes whose sum fit
-        the fused parameter loaded, and computed garbage (transformers refuses them)."""
+        have its shape in `shapes` where given: joined, q/k/v of the wrong sizes whose sum
+        fit the fused parameter loaded, and computed garbage (transformers refuses them)."""
         missing = [n for n in names if n not in self.w]
         if missing:
             raise ModelLoadError(f"weights do not fit {self.model_name}: missing {missing}")
-        for n, want in zip(names, rows):
+        for n, want in zip(names, shapes):
             got = tuple(self.w[n].shape)
-            if not got or got[0] != want:
+            if got != want:
                 raise ModelLoadError(f"weights do not fit {self.model_name}: {n} has shape "
-                                     f"{list(got)}, its config says {want} rows")
+                                     f"{list(got)}, its config says {list(want)}")
         self.used.update(names)
         return torch.cat([self.w[n] for n in names]) if len(names) > 1 else self.w[names[0]]
 
@@ -88,21 +88,23 @@ class _Weights:
 def _layer_weights(cfg: ModelConfig, w: _Weights, i: int) -> dict[str, torch.Tensor]:
     """Our fused parameters of layer i from Hugging Face's per-projection names."""
     p, attn, mlp = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
     qkv, gate_up = (q, kv, kv), (cfg.intermediate_size,) * 2
     out = {p + n: w.take(p + n) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")}
-    out[attn + "qkv_proj.weight"] = w.take(*(f"{attn}{x}_proj.weight" for x in "qkv"), rows=qkv)
+    out[attn + "qkv_proj.weight"] = w.take(*(f"{attn}{x}_proj.weight" for x in "qkv"),
+                                           shapes=tuple((n, h) for n in qkv))
     out[attn + "o_proj.weight"] = w.take(attn + "o_proj.weight")
     out[mlp + "gate_up_proj.weight"] = w.take(mlp + "gate_proj.weight", mlp + "up_proj.weight",
-                                              rows=gate_up)
+                                              shapes=tuple((n, h) for n in gate_up))
     out[mlp + "down_proj.weight"] = w.take(mlp + "down_proj.weight")
     if cfg.attention_bias:
-        out[attn + "qkv_proj.bias"] = w.take(*(f"{attn}{x}_proj.bias" for x in "qkv"), rows=qkv)
+        out[attn + "qkv_proj.bias"] = w.take(*(f"{attn}{x}_proj.bias" for x in "qkv"),
+                                             shapes=tuple((n,) for n in qkv))
     if cfg.o_proj_bias:
         out[attn + "o_proj.bias"] = w.take(attn + "o_proj.bias")
     if cfg.mlp_bias:
         out[mlp + "gate_up_proj.bias"] = w.take(mlp + "gate_proj.bias", mlp + "up_proj.bias",
-                                                rows=gate_up)
+                                                shapes=tuple((n,) for n in gate_up))
         out[mlp + "down_proj.bias"] = w.take(mlp + "down_proj.bias")
     return out
 
@@ -176,11 +178,14 @@ def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
 
 
 def _weight_files(path: str) -> list[str]:
-    """The safetensors files of a Hugging Face directory, as transformers picks them: the
-    shards `model.safetensors.index.json` names, else `model.safetensors`, else the one
+    """The safetensors files of a Hugging Face directory, as transformers picks them:
+    `model.safetensors`, else the shards `model.safetensors.index.json` names, else the one
     *.safetensors there is. Every *.safetensors was loaded, in name order: a stray
     backup's tensors overrode the real shards' (wrong logits), and a Mistral-style
     `consolidated.safetensors` beside the Hugging Face weights failed the load."""
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         try:
@@ -194,9 +199,6 @@ def _weight_files(path: str) -> list[str]:
         if gone:
             raise ModelLoadError(f"{index} names shards that are not in {path!r}: {gone[:4]}")
         return files
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"no *.safetensors in {path!r}")

@@ -191,16 +191,17 @@ def test_a_tied_config_with_a_head_of_its_own_uses_that_head_as_transformers_doe
                                atol=3e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("names,rows", [
-    (("q_proj", "k_proj", "v_proj"), (32, 32, 32)),  # 96 rows joined, as 64 + 16 + 16 are
-    (("gate_proj", "up_proj"), (40, 152)),  # 192 joined, as 96 + 96
+@pytest.mark.parametrize("names,shapes", [
+    (("q_proj", "k_proj", "v_proj"), ((32, 48),) * 3),  # 96 rows joined, as 64 + 16 + 16 are
+    (("gate_proj", "up_proj"), ((40, 48), (152, 48))),  # 192 joined, as 96 + 96
+    (("k_proj",), ((32, 49),)),  # (the join itself failed: a bare RuntimeError)
 ])
-def test_projections_of_the_wrong_sizes_are_refused_even_when_joined_they_fit(names, rows):
+def test_projections_of_the_wrong_sizes_are_refused_even_when_joined_they_fit(names, shapes):
     hf = make_hf("llama", 4, 2, 16, False, None, seed=13, hidden_size=48)
     state = dict(hf.state_dict())
-    for name, n in zip(names, rows):
+    for name, shape in zip(names, shapes):
         part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj")) else "mlp"
-        state[f"model.layers.0.{part}.{name}.weight"] = torch.zeros(n, 48)
+        state[f"model.layers.0.{part}.{name}.weight"] = torch.zeros(shape)
     with pytest.raises(ModelLoadError, match=f"{names[0]}.weight has shape"):
         from_state_dict(model_config_from_hf(hf.config), state)
 
@@ -220,10 +221,15 @@ def test_a_directory_loads_the_shards_its_index_names_and_nothing_else(tmp_path)
     torch.testing.assert_close(run_chunks(from_hf_dir(str(tmp_path)), ids, [16]),
                                _logits(hf, ids), atol=3e-5, rtol=1e-5)
     single = tmp_path / "single"
-    hf.save_pretrained(single)  # one model.safetensors, no index: that file alone
-    save_file(junk, single / "z-backup.safetensors")
+    hf.save_pretrained(single)  # one model.safetensors: that file alone, whatever else is
+    save_file(junk, single / "z-backup.safetensors")  # there (a stale index too: as
+    save_file(junk, single / "model-00001-of-00001.safetensors")  # transformers does)
+    (single / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"model.norm.weight": "model-00001-of-00001.safetensors"}}')
     torch.testing.assert_close(run_chunks(from_hf_dir(str(single)), ids, [16]),
                                _logits(hf, ids), atol=3e-5, rtol=1e-5)
+    os.remove(single / "model.safetensors.index.json")
+    os.remove(single / "model-00001-of-00001.safetensors")
     os.rename(single / "model.safetensors", single / "weights.safetensors")
     with pytest.raises(ModelLoadError, match="2 \\*.safetensors files .* no model.safetensors.index.json"):
         from_hf_dir(str(single))  # two candidates, nothing saying which
@@ -237,6 +243,8 @@ def test_a_directory_loads_the_shards_its_index_names_and_nothing_else(tmp_path)
     ({"rope_theta": -1.0}, "rope_theta"),
     ({"rms_norm_eps": 0}, "rms_norm_eps"),
     ({"num_attention_heads": 4.0}, "num_heads"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ({"attention_bias": 1}, "attention_bias"),
 ])
 def test_a_config_field_missing_or_of_the_wrong_type_is_a_load_error(fields, named):
     d = llama_dict(**fields)
