@@ -59,12 +59,21 @@ class MembershipEvent(NamedTuple):
 
 async def connect(address: EtcdAddress, timeout_s: float = 3.0) -> aetcd.Client:
     """A client for the first endpoint that answers."""
-    failures = []
-    for host, port in address.endpoints:
+    return (await connect_from(address, 0, timeout_s))[0]
+
+
+async def connect_from(address: EtcdAddress, first: int,
+                       timeout_s: float = 3.0) -> tuple[aetcd.Client, int]:
+    """(a client, its endpoint's index) for the first endpoint that answers, trying them
+    in order from `first` round to the one before it."""
+    failures, n = [], len(address.endpoints)
+    for k in range(n):
+        i = (first + k) % n
+        host, port = address.endpoints[i]
         client = aetcd.Client(host=host, port=port, timeout=timeout_s)
         try:
             await asyncio.wait_for(client.status(), timeout_s)
-            return client
+            return client, i
         except (*ETCD_ERRORS, asyncio.TimeoutError, OSError) as e:
             failures.append(f"{host}:{port}: {type(e).__name__}")
             await client.close()
@@ -84,6 +93,8 @@ class ClusterMember:
         self.members: dict[str, NodeRecord] = {}
         self.leader_id: str | None = None
         self._client: aetcd.Client | None = None
+        self._endpoint = 0  # the index of the endpoint _client talks to
+        self._switching: asyncio.Lock | None = None  # (see _failover)
         self._lease = None
         self._tasks: list[asyncio.Task] = []
         self._queues: list[asyncio.Queue] = []
@@ -120,7 +131,7 @@ class ClusterMember:
         return q
 
     async def start(self) -> None:
-        self._client = await connect(self.address)
+        self._client, self._endpoint = await connect_from(self.address, 0)
         if self.record is not None:
             await self._register()
         revision = await self._load()
@@ -220,7 +231,7 @@ class ClusterMember:
         for kv in found:
             if kv.key == self._leader_key:
                 leader = kv
-            elif kv.key.startswith(self._nodes):
+            elif self._is_node_key(kv.key):
                 rec = self._record(kv.key, kv.value)
                 if rec is not None:
                     seen[rec.node_id] = rec
@@ -231,9 +242,28 @@ class ClusterMember:
             if self.members.setdefault(node_id, rec) is rec:
                 self._publish(Change.JOINED, node_id)
             self.members[node_id] = rec
+        if leader is not None and not leader.lease:
+            await self._drop_unleased_leader(leader.create_revision)
+            leader = None
         self._set_leader(_text(leader.value) if leader else None, leader.lease if leader else None,
                          leader.create_revision if leader else None)
         return found.header.revision
+
+    async def _drop_unleased_leader(self, create_revision: int) -> None:
+        """A leader key held under no lease was not put by a node (a node's goes with its
+        lease): written by hand, or left by another build. Never expiring, it kept the pool
+        without a leader for good, through restarts too. A campaigning node deletes that
+        key (the one created at `create_revision`: never a real leader's that replaced it);
+        every member takes it for no leader meanwhile."""
+        if not self.campaign:
+            return
+        log.warning("the pool's leader key is held under no lease (not a node's): removing it")
+        try:
+            await self._client.transaction(
+                compare=[txn.Create(self._leader_key) == create_revision],
+                success=[txn.Delete(self._leader_key)], failure=[])
+        except ETCD_ERRORS:
+            pass  # tried again at the next read of the pool
 
     def _record(self, key: bytes, value: bytes) -> NodeRecord | None:
         """The record at a node key, or None (logged) when it does not decode or names
@@ -252,6 +282,33 @@ class ClusterMember:
                             _text(key), e, skipped)
             return None
 
+    async def _failover(self, failed: aetcd.Client) -> bool:
+        """`failed`, the client a call to etcd failed on, is given up for one to the next
+        endpoint that answers (the lease, which is the cluster's, carried over); whether it
+        was. A node held on to the first endpoint that answered at its start: with that one
+        etcd member down, the other two healthy, every node's lease ran out and the pool
+        stood empty until that member came back. One endpoint: its gRPC channel reconnects
+        on its own, nothing to switch to."""
+        if len(self.address.endpoints) < 2 or self._client is not failed:
+            return False
+        if self._switching is None:
+            self._switching = asyncio.Lock()
+        async with self._switching:
+            if self._client is not failed:
+                return True  # another task switched meanwhile
+            try:
+                client, i = await connect_from(self.address, self._endpoint + 1)
+            except ClusterError:
+                return False  # none answers: tried again at the next failure
+            was = self.address.endpoints[self._endpoint]
+            self._client, self._endpoint = client, i
+            if self._lease is not None:
+                self._lease = aetcd.Lease(self._lease.id, self._lease.ttl, client)
+            log.warning("etcd at %s:%s stopped answering: following the pool through %s:%s",
+                        *was, *self.address.endpoints[i])
+        await _bounded(failed.close(), STOP_STEP_S)
+        return True
+
     async def _try_lead(self) -> None:
         if not self.campaign or self.out or self.leader_id is not None or self.lease_lapsed:
             return  # (lapsed: it would not lead on what it won, and no other could)
@@ -264,8 +321,11 @@ class ClusterMember:
                              done[0].response_put.header.revision)
 
     async def _keepalive(self) -> None:
+        again = False  # a refresh to try at once (its endpoint failed, another took over)
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            if not again:
+                await asyncio.sleep(self.ttl_s / 3)
+            again, client = False, self._client
             try:
                 if self.out:  # (the daemon that took this id may be gone by now)
                     await self._register()
@@ -300,6 +360,7 @@ class ClusterMember:
                     raise ClusterError(f"another daemon holds node id {self.record.node_id!r}")
             except ETCD_ERRORS:  # etcd unreachable for now; the watch side reports the
                 self._resign_if_lapsed()  # outage
+                again = await self._failover(client)
             except ClusterError as e:
                 await self._leave_pool(e)
 
@@ -360,12 +421,15 @@ class ClusterMember:
                 if not isinstance(e, ETCD_ERRORS):
                     log.exception("following the pool's members failed; reading them again")
                 await asyncio.sleep(0.5)
+                client = self._client
                 try:
                     start_revision = await self._load() + 1
                     await self._try_lead()
                 except Exception as e:
                     if not isinstance(e, ETCD_ERRORS):
                         log.exception("reading the pool's members failed; trying again")
+                    else:
+                        await self._failover(client)
                     continue
 
     async def _watch(self, start_revision: int) -> None:
@@ -373,8 +437,15 @@ class ClusterMember:
         async for event in watch:
             if event.kv.key == self._leader_key:
                 await self._on_leader_event(event)
-            elif event.kv.key.startswith(self._nodes):
+            elif self._is_node_key(event.kv.key):
                 self._on_node_event(event)
+
+    def _is_node_key(self, key: bytes) -> bool:
+        """A node's key of this pool: one segment under `nodes/`. Deeper keys are another
+        pool's whose prefix lies under this one's (`/team` and `/team/nodes/gpu`): taken by
+        their last segment, its nodes joined this pool, and one of them leaving under the
+        name of a node of this one removed that live node from every view here."""
+        return key.startswith(self._nodes) and b"/" not in key[len(self._nodes):]
 
     def _on_node_event(self, event) -> None:
         node_id = _text(event.kv.key.rsplit(b"/", 1)[-1])
@@ -388,7 +459,9 @@ class ClusterMember:
             self._publish(Change.LEFT, node_id)
 
     async def _on_leader_event(self, event) -> None:
-        if event.kind == "PUT":
+        if event.kind == "PUT" and not event.kv.lease:
+            await self._drop_unleased_leader(event.kv.create_revision)
+        elif event.kind == "PUT":
             self._set_leader(_text(event.kv.value), event.kv.lease, event.kv.create_revision)
             return
         self._set_leader(None)

@@ -29,6 +29,10 @@ class NodeRecord(Record, tag="node/2"):
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
             raise ConfigError(f"node id {self.node_id!r} must be non-empty and contain no '/'")
+        try:
+            self.node_id.encode()
+        except UnicodeEncodeError:  # (bytes not UTF-8 from a command line: a traceback)
+            raise ConfigError(f"node id {self.node_id!r} is not valid UTF-8 text") from None
 
 
 class EtcdAddress(NamedTuple):
@@ -41,6 +45,9 @@ def parse_etcd_url(url: str) -> EtcdAddress:
     parts = urlsplit(url)
     if parts.scheme != "etcd" or not parts.netloc:
         raise ConfigError(f"cluster address {url!r} must look like etcd://HOST:PORT[,HOST:PORT]/PREFIX")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        # (urlsplit took them off the prefix, silently: two pools met under one)
+        raise ConfigError(f"the prefix of cluster address {url!r} may not hold '?' or '#'")
     endpoints = []
     for hostport in parts.netloc.split(","):
         host, _, port = hostport.rpartition(":")

@@ -443,3 +443,155 @@ async def test_a_node_out_of_the_pool_never_deletes_the_leader_key_of_its_ids_ne
     finally:
         await b.stop()
         await a.stop()
+
+
+def _etcd_members(tmp_path, n: int = 3):
+    """n etcd processes forming one cluster on loopback: (processes, client ports)."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    ports = [(free(), free()) for _ in range(n)]
+    initial = ",".join(f"e{i}=http://127.0.0.1:{pp}" for i, (_, pp) in enumerate(ports))
+    procs = []
+    for i, (cp, pp) in enumerate(ports):
+        d = tmp_path / f"e{i}"
+        d.mkdir()
+        procs.append(subprocess.Popen(
+            ["etcd", "--name", f"e{i}", "--data-dir", str(d / "data"),
+             "--listen-client-urls", f"http://127.0.0.1:{cp}",
+             "--advertise-client-urls", f"http://127.0.0.1:{cp}",
+             "--listen-peer-urls", f"http://127.0.0.1:{pp}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}",
+             "--initial-cluster", initial, "--initial-cluster-state", "new",
+             "--heartbeat-interval", "50", "--election-timeout", "500"],
+            stdout=open(d / "log", "wb"), stderr=subprocess.STDOUT))
+
+    def healthy(cp: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{cp}/health", timeout=2) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+    deadline = time.monotonic() + 60
+    while not all(healthy(cp) for cp, _ in ports):
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise RuntimeError("the etcd cluster did not become healthy")
+        time.sleep(0.1)
+    return procs, [cp for cp, _ in ports]
+
+
+@pytest.mark.asyncio
+async def test_the_pool_carries_on_when_the_first_etcd_endpoint_goes(tmp_path, etcd):
+    """Three etcd members, the first stopped, the other two keep quorum: a node held on to
+    the endpoint that answered first at its start, its lease ran out, and the pool stood
+    empty (no members, no leader) until that member came back. Now each moves on to the
+    next endpoint that answers, its lease with it."""
+    procs, ports = _etcd_members(tmp_path)
+    addr = parse_etcd_url("etcd://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/failover")
+    a, b = member(addr, "a"), member(addr, "b")
+    try:
+        await a.start()
+        await b.start()
+        await b.wait_for(lambda m: set(m.members) == {"a", "b"} and m.leader_id == "a", 10)
+        procs[0].terminate()
+        procs[0].wait()
+        await asyncio.sleep(3 * TTL + 1)  # past every lease, were they not refreshed
+        assert set(a.members) == set(b.members) == {"a", "b"}
+        assert a.is_leader and not b.is_leader and b.leader_id == "a"
+        watcher = ClusterMember(addr, None, ttl_s=TTL)  # a newcomer finds them too
+        await watcher.start()
+        try:
+            assert set(watcher.members) == {"a", "b"} and watcher.leader_id == "a"
+        finally:
+            await watcher.stop()
+    finally:
+        await b.stop()
+        await a.stop()
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+
+
+@pytest.mark.asyncio
+async def test_a_pool_whose_prefix_lies_under_another_stays_out_of_it(etcd):
+    """Pools `/P` and `/P/nodes/gpu`: the outer one took the inner one's node keys by their
+    last segment, so its `n0` joined the outer pool, and when it left, the outer pool's own
+    live `n0` vanished from every view there."""
+    outer = address(etcd)
+    inner = parse_etcd_url(f"etcd://{etcd.endpoint}{outer.prefix}/nodes/gpu")
+    a = member(outer, "n0")
+    b = ClusterMember(inner, NodeRecord("n0", "127.0.0.1:1", "http://127.0.0.1:2", b"inner"),
+                      ttl_s=TTL)
+    await a.start()
+    watcher = ClusterMember(outer, None, ttl_s=TTL)
+    await watcher.start()
+    try:
+        await b.start()
+        await asyncio.sleep(0.5)
+        assert watcher.members == {"n0": a.record} and a.members == {"n0": a.record}
+        await b.stop()
+        await asyncio.sleep(0.5)
+        assert watcher.members == {"n0": a.record} and a.members == {"n0": a.record}
+        fresh = ClusterMember(outer, None, ttl_s=TTL)
+        await fresh.start()
+        try:
+            assert fresh.members == {"n0": a.record} and fresh.leader_id == "n0"
+        finally:
+            await fresh.stop()
+    finally:
+        await watcher.stop()
+        await a.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_leader_key_under_no_lease_is_cleared_and_a_node_leads_again(etcd):
+    """A leader key written by hand (no lease: it never expires) kept the pool without a
+    leader for good, and through restarts."""
+    addr = address(etcd)
+    a, b = member(addr, "a"), member(addr, "b")
+    await a.start()
+    await b.start()
+    try:
+        await b.wait_for(lambda m: m.leader_id == "a", 10)
+        await a._client.put(a._leader_key, b"ghost")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            held = await a._client.get(a._leader_key)
+            if held is not None and held.lease and held.value in (b"a", b"b") \
+                    and a.leader_term == b.leader_term == (held.value.decode(), held.lease):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"no node leads again: the key holds {held}")
+        assert [a.is_leader, b.is_leader].count(True) == 1
+    finally:
+        await b.stop()
+        await a.stop()
+    other = ClusterMember(addr, None, ttl_s=TTL)
+    await other.start()
+    try:
+        await other._client.put(other._leader_key, b"ghost")  # left behind, then a start
+    finally:
+        await other.stop()
+    c = member(addr, "c")
+    await c.start()
+    try:
+        await c.wait_for(lambda m: m.is_leader, 10)
+    finally:
+        await c.stop()
+
+
+def test_node_ids_and_prefixes_that_cannot_be_named_are_refused():
+    with pytest.raises(ConfigError, match="UTF-8"):
+        NodeRecord("n\udcff", "127.0.0.1:1", "http://127.0.0.1:2")
+    for url in ("etcd://127.0.0.1:2379/pool#a", "etcd://127.0.0.1:2379/pool?x=1"):
+        with pytest.raises(ConfigError, match="'\\?' or '#'"):
+            parse_etcd_url(url)
