@@ -205,10 +205,13 @@ class ClusterClient:
             return None
 
     def _candidates(self, hashes: Sequence[bytes]) -> list[list[str]]:
-        """Per hash, the nodes to try in order: index holders, then ring owners; where the
-        index is not this token's, ring owners and then every other member."""
+        """Per hash, the nodes to try in order: index holders, then ring owners; where no
+        index answers (this token's is refused, or the pool has no leader right now), ring
+        owners and then every other member. (Without a leader, a reader with fewer
+        `replicas` than the writer, or another `prefer_node`, asked only its own ring owners,
+        and missed blocks live replicas held.)"""
         located = self.locate(hashes)
-        rest = sorted(self._member.members) if located is None and self.index_refused else []
+        rest = sorted(self._member.members) if located is None else []
         out = []
         for i, h in enumerate(hashes):
             nodes = list(located.holders[i]) if located else []
@@ -268,21 +271,15 @@ class ClusterClient:
         if located is not None:
             return [bool(h) for h in located.holders]
         found = [False] * len(hashes)
-        if self.index_refused:  # every member asked once, for the whole batch
-            for node in sorted(self._member.members):
-                try:
-                    got = self._node_client(node).contains_n(hashes)
-                except NODE_ERRORS:
-                    self._forget(node)
-                    continue
-                found = [a or b for a, b in zip(found, got)]
-            return found
-        for i, h in enumerate(hashes):
-            for node in self._owners(bytes(h)):
-                try:
-                    found[i] = found[i] or self._node_client(node).contains_n([h])[0]
-                except NODE_ERRORS:
-                    self._forget(node)
+        # no index answers: every member asked once, for the whole batch (the ring owners
+        # of this reader's `replicas` missed what a writer put elsewhere)
+        for node in sorted(self._member.members):
+            try:
+                got = self._node_client(node).contains_n(hashes)
+            except NODE_ERRORS:
+                self._forget(node)
+                continue
+            found = [a or b for a, b in zip(found, got)]
         return found
 
 

@@ -200,10 +200,27 @@ class ClusterAgent:
 
     async def start(self) -> None:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        url = self.member.record.control_url
+        if not await self._answers(url):
+            # (one that led anyway took the index from the whole pool: no node could
+            # report to it, nor any client locate through it, and it never stepped down)
+            self.member.campaign = False
+            log.error("this node's control plane does not answer at its advertised address "
+                      "%s: it joins the pool but never leads it; set --advertise to an "
+                      "address the other nodes and the clients reach", url)
         changes = self.member.subscribe()
         await self.member.start()
         self._tasks = [asyncio.create_task(self._ship_forever(), name="kv-event-shipper"),
                        asyncio.create_task(self._follow(changes), name="cluster-follow")]
+
+    async def _answers(self, url: str) -> bool:
+        """Does this node's control plane answer at `url` (its advertised address)?"""
+        try:
+            async with self._http.get(f"{url}/healthz", headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=3)) as r:
+                return r.status < 500
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
 
     async def stop(self) -> None:
         for task in self._tasks:

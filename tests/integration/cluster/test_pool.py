@@ -246,6 +246,52 @@ def test_a_lost_node_turns_its_blocks_into_misses_and_replicas_serve(etcd, tmp_p
         pool.stop()
 
 
+def test_without_an_index_a_reader_finds_blocks_its_ring_does_not_name(etcd, tmp_path):
+    """While no leader answers (one failing over), a reader asked only its own ring owners:
+    with fewer `replicas` than the writer's, or another `prefer_node`, it missed blocks
+    live nodes held. It asks every member after them now, and contains_n likewise."""
+    pool = Pool(etcd, tmp_path, 3)
+    try:
+        with ClusterClient(pool.url, namespace=NS, replicas=2) as writer, \
+                ClusterClient(pool.url, namespace=NS, prefer_node="n2") as preferring, \
+                ClusterClient(pool.url, namespace=NS) as reader:
+            wait_until(lambda: len(reader.nodes()) == 3, 15, "three members")
+            two, pref = chain(7, 30), chain(8, 30)
+            writer.put_n(two, payload(two))
+            preferring.put_n(pref, payload(pref))
+            reader.locate = lambda hashes: None  # (as while no leader answers)
+            for hs in (two, pref):
+                assert check_bytes(hs, *read(reader, hs)) == 30
+                assert reader.contains_n(hs) == [True] * 30
+    finally:
+        pool.stop()
+
+
+def test_a_node_others_cannot_reach_never_leads(etcd, tmp_path):
+    """A node whose --advertise named an address nobody reaches (itself included) won the
+    election when it started first, and the pool had no index for as long as it lived:
+    no node could report to it, no client locate through it."""
+    pool = Pool(etcd, tmp_path, 0)
+    try:
+        bad = pool._daemon("bad")
+        bad.extra = (*bad.extra, "--advertise", "127.0.0.2")  # (loopback; nothing listens)
+        pool.nodes["bad"] = bad.start()
+        for n in ("n0", "n1"):
+            pool.nodes[n] = pool._daemon(n).start()
+        wait_until(lambda: pool.view("n0").get("leader") in ("n0", "n1"), 15, "a reachable leader")
+        assert "never leads" in bad.output()
+        with ClusterClient(pool.url, namespace=NS, prefer_node="n1") as writer, \
+                ClusterClient(pool.url, namespace=NS) as reader:
+            wait_until(lambda: len(writer.nodes()) == len(reader.nodes()) == 3, 15,
+                       "three members")
+            hs = chain(9, 20)
+            assert writer.put_n(hs, payload(hs)) == [PutStatus.STORED] * 20
+            wait_until(lambda: all(reader.contains_n(hs)), 10, "the index")
+            assert all(h == ("n1",) for h in reader.locate(hs).holders)
+    finally:
+        pool.stop()
+
+
 def test_leader_failover_and_index_convergence(etcd, tmp_path):
     pool = Pool(etcd, tmp_path, 3)
     try:
