@@ -16,6 +16,7 @@ Batches of more than one row, or calls that bring their own cache, run plain `ge
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -23,7 +24,13 @@ import torch
 from engine_adapter.fingerprint import weights_revision
 from engine_adapter.plugins.base import StoreSpec, coded, dtype_name, open_store
 from kvstore.api import BlockStore, leading_hits
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, hash_blocks
+
+log = logging.getLogger("kvtier.hf")
+# a store that cannot answer (gone, hung, closed): the call computes what it would have
+# loaded, and skips its save, as the engine's connector does; never a failed generate
+OUTAGES = (ConnectionError, TimeoutError, KVStoreError)
 
 
 class GenerateStats(NamedTuple):
@@ -129,8 +136,12 @@ class KVTierGenerate:
         hashes = hash_blocks(self.ns, tokens[:len(tokens) - 1])  # keep >= 1 token to compute
         cache, num_loaded = self._load_prefix(hashes)
         kwargs["cache"] = cache
-        kwargs["return_dict_in_generate"], want_dict = True, kwargs.get("return_dict_in_generate", False)
+        # (a generation config's return_dict_in_generate was not looked at: a tensor came
+        # back where plain generate returns its output object)
+        want_dict = bool(self._setting(kwargs, "return_dict_in_generate"))
+        kwargs["return_dict_in_generate"] = True
         kwargs.setdefault("use_cache", True)
+        kwargs.pop("cache_implementation", None)  # ("dynamic": the cache passed is one)
         out = self._plain_generate(input_ids, **kwargs)
         num_saved = self._save(out.sequences[0].tolist(), out.cache, num_loaded // bt)
         self.last = GenerateStats(len(tokens), num_loaded, len(tokens) - num_loaded, num_saved, False)
@@ -150,30 +161,50 @@ class KVTierGenerate:
         return (input_ids is not None and input_ids.shape[0] == 1 and self._full_attention
                 and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
                 and kwargs.get("inputs_embeds") is None
+                # positions of the caller's change the keys (RoPE) but not the token ids:
+                # saved under the ids' hashes, later plain calls loaded that KV
+                and kwargs.get("position_ids") is None and kwargs.get("cache_position") is None
+                # (generate refuses a cache_implementation beside the cache this wrapper
+                # passes: any in a generation config failed every call; one in the call
+                # that asks for what the wrapper passes, "dynamic", is taken off it)
+                and kwargs.get("cache_implementation") in (None, "dynamic")
+                and getattr(self._config(kwargs), "cache_implementation", None) is None
                 and (mask is None or bool(torch.all(mask != 0)))
                 and self._one_plain_sequence(kwargs))
+
+    def _config(self, kwargs):
+        return kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+
+    def _setting(self, kwargs, name: str):
+        """A generation setting as generate will see it: the call's, else the generation
+        config passed, else the model's."""
+        if name in kwargs:
+            return kwargs[name]
+        return getattr(self._config(kwargs), name, None)
 
     def _one_plain_sequence(self, kwargs) -> bool:
         """What generate will do with `kwargs` (over the generation config passed, or the
         model's): one beam, one sequence returned, no assistant or lookup, no contrastive
         search."""
-        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
-
         def setting(name: str):
-            return kwargs[name] if name in kwargs else getattr(config, name, None)
+            return self._setting(kwargs, name)
         return ((setting("num_beams") or 1) == 1 and (setting("num_return_sequences") or 1) == 1
                 and kwargs.get("assistant_model") is None
                 and not setting("prompt_lookup_num_tokens") and not setting("penalty_alpha"))
 
     def _load_prefix(self, hashes) -> tuple[Any, int]:
         from transformers import DynamicCache
-        hit = self.store.match_prefix(hashes).num_blocks if hashes else 0
-        if hit == 0:
+        try:
+            hit = self.store.match_prefix(hashes).num_blocks if hashes else 0
+            if hit == 0:
+                return DynamicCache(config=self.model.config), 0
+            if self._staging.shape[0] < hit:   # reused: fresh pages cost a first touch a call
+                self._staging = torch.empty((hit, *self.ns.block_shape), dtype=self.model.dtype)
+            blocks = self._staging[:hit]
+            found = self.store.get_n(hashes[:hit], blocks)
+        except OUTAGES as e:
+            log.warning("the KV store did not answer (%s): computing the whole prompt", e)
             return DynamicCache(config=self.model.config), 0
-        if self._staging.shape[0] < hit:   # reused: fresh pages cost a first touch per call
-            self._staging = torch.empty((hit, *self.ns.block_shape), dtype=self.model.dtype)
-        blocks = self._staging[:hit]
-        found = self.store.get_n(hashes[:hit], blocks)
         good = leading_hits(found)  # a miss ends it
         if good == 0:
             return DynamicCache(config=self.model.config), 0
@@ -187,7 +218,11 @@ class KVTierGenerate:
         if len(hashes) <= num_loaded_blocks:
             return 0
         blocks = cache_to_blocks(cache, len(hashes), self.ns.block_tokens, num_loaded_blocks).cpu()
-        self.store.put_n(hashes[num_loaded_blocks:], blocks)
+        try:
+            self.store.put_n(hashes[num_loaded_blocks:], blocks)
+        except OUTAGES as e:  # (the output was lost with it: it is whole, so it goes back)
+            log.warning("the KV store did not answer (%s): this call's blocks are not saved", e)
+            return 0
         return len(hashes) - num_loaded_blocks
 
     def close(self) -> None:

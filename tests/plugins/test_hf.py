@@ -280,3 +280,96 @@ def test_calls_that_generate_more_than_one_sequence_are_generated_plainly(tmp_pa
             assert not kv.last.bypassed and kv.last.num_loaded_tokens == 0
     finally:
         kv.close()
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_calls_with_their_own_positions_neither_save_nor_load(tmp_path):
+    """position_ids change the keys (RoPE) but not the token ids: a call with its own was
+    saved under the ids' hashes, and later plain calls on the same ids loaded that KV and
+    generated something else than plain generate."""
+    model = _tiny_llama()
+    ids = torch.randint(1, 300, (1, 40), generator=torch.Generator().manual_seed(4))
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)), model_id="tiny", block_tokens=8)
+    try:
+        with torch.no_grad():
+            shifted = dict(position_ids=torch.arange(40)[None] + 300, max_new_tokens=1,
+                           do_sample=False)
+            assert torch.equal(kv.generate(ids, **shifted), model.generate(ids, **shifted))
+            assert kv.last.bypassed and kv.last.num_saved_blocks == 0
+            out = kv.generate(ids, max_new_tokens=6, do_sample=False)
+            assert kv.last.num_loaded_tokens == 0
+            assert torch.equal(out, model.generate(ids, max_new_tokens=6, do_sample=False))
+    finally:
+        kv.close()
+
+
+def test_generation_configs_are_honoured(tmp_path):
+    """return_dict_in_generate set in a GenerationConfig was not looked at (a bare tensor
+    came back), and a cache_implementation, passed or in the model's generation config,
+    failed every call ('Passing both cache_implementation and cache')."""
+    from transformers import GenerationConfig
+    model = _tiny_llama()
+    ids = torch.randint(1, 300, (1, 30), generator=torch.Generator().manual_seed(5))
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)), model_id="tiny", block_tokens=8)
+    try:
+        with torch.no_grad():
+            config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                      return_dict_in_generate=True)
+            for _ in range(2):  # (saved, then loaded)
+                out = kv.generate(ids, generation_config=config)
+                ref = model.generate(ids, generation_config=config)
+                assert type(out) is type(ref) and torch.equal(out.sequences, ref.sequences)
+            assert kv.last.num_loaded_tokens > 0
+            for how in (dict(cache_implementation="dynamic"),
+                        dict(cache_implementation="static")):
+                args = dict(max_new_tokens=4, do_sample=False, **how)
+                assert torch.equal(kv.generate(ids, **args), model.generate(ids, **args))
+            model.generation_config.cache_implementation = "dynamic"  # (a checkpoint's:
+            args = dict(max_new_tokens=4, do_sample=False)  # generated plainly)
+            assert torch.equal(kv.generate(ids, **args), model.generate(ids, **args))
+    finally:
+        model.generation_config.cache_implementation = None
+        kv.close()
+
+
+def test_a_store_that_cannot_answer_costs_the_loads_never_the_output(tmp_path):
+    """A daemon gone before a call failed it at match_prefix; one killed during a call (its
+    tokens all generated) failed it at the save, and the output was lost."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from kvstore.daemon.process import DaemonProcess
+    model = _tiny_llama()
+    ids = torch.randint(1, 300, (1, 30), generator=torch.Generator().manual_seed(6))
+    d = DaemonProcess(str(tmp_path / "data"), dram_size="64MiB", ssd_size="0",
+                      cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    d.start()
+    kv = KVTierGenerate(model, StoreSpec(url=d.url), model_id="tiny", block_tokens=8)
+
+    class KillTheDaemon(StoppingCriteria):  # after the first new token: mid-call
+        def __call__(self, input_ids, scores, **kw):
+            d.kill()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    try:
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=5, do_sample=False)
+            out = kv.generate(ids, max_new_tokens=5, do_sample=False,
+                              stopping_criteria=StoppingCriteriaList([KillTheDaemon()]))
+            assert torch.equal(out, ref) and kv.last.num_saved_blocks == 0
+            assert torch.equal(kv.generate(ids, max_new_tokens=5, do_sample=False), ref)
+            assert kv.last.num_loaded_tokens == 0  # (the daemon is gone: all computed)
+    finally:
+        kv.close()
+        d.close()
