@@ -17,7 +17,14 @@ from typing import Any, Mapping
 
 from kvstore import env
 from kvstore.api import BlockStore
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
+
+# What a store that cannot answer raises (a daemon gone, hung or closed: the SDK's
+# ConnectError and RequestTimeout, a closed store's error). A plugin then loads nothing and
+# saves nothing, and its engine computes, as the engine's own connector does: an outage of
+# the KV tier never fails a request.
+STORE_OUTAGES = (ConnectionError, TimeoutError, KVStoreError)
 
 
 @dataclass(frozen=True)

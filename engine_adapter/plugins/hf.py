@@ -22,15 +22,11 @@ from typing import Any, NamedTuple
 import torch
 
 from engine_adapter.fingerprint import weights_revision
-from engine_adapter.plugins.base import StoreSpec, coded, dtype_name, open_store
+from engine_adapter.plugins.base import STORE_OUTAGES, StoreSpec, coded, dtype_name, open_store
 from kvstore.api import BlockStore, leading_hits
-from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, hash_blocks
 
 log = logging.getLogger("kvtier.hf")
-# a store that cannot answer (gone, hung, closed): the call computes what it would have
-# loaded, and skips its save, as the engine's connector does; never a failed generate
-OUTAGES = (ConnectionError, TimeoutError, KVStoreError)
 
 
 class GenerateStats(NamedTuple):
@@ -202,7 +198,7 @@ class KVTierGenerate:
                 self._staging = torch.empty((hit, *self.ns.block_shape), dtype=self.model.dtype)
             blocks = self._staging[:hit]
             found = self.store.get_n(hashes[:hit], blocks)
-        except OUTAGES as e:
+        except STORE_OUTAGES as e:
             log.warning("the KV store did not answer (%s): computing the whole prompt", e)
             return DynamicCache(config=self.model.config), 0
         good = leading_hits(found)  # a miss ends it
@@ -220,7 +216,7 @@ class KVTierGenerate:
         blocks = cache_to_blocks(cache, len(hashes), self.ns.block_tokens, num_loaded_blocks).cpu()
         try:
             self.store.put_n(hashes[num_loaded_blocks:], blocks)
-        except OUTAGES as e:  # (the output was lost with it: it is whole, so it goes back)
+        except STORE_OUTAGES as e:  # (the output was lost with it: it is whole, so it goes back)
             log.warning("the KV store did not answer (%s): this call's blocks are not saved", e)
             return 0
         return len(hashes) - num_loaded_blocks

@@ -18,6 +18,7 @@ bf16 and fp8 caches copy as raw bytes.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
@@ -25,8 +26,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engine_adapter.plugins.base import STORE_OUTAGES
 from kvstore.api import BlockStore, leading_hits
 from engine_adapter.plugins.vllm.metadata import BlockTransfer
+
+log = logging.getLogger("kvtier.vllm")
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -101,7 +105,12 @@ class LayerwiseLoader:
         """get_n every block; (staging rows, vLLM block ids) of those to write."""
         hashes = [h for t in loads for h in t.hashes]
         staging = self._staging_for(len(hashes))
-        found = self.store.get_n(hashes, staging)
+        try:
+            found = self.store.get_n(hashes, staging)
+        except STORE_OUTAGES as e:  # every block a load error: vLLM recomputes them (the
+            # exception failed the step)
+            log.warning("the KV store did not answer (%s): recomputing %d blocks", e, len(hashes))
+            found = [None] * len(hashes)
         rows: list[int] = []
         ids: list[int] = []
         start = 0

@@ -10,12 +10,16 @@ the step feeds to the model).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from engine_adapter.plugins.base import STORE_OUTAGES
 from kvstore.api import BlockStore
 from engine_adapter.plugins.vllm.metadata import BlockTransfer, KVTierMetadata
 from kvstore.keys import Namespace, hash_blocks
+
+log = logging.getLogger("kvtier.vllm")
 
 
 @dataclass
@@ -56,7 +60,7 @@ class SchedulerSide:
         marks = dict(marks or {})
         hashes = hash_marked(self.ns, prompt, 0, None, extra, marks)
         loadable = (len(prompt) - 1) // bt   # vLLM must compute at least the last token
-        hit = self.store.match_prefix(hashes[:loadable]).num_blocks if loadable else 0
+        hit = self._matched(hashes[:loadable]) if loadable else 0
         self.requests[req_id] = _Request(hashes, hit, tokens, num_computed_tokens, extra=extra,
                                          marks=marks)
         num_new = max(0, hit * bt - num_computed_tokens)
@@ -127,7 +131,16 @@ class SchedulerSide:
         req.load = None
 
     def _recheck(self, req: _Request) -> int:
-        return self.store.match_prefix(req.hashes).num_blocks
+        return self._matched(req.hashes)
+
+    def _matched(self, hashes: list[bytes]) -> int:
+        """The leading blocks the store holds; 0 when it cannot answer (vLLM computes them:
+        the exception failed vLLM's scheduler step, and with it every request)."""
+        try:
+            return self.store.match_prefix(hashes).num_blocks
+        except STORE_OUTAGES as e:
+            log.warning("the KV store did not answer (%s): computing instead", e)
+            return 0
 
     def finished(self, req_id: str) -> None:
         self.requests.pop(req_id, None)

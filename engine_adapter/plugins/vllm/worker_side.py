@@ -14,11 +14,13 @@ finished request holds no blocks. Host copies are numpy (single-threaded memcpy)
 """
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import numpy as np
 import torch
 
+from engine_adapter.plugins.base import STORE_OUTAGES
 from kvstore.api import BlockStore
 from engine_adapter.plugins.vllm import layout
 from engine_adapter.plugins.vllm.loading import LayerwiseLoader, numpy_view
@@ -100,9 +102,14 @@ class WorkerSide:
             if layer not in self._layers_saved:
                 self._copy_out(layer)
         hashes = [h for t in meta.saves for h in t.hashes]
-        self.store.put_n(hashes, self._save_buf)
-        self.num_saved_blocks += len(hashes)
-        self._save_ids = self._save_buf = None
+        try:
+            self.store.put_n(hashes, self._save_buf)
+            self.num_saved_blocks += len(hashes)
+        except STORE_OUTAGES as e:  # (the exception failed vLLM's step: its outputs lost)
+            logging.getLogger("kvtier.vllm").warning(
+                "the KV store did not answer (%s): %d blocks not saved", e, len(hashes))
+        finally:
+            self._save_ids = self._save_buf = None
 
     def take_finished(self) -> set[str]:
         self.loader.finish()   # vLLM may ask before wait_for_save (deferred finalize)
