@@ -17,6 +17,7 @@ Both inputs are process-independent, so pages are found across restarts and serv
 """
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 from typing import Any, Optional, Sequence
@@ -26,7 +27,8 @@ import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from engine_adapter.fingerprint import canonical, checkpoint_revision
-from engine_adapter.plugins.base import StoreSpec, dtype_name, release_store, shared_store
+from engine_adapter.plugins.base import (STORE_OUTAGES, StoreSpec, dtype_name, release_store,
+                                         shared_store)
 from engine_adapter.plugins.sglang.layout import PageGeometry, PoolPages, geometry_of
 from kvstore.keys import Namespace
 from kvstore.store import PutStatus
@@ -94,6 +96,13 @@ def _stored(statuses) -> list[bool]:
     return [st is not PutStatus.NO_SPACE for st in statuses]
 
 
+def _outage(error: BaseException, answer):
+    """`answer` (what an empty store would say), the outage logged."""
+    logging.getLogger("kvtier.sglang").warning(
+        "the KV store did not answer (%s): SGLang computes instead", error)
+    return answer
+
+
 class KVTierHiCacheStorage(HiCacheStorage):
     """SGLang calls `KVTierHiCacheStorage(storage_config, kwargs)` and then
     `register_mem_pool_host(pool)`; the store opens there, once the page geometry is known.
@@ -145,12 +154,21 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ lookups
 
+    # A store that cannot answer (STORE_OUTAGES) answers as if empty and stores nothing:
+    # SGLang computes, as with no storage at all, instead of failing the request.
+
     def exists(self, key: str) -> bool:
-        return self.store.contains_n(self._hashes([key]))[0]
+        try:
+            return self.store.contains_n(self._hashes([key]))[0]
+        except STORE_OUTAGES as e:
+            return _outage(e, False)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many of `keys`, from the first, are stored."""
-        return self.store.match_prefix(self._hashes(keys)).num_blocks
+        try:
+            return self.store.match_prefix(self._hashes(keys)).num_blocks
+        except STORE_OUTAGES as e:
+            return _outage(e, 0)
 
     # ------------------------------------------------------------------ direct page path
 
@@ -162,7 +180,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
             for lo, hi in self._chunks(len(hashes), "set"):
                 staging = self._staging["set"][: hi - lo]
                 self.pages.gather(page_ids[lo:hi], staging)
-                ok += _stored(self.store.put_n(hashes[lo:hi], staging))
+                try:
+                    ok += _stored(self.store.put_n(hashes[lo:hi], staging))
+                except STORE_OUTAGES as e:
+                    return _outage(e, ok + [False] * (len(hashes) - lo))
         return ok
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
@@ -174,7 +195,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
         with self._locks["get"]:
             for lo, hi in self._chunks(len(hashes), "get"):
                 staging = self._staging["get"][: hi - lo]
-                found = [t is not None for t in self.store.get_n(hashes[lo:hi], staging)]
+                try:
+                    found = [t is not None for t in self.store.get_n(hashes[lo:hi], staging)]
+                except STORE_OUTAGES as e:
+                    return _outage(e, ok + [False] * (len(hashes) - lo))
                 hit = [i for i, f in enumerate(found) if f]
                 if len(hit) == len(found):
                     self.pages.scatter(page_ids[lo:hi], staging)
@@ -197,7 +221,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 staging = self._staging["set"][: hi - lo]
                 for j in range(lo, hi):
                     self.pages.flat_page_to_block(values[j], staging[j - lo])
-                ok &= all(_stored(self.store.put_n(hashes[lo:hi], staging)))
+                try:
+                    ok &= all(_stored(self.store.put_n(hashes[lo:hi], staging)))
+                except STORE_OUTAGES as e:
+                    return _outage(e, False)
         return ok
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -213,7 +240,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
         with self._locks["get"]:
             for lo, hi in self._chunks(len(hashes), "get"):
                 staging = self._staging["get"][: hi - lo]
-                for j, tier in enumerate(self.store.get_n(hashes[lo:hi], staging), start=lo):
+                try:
+                    tiers = self.store.get_n(hashes[lo:hi], staging)
+                except STORE_OUTAGES as e:
+                    return _outage(e, out + [None] * (len(hashes) - lo))
+                for j, tier in enumerate(tiers, start=lo):
                     out.append(None if tier is None else self._flat_page(staging[j - lo], target_locations, j))
         return out
 

@@ -119,6 +119,23 @@ def test_a_missing_page_ends_the_hit_and_is_left_untouched(tmp_path, backends):
     assert backend.get(keys[2]) is None and backend.batch_get(keys)[2] is None
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "generic"])
+def test_a_store_that_cannot_answer_is_an_empty_one(tmp_path, backends, direct):
+    """Every call raised the store's error into SGLang's cache controller (a daemon gone,
+    hung, or a store closed): now lookups find nothing, sets store nothing and gets miss,
+    and SGLang computes."""
+    pool = make_host_pool("layer_first")
+    backend = backends(storage_config(tmp_path), pool)
+    keys, src = sglang_keys(3), pool.alloc(3 * PAGE)
+    assert ctl_set(backend, pool, keys, src, direct)
+    backend.store.close()
+    assert backend.batch_exists(keys) == 0 and not backend.exists(keys[0])
+    assert backend.batch_set_v1(keys, src) == [False] * 3
+    assert backend.batch_get_v1(keys, pool.alloc(3 * PAGE)) == [False] * 3
+    assert backend.batch_get(keys) == [None] * 3 and backend.get(keys[0]) is None
+    assert ctl_get(backend, pool, keys, pool.alloc(3 * PAGE), direct) == 0
+
+
 def test_pages_survive_a_restart_and_stay_in_their_namespace(tmp_path, backends):
     pool = make_host_pool("page_first")
     first = backends(storage_config(tmp_path, kvtier_dram_blocks=0), pool)
