@@ -242,6 +242,19 @@ def test_models_of_one_name_share_kv_only_when_their_weights_are_equal(tmp_path)
     assert named[0] == named[1] and named[0].revision == "v7"
 
 
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 @pytest.mark.parametrize("widen", [dict(num_beams=3), dict(num_return_sequences=3, do_sample=True),
                                    dict(generation_config="beams")],
                          ids=["num_beams", "num_return_sequences", "a beam config"])
@@ -250,15 +263,8 @@ def test_calls_that_generate_more_than_one_sequence_are_generated_plainly(tmp_pa
     cache was saved under the hashes of the best sequence (another beam's KV: a later
     greedy call on that text loaded it and diverged from plain generate), and a second such
     call, its prefix stored, crashed in transformers (a one-row cache met three rows)."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.generation_config.pad_token_id = 0
+    from transformers import GenerationConfig
+    model = _tiny_llama()
     if widen.get("generation_config") == "beams":  # (the widening in a config, not kwargs)
         widen = dict(generation_config=GenerationConfig(num_beams=3, max_new_tokens=10,
                                                         pad_token_id=0))
@@ -281,18 +287,6 @@ def test_calls_that_generate_more_than_one_sequence_are_generated_plainly(tmp_pa
     finally:
         kv.close()
 
-
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def test_calls_with_their_own_positions_neither_save_nor_load(tmp_path):
