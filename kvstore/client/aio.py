@@ -27,9 +27,9 @@ from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client import forks
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (MAX_STAGE_BYTES, SPIN_US, STAGED_PUT_BYTES, TouchLog,
-                                    as_numpy, check_timeouts, copy_row, flags_of, get_layout, payload_views,
-                                    row_view, match_of, put_statuses, raise_unless_retryable,
-                                    reusable_after, stage, stats_of)
+                                    as_numpy, check_timeouts, copy_row, flags_of, get_layout,
+                                    payload_views, row_view, match_of, put_statuses,
+                                    raise_unless_retryable, reusable_after, stage, stats_of)
 from kvstore.client.shm import SHARE_REFUSALS, VECTOR_READS, ArenaMap, open_arena
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
@@ -435,13 +435,12 @@ class AsyncClient:
             # fell due, each waiting timeout_s, and close() waited for them all)
             batch = self._touches.take()
             if batch is not None:  # sent beside the reads that follow, not waited for here
-                self._touch_task = asyncio.ensure_future(self._send_touch(batch, None))
+                self._touch_task = asyncio.ensure_future(self._send_touch(batch))
         return tiers, missed
 
-    async def _send_touch(self, batch: w.Touch, before: asyncio.Future | None) -> bool:
-        """One TOUCH (after `before`: they land in order); whether the daemon answered."""
-        if before is not None:
-            await asyncio.wait([before])
+    async def _send_touch(self, batch: w.Touch) -> bool:
+        """One TOUCH (one in flight at a time: they land in order); whether the daemon
+        answered."""
         try:
             await self._call(batch)
             return True
@@ -458,7 +457,7 @@ class AsyncClient:
             if before.cancelled() or before.exception() is not None or not before.result():
                 return  # unanswered: the rest would each wait as long
         while (batch := self._touches.take(everything=True)) is not None:
-            if not await self._send_touch(batch, None):
+            if not await self._send_touch(batch):
                 return
 
     async def _get_n(self, conn: AsyncConnection, packed: bytes, rows,
