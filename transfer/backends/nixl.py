@@ -48,7 +48,10 @@ USER, CTRL, ACK = b"U", b"C", b"A"
 _VRAM = 1
 IDLE_POLL_S = 0.002  # how often an idle agent looks for notifications
 BUSY_POLL_S = 0.00005
-ACK_WAIT_S = 2.0  # bound on waiting for peers to acknowledge a revocation
+ACK_WAIT_S = 5.0  # bound on waiting for peers to acknowledge a revocation or a departure
+# (a live peer that has not acked by then keeps its stale view: its next post may still land
+# in what was deregistered, or reach a closed agent; 2 s ran out once on a loaded CI host,
+# and a peer's write to an agent closed meanwhile went through)
 
 
 def _addr(region: Region) -> tuple[int, int, int]:
