@@ -22,6 +22,18 @@ class RopeScaling:
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 
 
+def bool_field(d, key: str, error: type[Exception], name: str) -> bool:
+    """A boolean field of a JSON mapping (false when absent or null); anything but a
+    boolean raises `error` saying `name` must be true or false (the string "false" was
+    read as true: a model's embeddings tied, an answer asked for whole streamed)."""
+    value = d.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise error(f"{name} must be true or false, not {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-architecture model: RMSNorm, RoPE, GQA, a gated MLP; optional biases (Llama's

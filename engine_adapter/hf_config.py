@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from engine_adapter.config import SUPPORTED_ACTIVATIONS, ModelConfig, RopeScaling
+from engine_adapter.config import SUPPORTED_ACTIVATIONS, ModelConfig, RopeScaling, bool_field
 from engine_adapter.errors import ModelLoadError
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -130,13 +130,7 @@ def _biases(d: Mapping[str, Any], kind: str) -> tuple[bool, bool, bool]:
 
 
 def _flag(d: Mapping[str, Any], field: str) -> bool:
-    """A boolean field (false when absent): the string "false" was read as true."""
-    value = d.get(field, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ModelLoadError(f"config field {field} must be true or false, not {value!r}")
-    return value
+    return bool_field(d, field, ModelLoadError, f"config field {field}")
 
 
 def _sliding_window(d: Mapping[str, Any], kind: str) -> tuple[int | None, tuple[int, ...]]:

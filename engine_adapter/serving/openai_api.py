@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine_adapter.config import bool_field
+
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -70,14 +72,7 @@ def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
 
 
 def _flag(body: dict, key: str) -> bool:
-    """A boolean field (false when absent): "false" read as true streamed an answer asked for
-    whole."""
-    value = body.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{key}' must be true or false, not {value!r}")
-    return value
+    return bool_field(body, key, BadRequest, f"'{key}'")
 
 
 def _params(body: dict, chat: bool) -> dict:
