@@ -211,7 +211,7 @@ class DirectPuts:
         if not self.pending():
             return  # nothing waits: a put that returned before this call has published
         with self.lock:
-            if not self.closed and self.ring.pending():
+            if self.pending():  # (not in a channel the daemon ended: nothing answers)
                 self.conn.call(w.Flush())
 
     def forget(self) -> None:
