@@ -61,15 +61,19 @@ setup(
                                     "kernels*", "bench*"]),
     # the demo workloads, derived from Mooncake's trace
     package_data={"kvtier": ["data/*.jsonl"]},
-    # block copies that bypass the CPU caches and a socket receive loop (transfer/_stream.c).
-    # Optional: without a C compiler the install goes on, and transfer.copy copies through
-    # numpy and the payload receives loop in Python instead
+    # block copies that bypass the CPU caches and a socket receive loop (transfer/_stream.c),
+    # and the SSD tier's hashed payload I/O (kvstore/tiers/_slabio.c). Optional: without a C
+    # compiler the install goes on, and transfer.copy copies through numpy, the payload
+    # receives loop in Python and the SSD tier hashes beside its I/O in Python instead
     # KVTIER_NO_EXT=1: an editable install that leaves the module .venv's install built
     # into the source tree alone (the engines' venvs, made while the main suite runs: each
     # compiled it again and put its copy in transfer/ under the processes using it; they
     # import the one there, as .venv does)
     ext_modules=[] if os.environ.get("KVTIER_NO_EXT") == "1" else [
-        Extension("transfer._stream", ["transfer/_stream.c"], optional=True)],
+        Extension("transfer._stream", ["transfer/_stream.c"], optional=True),
+        # the SSD tier's payload I/O with each block's checksum taken beside it, the GIL
+        # released (kvstore/tiers/_slabio.c); without it slabfile.py does the same in Python
+        Extension("kvstore.tiers._slabio", ["kvstore/tiers/_slabio.c"], optional=True)],
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={

@@ -15,6 +15,7 @@ from kvstore.events import EventKind, TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.layout import encode_block
 from kvstore.store import PutStatus, TieredStore
+from kvstore.tiers import slabfile
 
 NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 CHAIN = hash_blocks(NS, list(range(4 * 12)))
@@ -927,6 +928,7 @@ def test_a_put_whose_twin_failed_on_the_disk_is_stored(tmp_path, monkeypatch):
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(fd, bufs, offset)
         monkeypatch.setattr(os, "pwritev", refusing)
+        monkeypatch.setattr(slabfile, "NATIVE", False)  # (payloads through os.pwritev)
         got = {}
         a = threading.Thread(target=lambda: got.update(A=s.put_n(CHAIN[:1], blocks(1))),
                              name="A")
@@ -955,6 +957,7 @@ def test_a_block_named_twice_in_a_put_the_disk_refuses_is_no_space_both_times(tm
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(fd, bufs, offset)
         monkeypatch.setattr(os, "pwritev", refusing)
+        monkeypatch.setattr(slabfile, "NATIVE", False)  # (payloads through os.pwritev)
         got = s.put_n([CHAIN[0], CHAIN[1], CHAIN[0]], blocks(3))
         assert got == [PutStatus.NO_SPACE] * 3 and s.contains_n(CHAIN[:2]) == [False] * 2
         monkeypatch.setattr(os, "pwritev", real)

@@ -23,6 +23,26 @@ NS = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", 
 HASHES = hash_blocks(NS, list(range(40)))
 
 
+def pytest_generate_tests(metafunc):
+    """Every test here runs on both ways the tier moves payloads: through the C module
+    (kvstore/tiers/_slabio.c, where it was built) and through Python's os.pwritev/preadv
+    (where it was not). A test that patches those calls (`python_io`) runs on the second."""
+    if "io_path" in metafunc.fixturenames:
+        python_only = metafunc.definition.get_closest_marker("python_io") is not None
+        metafunc.parametrize("io_path", ["python"] if python_only else ["native", "python"],
+                             indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def io_path(request, monkeypatch):
+    if request.param == "native":
+        assert slabfile.NATIVE, "kvstore.tiers._slabio is missing or unbound: reinstall " \
+                                "kvtier with a C compiler (pip install -e .)"
+    else:
+        monkeypatch.setattr(slabfile, "NATIVE", False)
+    return request.param
+
+
 def _blocks(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, NS.block_bytes), dtype=torch.uint8, generator=g)
@@ -119,10 +139,11 @@ def chunked(monkeypatch):
 
 
 def test_big_blocks_move_in_hashed_chunks_and_a_damaged_chunk_is_a_miss(tmp_path, chunked,
-                                                                       monkeypatch):
+                                                                       monkeypatch, io_path):
     """Big blocks are written and read a chunk at a time, each hashed next to its I/O:
     the bytes on disk, the checksum in the header, and what reads back are those of a
-    block moved whole; a byte flipped in any chunk fails that block alone."""
+    block moved whole; a byte flipped in any chunk fails that block alone. (The calls
+    themselves are seen on the Python path; the C module makes the same ones.)"""
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(5)
     blocks = _blocks(5, seed=4)
@@ -136,8 +157,16 @@ def test_big_blocks_move_in_hashed_chunks_and_a_damaged_chunk_is_a_miss(tmp_path
     tier.write_n(slots, HASHES[:5], blocks)
     monkeypatch.setattr(slabfile.os, "pwritev", real)
     pad = stride_of(NS.block_bytes) - NS.block_bytes
-    assert written == [(slot * stride_of(NS.block_bytes) + at, [300] if at < 900 else [124, pad])
-                       for slot in slots for at in (0, 300, 600, 900)]
+    if io_path == "python":
+        assert written == [(slot * stride_of(NS.block_bytes) + at,
+                            [300] if at < 900 else [124, pad])
+                           for slot in slots for at in (0, 300, 600, 900)]
+    else:
+        assert written == []
+    with open(tmp_path / "slabs.dat", "rb") as f:  # each slot's pad written as zeros
+        for slot in slots:
+            f.seek(slot * stride_of(NS.block_bytes) + NS.block_bytes)
+            assert f.read(pad) == bytes(pad)
     for i, slot in enumerate(slots):
         assert _payload(tmp_path, slot) == blocks[i].numpy().tobytes()
         assert _header(tmp_path, slot).checksum == checksum(blocks[i])
@@ -152,6 +181,7 @@ def test_big_blocks_move_in_hashed_chunks_and_a_damaged_chunk_is_a_miss(tmp_path
     tier.close()
 
 
+@pytest.mark.python_io
 def test_a_chunk_that_cannot_be_read_fails_its_block_and_the_rest_read(tmp_path, monkeypatch,
                                                                        chunked):
     """An I/O error in the middle of a big block (the third chunk of the second block) is a
@@ -173,6 +203,53 @@ def test_a_chunk_that_cannot_be_read_fails_its_block_and_the_rest_read(tmp_path,
     tier.close()
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["runs", "chunks"])
+def test_a_chunk_past_the_end_of_the_file_fails_its_block_and_the_rest_read(tmp_path, chunked):
+    """A block whose last chunk (or a run's last block) lies past the end of the slab file
+    (cut short under a running tier) is a miss; the blocks before it read whole, and the
+    blocks of a failed run are read again one by one."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(3)
+    blocks = _blocks(3, seed=5)
+    tier.write_n(slots, HASHES[:3], blocks)
+    stride = stride_of(NS.block_bytes)
+    os.truncate(tmp_path / "slabs.dat", max(slots) * stride + 700)  # inside its third chunk
+    out = torch.zeros_like(blocks)
+    assert tier.read_n(slots, HASHES[:3], out) == [s != max(slots) for s in slots]
+    for i, slot in enumerate(slots):
+        if slot != max(slots):
+            assert torch.equal(out[i], blocks[i])
+    tier.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["runs", "chunks"])
+def test_a_write_the_kernel_refuses_fails_cleanly_and_writes_no_header(tmp_path, chunked):
+    """A payload write the kernel refuses (the slab file's descriptor swapped for a
+    read-only one: EBADF from the real pwritev, on whichever path moves the bytes) raises
+    a TierIOError naming the file, and writes no header; the next write, once the
+    descriptor takes writes again, lands and reads back."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(4)
+    blocks = _blocks(4, seed=7)
+    fd = tier.slabs.fd
+    saved, readonly = os.dup(fd), os.open(tmp_path / "slabs.dat", os.O_RDONLY)
+    try:
+        os.dup2(readonly, fd)
+        with pytest.raises(TierIOError, match="slabs.dat"):
+            tier.write_n(slots[:2], HASHES[:2], blocks[:2])
+        os.dup2(saved, fd)
+    finally:
+        os.close(saved)
+        os.close(readonly)
+    assert [h for _, h, _ in tier.slabs.headers(slots[:2])] == [None, None]
+    tier.write_n(slots[2:], HASHES[2:4], blocks[2:])
+    out = torch.zeros_like(blocks[2:])
+    assert tier.read_n(slots[2:], HASHES[2:4], out) == [True, True]
+    assert torch.equal(out, blocks[2:])
+    tier.close()
+
+
+@pytest.mark.python_io
 @pytest.mark.parametrize("chunked", [False, True], ids=["runs", "chunks"])
 @pytest.mark.parametrize("fail_at", [1, 2, 7])
 def test_a_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch, fail_at,
@@ -232,6 +309,7 @@ def test_readers_in_many_threads_get_their_own_verdicts(tmp_path, chunked):
     tier.close()
 
 
+@pytest.mark.python_io
 @pytest.mark.parametrize("chunked", [False, True], ids=["runs", "chunks"])
 @pytest.mark.parametrize("head_dim", [16, 64], ids=["padded-slots", "page-sized-blocks"])
 def test_short_transfers_are_carried_on_to_the_last_byte(tmp_path, monkeypatch, head_dim,
@@ -291,11 +369,13 @@ def test_blocks_survive_close_and_reopen(tmp_path):
 def _crash_after(tmp_path, num_blocks: int, num_slots: int, body: str) -> None:
     """Run `body` in a child process holding an SsdTier at `tmp_path` (`tier`, `hashes`,
     `data`: the blocks `_blocks(num_blocks)` makes here), then SIGKILL it: no close, no
-    flush, a crash."""
+    flush, a crash. The child moves payloads the way this test does (`io_path`)."""
     child = textwrap.dedent(f"""
         import os, torch
         from kvstore.keys import Namespace, hash_blocks
+        from kvstore.tiers import slabfile
         from kvstore.tiers.ssd import SsdTier
+        slabfile.NATIVE = {slabfile.NATIVE!r}
         ns = Namespace("m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
         hashes = hash_blocks(ns, list(range(40)))
         g = torch.Generator().manual_seed(0)
@@ -999,7 +1079,9 @@ def test_a_block_adopted_from_its_header_keeps_the_index_entry_it_gets_at_open(t
     script = textwrap.dedent(f"""
         import os, torch
         from kvstore.keys import Namespace, hash_blocks
+        from kvstore.tiers import slabfile
         from kvstore.tiers.ssd import SsdTier
+        slabfile.NATIVE = {slabfile.NATIVE!r}
         NS = Namespace(**{dataclasses.asdict(NS)!r})
         t = SsdTier(NS, {str(tmp_path)!r}, 8)
         t.recover()
