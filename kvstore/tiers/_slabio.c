@@ -51,12 +51,15 @@ static void *find(void *lib, const char *fast, const char *plain)
 }
 
 /* bind(path) -> bool: take the XXH3 functions from the shared library at `path` (the
- * xxhash package's extension module, already loaded). False where one is missing. */
+ * xxhash package's extension module, already loaded). False where one is missing. Once
+ * bound, the functions stay (a second call changes nothing: calls in flight use them). */
 static PyObject *bind(PyObject *self, PyObject *args)
 {
     const char *path;
     if (!PyArg_ParseTuple(args, "s:bind", &path))
         return NULL;
+    if (xxh_oneshot != NULL)
+        Py_RETURN_TRUE;
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
     if (lib == NULL)
         Py_RETURN_FALSE;
@@ -154,6 +157,20 @@ fail:
     return -1;
 }
 
+/* 0 when every slot from `offset` on, `n` of `stride` bytes, lies within off_t; -1 with
+ * ValueError set otherwise (a negative offset too) */
+static int check_span(long long offset, Py_ssize_t n, Py_ssize_t stride)
+{
+    long long span, end;
+    if (offset < 0 || __builtin_mul_overflow((long long)n, (long long)stride, &span)
+            || __builtin_add_overflow(offset, span, &end)) {
+        PyErr_Format(PyExc_ValueError, "%zd slots of %zd bytes from offset %lld do not fit a "
+                     "file", n, stride, offset);
+        return -1;
+    }
+    return 0;
+}
+
 /* blocks per call of a run of small blocks: `per_call`, within 1..MAX_RUN */
 static int group(Py_ssize_t per_call)
 {
@@ -181,6 +198,10 @@ static PyObject *write_blocks(PyObject *self, PyObject *args)
     Blocks b;
     if (take(seq, 0, stride, &b) < 0)
         return NULL;
+    if (check_span(offset, b.n, stride) < 0) {
+        release(&b);
+        return NULL;
+    }
     uint64_t *sums = PyMem_Calloc(b.n ? (size_t)b.n : 1, sizeof(uint64_t));
     struct iovec *iov = PyMem_Calloc(2 * MAX_RUN, sizeof(struct iovec));
     void *state = xxh_create();
@@ -269,6 +290,10 @@ static PyObject *read_blocks(PyObject *self, PyObject *args)
     Blocks b;
     if (take(seq, 1, stride, &b) < 0)
         return NULL;
+    if (check_span(offset, b.n, stride) < 0) {
+        release(&b);
+        return NULL;
+    }
     uint64_t *sums = PyMem_Calloc(b.n ? (size_t)b.n : 1, sizeof(uint64_t));
     char *good = PyMem_Calloc(b.n ? (size_t)b.n : 1, 1);
     struct iovec *iov = PyMem_Calloc(2 * MAX_RUN, sizeof(struct iovec));

@@ -177,6 +177,11 @@ class SlabFile:
         self._scratch_view = memoryview(bytearray(pad)) if pad else None
         self._run_blocks = max(1, HASHED_RUN_BYTES // self.block_bytes)
         self._header = HeaderEncoder(ns)
+        # payload writes and reads in flight: close() waits for them, so none of them ever
+        # reaches a descriptor number closed under it and reused by another file (the C
+        # path holds the number for a whole run: a close mid-run sent the rest of it, up
+        # to 19 MiB, into a file opened meanwhile)
+        self._gate, self._busy, self._closing = threading.Condition(), 0, False
 
     def grow(self, min_slots: int = 1) -> range:
         """Reserve the next extent on disk (smaller ones, down to `min_slots`, when the
@@ -234,11 +239,37 @@ class SlabFile:
         and with both cores busy it lost everywhere (4 MiB get 1.0 -> 1.6 ms).
 
         Where kvstore.tiers._slabio was built (NATIVE), each run of consecutive slots is
-        written and hashed the same way in one call to it, the GIL released throughout."""
-        if NATIVE:
-            return self._write_native(slots, hashes, payloads)
-        if self.block_bytes >= CHUNKED_BLOCK_BYTES:
-            return self._write_chunked(slots, hashes, payloads)
+        written and hashed the same way in one call to it, the GIL released throughout.
+        TierIOError once the file is closed."""
+        if not self._enter():
+            raise TierIOError(f"the SSD tier's slab file {self.path} is closed")
+        try:
+            if NATIVE:
+                return self._write_native(slots, hashes, payloads)
+            if self.block_bytes >= CHUNKED_BLOCK_BYTES:
+                return self._write_chunked(slots, hashes, payloads)
+            return self._write_runs(slots, hashes, payloads)
+        finally:
+            self._leave()
+
+    def _enter(self) -> bool:
+        """One more payload call in flight (False, and none, once the file is closing)."""
+        with self._gate:
+            if self._closing:
+                return False
+            self._busy += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._busy -= 1
+            if not self._busy:
+                self._gate.notify_all()
+
+    def _write_runs(self, slots: Sequence[int], hashes: Sequence[bytes],
+                    payloads: Sequence[memoryview]) -> list[int]:
+        """write_n of small blocks in Python: a pwritev per run of HASHED_RUN_BYTES, its
+        blocks hashed right after it, then their headers."""
         sums = [0] * len(payloads)
         for first, idx in _runs(slots, self._run_blocks):
             self._io(os.pwritev, self.fd, first * self.stride,
@@ -271,10 +302,12 @@ class SlabFile:
 
     def _write_native(self, slots: Sequence[int], hashes: Sequence[bytes],
                       payloads: Sequence[memoryview]) -> list[int]:
-        """write_n through _slabio: a run of consecutive slots per call, then its headers."""
+        """write_n through _slabio: a run of consecutive slots per call, then its headers
+        (big blocks': after every payload of the batch, as _write_chunked)."""
         sums = [0] * len(payloads)
         piece = CHUNK_BYTES if self.block_bytes >= CHUNKED_BLOCK_BYTES else 0
-        for first, idx in _runs(slots):
+        runs, heads = _runs(slots), []
+        for first, idx in runs:
             try:
                 got = _slabio.write_blocks(self.fd, first * self.stride,
                                            [payloads[i] for i in idx], self.stride,
@@ -283,9 +316,19 @@ class SlabFile:
                 raise TierIOError(f"SSD tier I/O on {self.path} failed: {e}") from e
             for i, c in zip(idx, got):
                 sums[i] = c
+            heads.append((first, idx))
+            if not piece:
+                self._write_heads(hashes, sums, heads)
+        self._write_heads(hashes, sums, heads)
+        return sums
+
+    def _write_heads(self, hashes: Sequence[bytes], sums: list[int],
+                     runs: list[tuple[int, list[int]]]) -> None:
+        """The headers of `runs` (emptied): one pwritev per run of consecutive slots."""
+        for first, idx in runs:
             self._io(os.pwritev, self.hfd, first * HEADER_BYTES,
                      [self._header(hashes[i], sums[i]) for i in idx])
-        return sums
+        runs.clear()
 
     def restore_headers(self, entries: Sequence[tuple[bytes, int, int]]) -> int:
         """Write the headers of a slab file that lost its header file, from the index's
@@ -334,29 +377,41 @@ class SlabFile:
         the slot's header at open; None: none is known, a miss); False where they differ
         (another block, damage, an unreadable sector). One preadv per run, no header read:
         the checksum the tier holds is what the header would say. NATIVE: each run in one
-        call to _slabio, read and hashed as below."""
-        if NATIVE:
-            ok = [False] * len(slots)
-            piece = CHUNK_BYTES if self.block_bytes >= CHUNKED_BLOCK_BYTES else 0
-            for first, idx in _runs(slots):
-                got = _slabio.read_blocks(self.fd, first * self.stride, [dsts[i] for i in idx],
-                                          self.stride, self._run_blocks, piece)
-                for i, c in zip(idx, got):  # (None: unreadable)
-                    ok[i] = c is not None and c == sums[i]
-            return ok
-        if self.block_bytes >= CHUNKED_BLOCK_BYTES:
-            return self._read_chunked(slots, sums, dsts)
+        call to _slabio, read and hashed as below. Once the file is closed, all False."""
+        if not self._enter():
+            return [False] * len(slots)
+        try:
+            if NATIVE:
+                ok = [False] * len(slots)
+                piece = CHUNK_BYTES if self.block_bytes >= CHUNKED_BLOCK_BYTES else 0
+                for first, idx in _runs(slots):
+                    got = _slabio.read_blocks(self.fd, first * self.stride,
+                                              [dsts[i] for i in idx], self.stride,
+                                              self._run_blocks, piece)
+                    for i, c in zip(idx, got):  # (None: unreadable)
+                        ok[i] = c is not None and c == sums[i]
+                return ok
+            if self.block_bytes >= CHUNKED_BLOCK_BYTES:
+                return self._read_chunked(slots, sums, dsts)
+            return self._read_runs(slots, sums, dsts)
+        finally:
+            self._leave()
+
+    def _read_runs(self, slots: Sequence[int], sums: Sequence[int | None],
+                   dsts: Sequence[memoryview]) -> list[bool]:
+        """read_n of small blocks in Python: a preadv per run, its blocks hashed after it."""
         ok = [False] * len(slots)
         for first, idx in _runs(slots, self._run_blocks):
             try:
                 self._io(os.preadv, self.fd, first * self.stride,
                          _padded([dsts[i] for i in idx], self._scratch_view))
             except TierIOError:
-                if len(idx) == 1:
+                if len(idx) == 1 and self._scratch_view is None:
                     continue
                 # one bad spot (a sector that will not read, a file cut short) failed the
                 # whole run, and its intact neighbours were dropped as damaged with it:
-                # each block of the run is read on its own instead
+                # each block of the run is read on its own instead, without its pad (a
+                # file cut inside the last one's pad has that block whole)
                 for i in idx:
                     try:
                         self._io(os.preadv, self.fd, slots[i] * self.stride, [dsts[i]])
@@ -427,8 +482,8 @@ class SlabFile:
                     return
             except OSError as e:
                 raise TierIOError(f"SSD tier I/O on {self._name(fd)} failed: {e}") from e
-        views = [v if isinstance(v, memoryview) else memoryview(v) for v in bufs if len(v)]
-        while views:
+        views = [v for v in (memoryview(b).cast("B") for b in bufs) if len(v)]  # (bytes,
+        while views:  # not items: a float16 tensor's view counts two a byte)
             try:
                 n = fn(fd, views[:1024], offset)
             except OSError as e:
@@ -458,6 +513,12 @@ class SlabFile:
                 os.ftruncate(fd, self.num_grown * size)
 
     def close(self) -> None:
+        """Close both files, once the payload calls in flight have returned (new ones are
+        refused from now on)."""
+        with self._gate:
+            self._closing = True
+            while self._busy:
+                self._gate.wait()
         if self._dev is not None:
             with _open_lock:
                 _open_on[self._dev] -= 1

@@ -119,8 +119,25 @@ def test_bad_arguments_are_refused_before_any_io(tmp_path):
             _slabio.read_blocks(fd, 0, [bytes(1000)], 4096, 1, 0)
         with pytest.raises((BufferError, TypeError, ValueError)):  # not contiguous
             _slabio.write_blocks(fd, 0, [np.zeros(2000, np.uint8)[::2]], 4096, 1, 0)
+        for offset in (-4096, (1 << 63) - 4096):  # before the file, or past what off_t holds
+            with pytest.raises(ValueError, match="do not fit a file"):
+                _slabio.write_blocks(fd, offset, [a, a], 4096, 1, 0)
+            with pytest.raises(ValueError, match="do not fit a file"):
+                _slabio.read_blocks(fd, offset, [bytearray(1000)] * 2, 4096, 1, 0)
         assert path.read_bytes() == bytes(4 * 8192)
         assert _slabio.write_blocks(fd, 0, [], 4096, 1, 0) == []
         assert _slabio.read_blocks(fd, 0, [], 4096, 1, 0) == []
+    finally:
+        os.close(fd)
+
+
+def test_binding_again_changes_nothing():
+    """The XXH3 functions are bound once: a later bind (of anything) keeps them, so a call
+    in flight never mixes two libraries' functions."""
+    assert _slabio.bind("/nonexistent/library.so") is True
+    block = _blocks(1, 5000, seed=4)
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        assert _slabio.write_blocks(fd, 0, block, 8192, 1, 0) == [checksum(block[0])]
     finally:
         os.close(fd)

@@ -4,7 +4,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -285,6 +287,130 @@ def test_a_write_the_disk_refuses_midway_fails_cleanly(tmp_path, monkeypatch, fa
     assert len(calls) == fail_at
     monkeypatch.setattr(slabfile.os, "pwritev", real)
     _no_header_written_and_the_next_write_lands(tier, slots, blocks)
+
+
+class _Blocking:
+    """Stands in for the call that moves a run's payload (os.pwritev on the Python path,
+    _slabio.write_blocks on the C one): the first call waits for `go`, then does the real
+    thing; `inside` is set while it waits."""
+
+    def __init__(self, real) -> None:
+        self.real, self.inside, self.go = real, threading.Event(), threading.Event()
+
+    def __call__(self, *args):
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.go.wait(30)
+        return self.real(*args)
+
+
+def test_close_waits_for_a_payload_write_in_flight_and_refuses_new_ones(tmp_path, monkeypatch,
+                                                                        io_path):
+    """A write in flight when the tier closes keeps its descriptors until it returns: the C
+    path holds the descriptor's number for a whole run, and a close mid-run sent the rest
+    of it (up to 19 MiB) into the next file the process opened, which got that number.
+    Close now waits for it; a write after close is a TierIOError, a read all misses."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slabs = tier.slabs
+    slots = tier.alloc_n(4)
+    blocks = _blocks(4, seed=11)
+    if io_path == "native":
+        blocking = _Blocking(slabfile._slabio.write_blocks)
+        monkeypatch.setattr(slabfile, "_slabio", SimpleNamespace(
+            write_blocks=blocking, read_blocks=slabfile._slabio.read_blocks))
+    else:
+        blocking = _Blocking(os.pwritev)
+        monkeypatch.setattr(slabfile.os, "pwritev", blocking)
+    writer = threading.Thread(target=slabs.write_n, args=(slots[:2], HASHES[:2],
+                                                         [memoryview(b.numpy()) for b in blocks[:2]]))
+    writer.start()
+    assert blocking.inside.wait(30)
+    closer = threading.Thread(target=slabs.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive() and slabs.fd >= 0  # waiting for the write
+    with pytest.raises(TierIOError, match="closed"):  # (refused at once, while it waits)
+        slabs.write_n(slots[2:3], HASHES[2:3], [memoryview(blocks[2].numpy())])
+    assert slabs.read_n(slots[:1], [0], [memoryview(torch.zeros_like(blocks[0]).numpy())]) \
+        == [False]
+    blocking.go.set()
+    writer.join(30)
+    closer.join(30)
+    assert not closer.is_alive() and slabs.fd == -1 and slabs.hfd == -1
+    for i, slot in enumerate(slots[:2]):  # the write in flight landed whole, where it belongs
+        assert _payload(tmp_path, slot) == blocks[i].numpy().tobytes()
+    tier.close()
+
+
+def test_a_batch_of_big_blocks_refused_midway_leaves_no_header_of_it(tmp_path, chunked,
+                                                                     monkeypatch, io_path):
+    """Big blocks' headers go after every payload of their batch, on both paths: a batch
+    into two runs of slots whose second run the disk refuses has no header on disk for
+    the first run either (a crash before the abort erased them would otherwise bring back,
+    at the next open, blocks of a put that was told it failed)."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(6)
+    slots = [slots[0], slots[5]]  # two runs
+    blocks = _blocks(2, seed=12)
+    calls = []
+    if io_path == "native":
+        real = slabfile._slabio.write_blocks
+
+        def write_blocks(*args):
+            calls.append(args[1])
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
+            return real(*args)
+        monkeypatch.setattr(slabfile, "_slabio", SimpleNamespace(
+            write_blocks=write_blocks, read_blocks=slabfile._slabio.read_blocks))
+    else:
+        real_pwritev = os.pwritev
+
+        def pwritev(fd, bufs, offset):
+            if fd == tier.slabs.fd and offset >= slots[1] * stride_of(NS.block_bytes):
+                raise OSError(28, "No space left on device")
+            return real_pwritev(fd, bufs, offset)
+        monkeypatch.setattr(slabfile.os, "pwritev", pwritev)
+    with pytest.raises(TierIOError, match="No space left"):
+        tier.write_n(slots, HASHES[:2], blocks)
+    monkeypatch.undo()
+    assert [h for _, h, _ in tier.slabs.headers(slots)] == [None, None]
+    tier.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_reads_into_a_list_of_typed_tensors_on_padded_slots(tmp_path, dtype):
+    """Destinations given as a list of typed CPU tensors (not bytes): the Python path
+    counted a short transfer's progress in items, not bytes, and failed with an
+    IndexError on slots with a pad."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(3)
+    blocks = _blocks(3, seed=13)
+    tier.write_n(slots, HASHES[:3], blocks)
+    item = torch.tensor([], dtype=dtype).element_size()
+    out = [torch.zeros(NS.block_bytes // item, dtype=dtype) for _ in range(3)]
+    assert tier.read_n(slots, HASHES[:3], out) == [True] * 3
+    assert all(o.view(torch.uint8).equal(b) for o, b in zip(out, blocks))
+    tier.close()
+
+
+def test_a_block_whole_on_disk_whose_pad_was_cut_reads(tmp_path):
+    """The file cut inside the last slot's pad, after its payload: that block is whole and
+    reads, alone or in a run (the Python path read a lone block with its pad, failed, and
+    called it a miss)."""
+    tier = SsdTier(NS, str(tmp_path), 16)
+    slots = tier.alloc_n(3)
+    blocks = _blocks(3, seed=14)
+    tier.write_n(slots, HASHES[:3], blocks)
+    last = max(slots)
+    os.truncate(tmp_path / "slabs.dat", last * stride_of(NS.block_bytes) + NS.block_bytes + 10)
+    i = slots.index(last)
+    out = torch.zeros_like(blocks)
+    assert tier.read_n([last], [HASHES[i]], out[:1]) == [True]
+    assert torch.equal(out[0], blocks[i])
+    assert tier.read_n(slots, HASHES[:3], out) == [True] * 3
+    assert torch.equal(out, blocks)
+    tier.close()
 
 
 def test_readers_in_many_threads_get_their_own_verdicts(tmp_path, chunked):
