@@ -39,7 +39,7 @@ class Agent:
         self._peers: dict[str, AgentMetadata] = {}
         self._counter = itertools.count(1)
         self._closed = False
-        self._grants = Grants(self.config.require_grant)
+        self._grants = Grants(self.config.require_grant, self.config.max_conns_per_key)
         ctx = AgentContext(name, self.agent_id, self.config, self.regions, self._deliver,
                            self._grants)
         self._backends: dict[BackendKind, Backend] = {}

@@ -83,6 +83,8 @@ def make_region(region_id: int, memory: Any, exported: bool) -> Region:
         return Region(region_id, MemKind.FILE, memory.length, exported, host=view,
                       path=memory.path, path_offset=memory.offset, _keep=mm)
     if isinstance(memory, np.ndarray):
+        if not memory.flags.writeable:  # (a READ into it killed the receiving thread)
+            raise TransferError(Fault.INVALID, "read-only arrays cannot be registered")
         flat = _flat_numpy(memory)
         return Region(region_id, MemKind.HOST, flat.nbytes, exported, host=flat, _keep=memory)
     torch = _torch()

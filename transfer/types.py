@@ -65,6 +65,13 @@ class AgentConfig:
     # notifications of 16 MiB to an agent that never drained them (a daemon's): +1 GiB.
     max_note_bytes: int = 64 << 10
     max_pending_notes: int = 4096
+    # Descriptors a peer may name in one request (a sender splits bigger transfers into
+    # requests of at most this many), and the connections one granted key may hold open.
+    # Unbounded, one READ of 2M descriptors (a 48 MB header) took an agent from 34 MB to
+    # 1.2 GB building its views, and one data-plane client of a daemon held 300 of its
+    # agent's connections (a thread and two descriptors each) by reusing its key.
+    max_descs: int = 1 << 16
+    max_conns_per_key: int = 16
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -80,6 +87,8 @@ class AgentConfig:
             raise ValueError(f"AgentConfig.spin_us {self.spin_us} must be within 0..1e6")
         if self.max_note_bytes < 0 or self.max_pending_notes < 0:
             raise ValueError("AgentConfig.max_note_bytes and max_pending_notes must be >= 0")
+        if self.max_descs < 1 or self.max_conns_per_key < 1:
+            raise ValueError("AgentConfig.max_descs and max_conns_per_key must be >= 1")
         if not 0 <= self.tcp_port < 65536:
             raise ValueError(f"AgentConfig.tcp_port {self.tcp_port} out of range")
 

@@ -300,9 +300,13 @@ class Registry:
         if not self.cfg.agent_backends or TierKind.DRAM not in store.tier_kinds:
             return None
         kinds = tuple(BackendKind(b) for b in self.cfg.agent_backends)
+        # No notifications (nothing here reads them: each peer's 4096 of 64 KiB were kept,
+        # 256 MiB per namespace), and no request bigger than a data-plane reply
         agent = Agent(f"kvtier-{self.cfg.node_id}-{ns.ns_id:016x}",
                       AgentConfig(backends=kinds, tcp_host=self.cfg.host, require_grant=True,
-                                  spin_us=self.cfg.spin_us))
+                                  spin_us=self.cfg.spin_us, max_note_bytes=0,
+                                  max_pending_notes=0,
+                                  max_frame_bytes=self.cfg.max_payload_bytes))
         try:
             region = agent.register(store.tier(TierKind.DRAM).arena)
             return AgentInfo(agent, agent.metadata(), region.region_id)

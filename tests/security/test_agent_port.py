@@ -109,3 +109,42 @@ def test_the_agent_port_refuses_an_oversized_hello(secured):
         s.sendall(HEAD.pack(MAGIC, 1, Kind.HELLO, 0, 1 << 20, 0))
         head = s.recv(HEAD.size, socket.MSG_WAITALL)
         assert len(head) == HEAD.size and HEAD.unpack(head)[2] == Kind.ERROR
+
+
+def _admitted(addr, agent_id: str, key: bytes) -> tuple[socket.socket, int]:
+    s = socket.create_connection(addr, timeout=5)
+    s.sendall(frame(Kind.HELLO, [agent_id, "peer", key]))
+    head = s.recv(HEAD.size, socket.MSG_WAITALL)
+    if len(head) < HEAD.size:
+        return s, -1
+    s.recv(HEAD.unpack(head)[4], socket.MSG_WAITALL)
+    return s, HEAD.unpack(head)[2]
+
+
+def test_the_daemons_agent_keeps_no_notifications_and_caps_a_keys_connections(secured):
+    """The daemon reads no notification from its agents: a client's NOTIFY is refused
+    (4096 of 64 KiB had been kept per namespace, 256 MiB outside every tenant's memory,
+    after the client left), and one key opens at most max_conns_per_key connections
+    (one client had held 300, a daemon thread each)."""
+    from transfer import AgentConfig
+    with raw_conn(secured) as data:
+        ok = call(data, hello_msg(ALICE, "alice-secret", agent=True)).msg
+        meta = AgentMetadata.decode(ok.agent_meta)
+        s, kind = _admitted(meta.tcp_addr, meta.agent_id, ok.agent_key)
+        assert kind == Kind.ACK
+        s.sendall(frame(Kind.NOTIFY, [1, b"n" * 1024]))
+        head = s.recv(HEAD.size, socket.MSG_WAITALL)
+        assert HEAD.unpack(head)[2] == Kind.ERROR
+        s.recv(HEAD.unpack(head)[4], socket.MSG_WAITALL)
+        assert s.recv(1) == b""  # closed: its place under the key is free again
+        s.close()
+        cap = AgentConfig().max_conns_per_key
+        held = [_admitted(meta.tcp_addr, meta.agent_id, ok.agent_key) for _ in range(cap)]
+        try:
+            assert all(kind == Kind.ACK for _, kind in held)
+            extra, kind = _admitted(meta.tcp_addr, meta.agent_id, ok.agent_key)
+            extra.close()
+            assert kind == Kind.ERROR
+        finally:
+            for s, _ in held:
+                s.close()

@@ -38,8 +38,9 @@ class Grants:
     """The keys peers must present to reach this agent's ports (when the agent requires
     one). Checked in constant time; a revoked key ends the connections that used it."""
 
-    def __init__(self, required: bool) -> None:
+    def __init__(self, required: bool, max_conns_per_key: int = 16) -> None:
         self.required = required
+        self.max_conns_per_key = max_conns_per_key
         self._lock = threading.Lock()
         self._keys: dict[bytes, set] = {}  # key -> live connections that presented it
 
@@ -50,7 +51,8 @@ class Grants:
             self._keys.setdefault(bytes(key), set())
 
     def admit(self, key, conn) -> bool:
-        """Whether `key` opens this agent; if so `conn` is tracked under it."""
+        """Whether `key` opens this agent (a granted key, holding fewer than
+        `max_conns_per_key` connections); if so `conn` is tracked under it."""
         if not self.required:
             return True
         if not isinstance(key, bytes):
@@ -60,7 +62,7 @@ class Grants:
             for known in self._keys:  # every key compared: timing says nothing
                 if hmac.compare_digest(known, key):
                     match = known
-            if match is None:
+            if match is None or len(self._keys[match]) >= self.max_conns_per_key:
                 return False
             self._keys[match].add(conn)
             return True

@@ -86,9 +86,13 @@ class TcpBackend:
     def post(self, xfer: Transfer, job: Job) -> None:
         parts = self._split(job)
         xfer._set_parts(len(parts))
-        for sel in parts:
-            conn = self._conn(job.peer)
-            conn.submit(self._request(conn.next_seq(), xfer, job, sel))
+        # a notification goes with the last part, and all parts on one connection (served
+        # in order): it is delivered after every byte landed
+        one = self._conn(job.peer) if job.notify is not None else None
+        for k, sel in enumerate(parts):
+            conn = one or self._conn(job.peer)
+            conn.submit(self._request(conn.next_seq(), xfer, job, sel,
+                                      job.notify if k == len(parts) - 1 else None))
 
     def run(self, xfer: Transfer, job: Job) -> bool:
         """The whole transfer on the calling thread, when it goes as one request and the
@@ -96,16 +100,20 @@ class TcpBackend:
         if job.notify is not None or len(self._split(job)) > 1:
             return False
         conn = self._conn(job.peer)
-        return conn.run_inline(self._request(conn.next_seq(), xfer, job, slice(None)))
+        return conn.run_inline(self._request(conn.next_seq(), xfer, job, slice(None), None))
 
     def _split(self, job: Job) -> list[np.ndarray | slice]:
-        """One part per connection for big batches (no notification: it must come last)."""
-        n = min(self.ctx.config.tcp_num_conns, job.lengths.size)
+        """One part per connection for big batches (not with a notification: see post),
+        and no part of more than `max_descs` descriptors (what a peer takes a request)."""
+        size, cfg = job.lengths.size, self.ctx.config
+        n = min(cfg.tcp_num_conns, size)
         if n <= 1 or job.notify is not None or int(job.lengths.sum()) < (4 << 20):
-            return [slice(None)]
-        return list(np.array_split(np.arange(job.lengths.size), n))
+            n = 1
+        n = max(n, -(-size // cfg.max_descs))
+        return [slice(None)] if n <= 1 else list(np.array_split(np.arange(size), n))
 
-    def _request(self, seq: int, xfer: Transfer, job: Job, sel) -> PendingOp:
+    def _request(self, seq: int, xfer: Transfer, job: Job, sel,
+                 notify: bytes | None) -> PendingOp:
         ids, offs, lens = job.remote_ids[sel], job.remote_offsets[sel], job.lengths[sel]
         wire = [seq, ids.astype("<i8").tobytes(), offs.astype("<i8").tobytes(),
                 lens.astype("<i8").tobytes()]
@@ -115,8 +123,8 @@ class TcpBackend:
         nbytes = int(lens.sum())
         if incoming:
             return PendingOp(seq, Kind.READ, frame(Kind.READ, wire + [None]), xfer, recv=views,
-                           recv_bytes=nbytes, finish=finish, then_notify=job.notify)
-        return PendingOp(seq, Kind.WRITE, frame(Kind.WRITE, wire + [job.notify], nbytes), xfer,
+                           recv_bytes=nbytes, finish=finish, then_notify=notify)
+        return PendingOp(seq, Kind.WRITE, frame(Kind.WRITE, wire + [notify], nbytes), xfer,
                        send=views)
 
     def notify(self, peer: str, payload: bytes, xfer: Transfer) -> None:

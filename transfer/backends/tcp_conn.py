@@ -114,8 +114,8 @@ class PeerConnection:
                 send_views(self.sock, [req.head, *req.send], self.progress,
                            self.config.io_timeout_s, self._is_dead)
                 self._recv_reply(req)
-            except TransferError as e:
-                self._die(e)
+            except Exception as e:  # (any: see _broken)
+                self._die(_broken(e))
                 req.xfer._fail(self._dead)
                 return True
         finally:
@@ -139,8 +139,8 @@ class PeerConnection:
                 try:
                     send_views(self.sock, [req.head, *req.send], self.progress,
                                self.config.io_timeout_s, self._is_dead)
-                except TransferError as e:
-                    self._die(e)
+                except Exception as e:  # (any: see _broken)
+                    self._die(_broken(e))
 
     def _recv_loop(self) -> None:
         try:
@@ -155,8 +155,8 @@ class PeerConnection:
                 with self._lock:
                     self._inflight.popleft()
                 self._complete(req)
-        except TransferError as e:
-            self._die(e)
+        except Exception as e:  # (any: see _broken)
+            self._die(_broken(e))
 
     def _recv_reply(self, req: PendingOp) -> None:
         kind, header, plen = recv_frame(self.sock, self.progress, self.config.io_timeout_s,
@@ -218,6 +218,15 @@ class PeerConnection:
     def close(self) -> None:
         self._die(TransferError(Fault.CLOSED, "connection closed by this agent"))
         self.sock.close()
+
+
+def _broken(e: Exception) -> TransferError:
+    """What ends a connection, as a TransferError: a socket call that raised anything else
+    (a destination the socket cannot write into, say) had killed the thread, and its
+    transfer and every later one on the connection stayed pending for good."""
+    if isinstance(e, TransferError):
+        return e
+    return TransferError(Fault.INVALID, f"the connection failed: {type(e).__name__}: {e}")
 
 
 def _reply_error(header: list, default: str) -> TransferError:

@@ -116,6 +116,9 @@ class Server:
             conn.run()
         except TransferError as e:
             conn.try_send_error(0, e)  # the peer learns why before the close
+        except Exception:  # a bug: this connection ends, logged; the agent serves on
+            log.exception("transfer agent %s: serving peer %s failed", self.ctx.name,
+                          conn.peer)
         finally:
             self.ctx.grants.forget(conn)
             with self._lock:
@@ -156,11 +159,13 @@ class _ServerConn:
         self.progress = Progress()
         self.peer = "?"
         self.spin = Spin(0.0)  # polls once the peer is admitted (AgentConfig.spin_us)
+        cfg = ctx.config  # a request's header: its descriptors (8 bytes each of id, offset
+        self.max_header = 24 * cfg.max_descs + cfg.max_note_bytes + 1024  # and length) + note
 
     def _recv(self, idle_ok: bool):
         return recv_frame(self.sock, self.progress, self.ctx.config.io_timeout_s,
                           self.stopped, self.ctx.config.max_frame_bytes, idle_ok,
-                          spin=self.spin)
+                          self.max_header, spin=self.spin)
 
     def _send(self, views) -> None:
         send_views(self.sock, views, self.progress, self.ctx.config.io_timeout_s,
@@ -210,6 +215,9 @@ class _ServerConn:
             raise protocol_error(f"a notification of {len(note)} bytes (at most {limit})")
 
     def _validate(self, ids, offs, lens):
+        if ids.size > self.ctx.config.max_descs:  # (the header's bound keeps it so anyway)
+            raise protocol_error(f"a request of {ids.size} descriptors (at most "
+                                 f"{self.ctx.config.max_descs})")
         check_ranges(self.ctx.regions.exported_sizes, ids, offs, lens)
         unique = ids.tolist() if ids.size == 1 else np.unique(ids).tolist()
         return {i: self.ctx.regions.get(i) for i in unique}
@@ -223,6 +231,8 @@ class _ServerConn:
         try:
             regions = self._validate(ids, offs, lens)
         except TransferError as e:
+            if e.fault is Fault.PROTOCOL:
+                raise
             drain(self.sock, plen, self.progress, self.ctx.config.io_timeout_s, self.stopped)
             self._send([frame(Kind.ERROR, [seq, e.fault.name, e.cause])])
             return
@@ -237,7 +247,13 @@ class _ServerConn:
         seq, ids, offs, lens, note = desc_arrays(header)
         try:
             regions = self._validate(ids, offs, lens)
+            nbytes = int(lens.sum())  # (each length within a region: no overflow)
+            if nbytes > self.ctx.config.max_frame_bytes:
+                raise TransferError(Fault.OUT_OF_RANGE, f"a READ of {nbytes} bytes (at most "
+                                    f"{self.ctx.config.max_frame_bytes} a request)")
         except TransferError as e:
+            if e.fault is Fault.PROTOCOL:
+                raise
             self._send([frame(Kind.ERROR, [seq, e.fault.name, e.cause])])
             return
         views, _ = host_views(regions, ids, offs, lens, incoming=False)

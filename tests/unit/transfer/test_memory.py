@@ -92,3 +92,14 @@ def test_desclist_helpers():
     assert t.region_ids.tolist() == [1, 2] and t.lengths.tolist() == [5, 6]
     with pytest.raises(TransferError):
         DescList([1, 2], [0], [1])
+
+
+def test_read_only_arrays_are_refused_at_registration(agents):
+    """As read-only buffers are: a READ into one over tcp killed the connection's receiving
+    thread (and left its transfers pending), over local and shm a bare ValueError."""
+    a, _ = agents
+    ro = np.zeros(4096, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(TransferError, match="read-only") as e:
+        a.register(ro)
+    assert e.value.fault is Fault.INVALID

@@ -408,3 +408,101 @@ def _gone(s: socket.socket) -> bool:
         return s.recv(1) == b""
     except ConnectionResetError:  # (closed with our bytes unread)
         return True
+
+
+def test_a_request_past_the_limits_is_refused_and_a_big_transfer_is_split_under_them():
+    """A peer's request naming more than max_descs descriptors is a protocol error (said,
+    then closed), one READ asking for more than max_frame_bytes is refused (the connection
+    serves on); an agent's own transfer of more descriptors than that goes in requests
+    under the limit, its notification delivered after every part landed. Unbounded, one
+    READ of 2M descriptors took an agent from 34 MB to 1.2 GB."""
+    cfg = AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=2.0, max_descs=8,
+                      max_frame_bytes=1 << 12)
+    b, a = Agent("target", cfg), Agent("client", cfg)
+    try:
+        mem = np.zeros(1 << 16, np.uint8)
+        region = b.register(mem)
+        s = _raw_conn(b)
+        arr = lambda vals: np.array(vals, "<i8").tobytes()  # noqa: E731
+        s.sendall(frame(Kind.READ, [1, arr([region.region_id] * 2), arr([0, 4096]),
+                                    arr([4096, 1]), None]))  # 4097 bytes: one too many
+        assert _reply_kind(s) == Kind.ERROR
+        s.sendall(frame(Kind.READ, [2, arr([region.region_id]), arr([0]), arr([3]), None]))
+        assert _reply_kind(s) == Kind.DATA and s.recv(3, socket.MSG_WAITALL) == bytes(3)
+        s.sendall(frame(Kind.READ, [3, arr([region.region_id] * 9), arr(range(9)),
+                                    arr([1] * 9), None]))
+        assert _reply_kind(s) == Kind.ERROR and _gone(s)
+        s.close()
+        src = np.arange(20 * 100, dtype=np.uint32).view(np.uint8)[:20 * 100].copy()
+        local = a.register(src)
+        a.add_peer(b.metadata())
+        mine = a.prepare(DescList.uniform(local, 100, 20))
+        theirs = a.prepare(DescList.uniform(region.region_id, 100, 20), peer="target")
+        a.post(Op.WRITE, mine, np.arange(20), theirs, np.arange(20),
+               notify=b"all of it").wait(5)
+        assert (mem[:2000] == src).all()
+        assert [n.payload for n in b.notifications(2.0)] == [b"all of it"]
+        back = np.zeros_like(src)
+        a.transfer(Op.READ, a.prepare(DescList.uniform(a.register(back), 100, 20)),
+                   np.arange(20), theirs, np.arange(20), timeout=5)
+        assert (back == src).all()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_key_holds_a_bounded_number_of_connections():
+    """One granted key opens at most max_conns_per_key connections at once (one
+    data-plane client of a daemon had held 300 of its agent's, a thread and two
+    descriptors each); one closed makes room for another."""
+    cfg = AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=2.0, require_grant=True,
+                      max_conns_per_key=2)
+    b = Agent("target", cfg)
+    key = os.urandom(16)
+    b.grant(key)
+    addr = AgentMetadata.decode(b.metadata()).tcp_addr
+
+    def hello():
+        s = socket.create_connection(addr, timeout=3)
+        s.sendall(frame(Kind.HELLO, [b.agent_id, "raw", key]))
+        return s, _reply_kind(s)
+    try:
+        first, second = hello(), hello()
+        assert first[1] == second[1] == Kind.ACK
+        third = hello()
+        assert third[1] == Kind.ERROR and _gone(third[0])
+        first[0].close()
+        for _ in range(50):  # (its thread lets go of it once it sees the close)
+            fourth = hello()
+            if fourth[1] == Kind.ACK:
+                break
+            fourth[0].close()
+            time.sleep(0.05)
+        assert fourth[1] == Kind.ACK
+        for s in (second[0], third[0], fourth[0]):
+            s.close()
+    finally:
+        b.close()
+
+
+def test_a_socket_call_that_raises_fails_the_transfer_instead_of_leaving_it_pending(
+        agent, target, monkeypatch):
+    """Anything a connection's socket calls raise (here a TypeError, as a destination the
+    socket cannot write into gave) fails the transfer and the connection; it had killed the
+    receiving thread, and the transfer and every later one stayed pending for good."""
+    a, region = agent
+    b, their_region, _ = target
+    from transfer.backends import tcp_conn
+
+    def broken(*args, **kwargs):
+        raise TypeError("recvmsg_into() argument 1 must be read-write buffers")
+    monkeypatch.setattr(tcp_conn, "recv_views", broken)
+    a.add_peer(b.metadata())
+    mine = a.prepare(DescList.uniform(region, 1024, 4))
+    theirs = a.prepare(DescList.uniform(their_region.region_id, 1024, 4), peer="target")
+    with pytest.raises(TransferError) as e:  # on the caller's thread
+        a.transfer(Op.READ, mine, np.arange(4), theirs, np.arange(4), timeout=5)
+    assert e.value.fault is Fault.INVALID and "TypeError" in str(e.value)
+    with pytest.raises(TransferError) as e:  # on the connection's receiving thread
+        a.post(Op.READ, mine, np.arange(4), theirs, np.arange(4), notify=b"x").wait(5)
+    assert e.value.fault is Fault.INVALID and "TypeError" in str(e.value)
