@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 from engine_adapter.errors import ModelLoadError
 from kvstore.keys import CODECS
@@ -34,6 +34,9 @@ def bool_field(d, key: str, error: type[Exception], name: str) -> bool:
     return value
 
 
+DEFAULT_REVISION = "main"  # names no weights: an engine with a store fingerprints them
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-architecture model: RMSNorm, RoPE, GQA, a gated MLP; optional biases (Llama's
@@ -61,7 +64,7 @@ class ModelConfig:
     # which weights of `name`: the KV namespace's revision. A model loaded from a directory
     # or without a name gets a fingerprint of its weights here, so two checkpoints whose
     # names agree (two runs' `final/` directories) never share KV blocks
-    revision: str = "main"
+    revision: str = DEFAULT_REVISION
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -96,6 +99,11 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+
+def kv_settings(cfg: ModelConfig) -> dict:
+    """What of a config changes KV besides the weights (not its name and revision)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("name", "revision")}
 
 
 class OversizePolicy(enum.Enum):

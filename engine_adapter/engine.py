@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from engine_adapter.block_pool import BlockPool
-from engine_adapter.config import EngineConfig, OversizePolicy
+from engine_adapter.config import DEFAULT_REVISION, EngineConfig, OversizePolicy, kv_settings
 from engine_adapter.connector import KVStoreLike, StoreConnector
 from engine_adapter.errors import InvalidRequestError
+from engine_adapter.fingerprint import weights_revision
 from engine_adapter.model import LlamaForCausalLM
 from engine_adapter.model_runner import ModelRunner
 from engine_adapter.request import FinishReason, Request, RequestOutput
@@ -41,8 +42,14 @@ class LLMEngine:
                               f"{str(weights.dtype).removeprefix('torch.')!r}); the first step "
                               "failed on it")
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        revision = mc.revision
+        if revision == DEFAULT_REVISION:
+            # no word of which weights these are (random ones, a config built by hand, a
+            # transformers model named only): two models of one name shared their blocks,
+            # and one was handed the other's KV. A fingerprint of the weights names them.
+            revision = weights_revision(model.state_dict(), kv_settings(mc))
         self.ns = Namespace(mc.name, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype,
-                            config.block_tokens, revision=mc.revision, tenant=config.tenant,
+                            config.block_tokens, revision=revision, tenant=config.tenant,
                             codec=config.kv_codec)
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.max_model_len = config.model_len(mc)

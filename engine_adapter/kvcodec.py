@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import kernels
+from kernels.codec import SCALE_MIN, SPECS, encoded_views
 from kvstore.keys import CODECS, ZSTD_HEADER_BYTES, encoded_block_bytes
 
 ZSTD_LEVEL = 1  # level 3 measured no smaller on fp32 KV and ~2x slower
@@ -65,9 +66,28 @@ class BlockCodec:
         decoded (a zstd frame that fails ends the prefix there, like a miss)."""
         if self._zstd is not None:
             return self._zstd.decode(encoded, kv_cache, block_ids)
-        kernels.decode_blocks(encoded.to(kv_cache.device), self.name, kv_cache,
-                              block_ids.to(kv_cache.device))
-        return block_ids.shape[0]
+        encoded = encoded.to(kv_cache.device)
+        good = self._sound(encoded)
+        if good:
+            kernels.decode_blocks(encoded[:good], self.name, kv_cache,
+                                  block_ids[:good].to(kv_cache.device))
+        return good
+
+    def _sound(self, encoded: torch.Tensor) -> int:
+        """How many leading quantized blocks hold only what the encoder writes: every scale
+        finite and within [SCALE_MIN, the codec's largest], and (fp8) no NaN value. A block
+        with a NaN or inf scale, from a writer that is not ours (the DRAM tier keeps no
+        checksum), had NaN KV decoded into the cache, and the model ran on it."""
+        n = encoded.shape[0]
+        if n == 0:
+            return 0
+        values, scales = encoded_views(encoded, self.block_shape)
+        s = scales.reshape(n, -1).float()
+        ok = (s >= SCALE_MIN).all(1) & (s <= SPECS[self.name].scale_max).all(1)  # (NaN: False)
+        if self.name == "fp8_e4m3":  # e4m3fn's NaN: every exponent and mantissa bit set
+            ok &= ~((values.reshape(n, -1).view(torch.uint8) & 0x7F) == 0x7F).any(1)
+        bad = (~ok).nonzero()
+        return n if bad.numel() == 0 else int(bad[0, 0])
 
     def staging(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A reusable uint8 [n, block_bytes] buffer to `get_n` encoded blocks into.
@@ -91,9 +111,11 @@ class _Zstd:
 
         self.codec, self.itemsize = codec, codec.dtype.itemsize
         self.numel = math.prod(codec.block_shape)
-        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        # (a content checksum per frame: 4 bytes, and a bit flipped in a frame is a miss, not
+        # other KV; frames written without one still decode)
+        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
         self.decompressor = zstandard.ZstdDecompressor()
-        self.error = zstandard.ZstdError
+        self.content_size = zstandard.frame_content_size
 
     def shuffle(self, blocks: torch.Tensor) -> np.ndarray:
         """[n, itemsize * numel] uint8: byte 0 of every element, then byte 1, ... (numpy:
@@ -120,15 +142,25 @@ class _Zstd:
         rows = encoded.cpu().numpy()
         lengths = rows[:, :4].copy().view("<u4")[:, 0]
         room = rows.shape[1] - ZSTD_HEADER_BYTES
-        good = next((i for i, k in enumerate(lengths) if k > room), len(lengths))
-        if not good:  # (the first block's length cannot be: it went on to view 0 blocks and
-            return 0  # raised, the load failing instead of missing)
-        frames = [rows[i, ZSTD_HEADER_BYTES:ZSTD_HEADER_BYTES + lengths[i]] for i in range(good)]
-        try:
-            plain = self.decompressor.multi_decompress_to_buffer(frames) if good else []
-        except self.error:
-            return 0  # checksummed bytes that are not our frame: treat the batch as missing
         size = self.itemsize * self.numel
+        frames = []  # the leading frames that say they hold one block: decompressed, no
+        for i, k in enumerate(lengths):  # other can allocate more than a block (a 16 KB
+            if not 0 < k <= room:  # frame of 512 MiB of zeros had: +2 GiB for 4 blocks)
+                break
+            frame = rows[i, ZSTD_HEADER_BYTES:ZSTD_HEADER_BYTES + k]
+            try:
+                if self.content_size(frame) != size:  # (-1: not said)
+                    break
+            except Exception:  # noqa: BLE001 - not a frame header at all
+                break
+            frames.append(frame)
+        good = len(frames)
+        if not good:
+            return 0
+        try:
+            plain = self.decompressor.multi_decompress_to_buffer(frames)
+        except Exception:  # noqa: BLE001 - bytes that are not our frame (or fail their
+            return 0  # checksum): the batch is missing, never a failed load
         if any(len(plain[i]) != size for i in range(good)):
             return 0
         shuffled = np.empty((good, self.itemsize, self.numel), dtype=np.uint8)

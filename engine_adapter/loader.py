@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from engine_adapter.config import ModelConfig
+from engine_adapter.config import ModelConfig, kv_settings
 from engine_adapter.errors import ModelLoadError
 from engine_adapter.fingerprint import weights_revision  # noqa: F401 (also loader's API)
 from engine_adapter.model import LlamaForCausalLM
@@ -146,19 +146,14 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def from_transformers(hf_model: Any, dtype: str = "float32", name: str | None = None) -> LlamaForCausalLM:
-    """From a loaded transformers Llama / Mistral / Qwen2 causal LM (weights copied). Without
-    a `name`, the KV namespace's revision is a fingerprint of the weights (`weights_revision`:
-    the config's `_name_or_path` alone may be a local directory's, or empty)."""
+    """From a loaded transformers Llama / Mistral / Qwen2 causal LM (weights copied). The KV
+    namespace's revision is a fingerprint of the weights (`weights_revision`), `name` or
+    not: a name (or the config's `_name_or_path`, maybe a local directory's, or empty) does
+    not say which weights, and two models given one name shared their KV."""
     cfg = model_config_from_hf(hf_model.config, name=name)
     state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-    if name is None:
-        cfg = dataclasses.replace(cfg, revision=weights_revision(state, _settings(cfg)))
+    cfg = dataclasses.replace(cfg, revision=weights_revision(state, kv_settings(cfg)))
     return from_state_dict(cfg, state, dtype)
-
-
-def _settings(cfg: ModelConfig) -> dict:
-    """What of a config changes KV besides the weights (not its name and revision)."""
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("name", "revision")}
 
 
 def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
@@ -173,7 +168,7 @@ def from_hf_dir(path: str, dtype: str = "float32") -> LlamaForCausalLM:
         weights.update(load_file(file))
     # (the directory's name alone named the KV namespace: two runs' `final/` checkpoints
     # shared it, and one model was handed the other's KV)
-    cfg = dataclasses.replace(cfg, revision=weights_revision(weights, _settings(cfg)))
+    cfg = dataclasses.replace(cfg, revision=weights_revision(weights, kv_settings(cfg)))
     return from_state_dict(cfg, {k: v.float() for k, v in weights.items()}, dtype)
 
 

@@ -16,6 +16,7 @@ Batches of more than one row, or calls that bring their own cache, run plain `ge
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, NamedTuple
 
@@ -35,8 +36,10 @@ class GenerateStats(NamedTuple):
     num_computed_tokens: int  # prompt tokens the model ran a forward pass over
     num_saved_blocks: int     # blocks handed to the store after generating (new or not)
     bypassed: bool            # plain generate ran: batch > 1, a caller-owned cache, padding
-    # in the attention mask, inputs_embeds, a model with sliding-window layers, or more
-    # than one sequence generated (beams, num_return_sequences, assisted or contrastive)
+    # in the attention mask, inputs_embeds or any other model input (images, audio...),
+    # use_cache off, a model whose cache is not plain per-layer K/V (sliding windows, SSM
+    # or linear-attention layers), or more than one sequence generated (beams,
+    # num_return_sequences, assisted or contrastive)
 
 
 def namespace_for(model, model_id: str | None = None, block_tokens: int = 16, tenant: str = "",
@@ -88,12 +91,26 @@ def blocks_to_cache(blocks: torch.Tensor, config) -> Any:
 
 
 def _full_attention_only(model) -> bool:
-    """Whether every layer of the model's cache keeps the whole sequence (no sliding-window
-    layer, which transformers builds from the config's `sliding_window` / `layer_types`)."""
+    """Whether the model's cache is exactly one plain K/V layer per decoder layer, each
+    keeping the whole sequence: no sliding-window layer (built from the config's
+    `sliding_window` / `layer_types`), and none holding other state (a hybrid model's SSM or
+    conv state, a linear-attention layer), which blocks of K/V cannot carry: Falcon-H1
+    loaded its prefix's K/V without its SSM state and generated other tokens, LFM2 failed
+    every call after generating."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
     cache = DynamicCache(config=model.config)
-    return not any(getattr(layer, "is_sliding", False) or hasattr(layer, "sliding_window")
-                   for layer in getattr(cache, "layers", ()))
+    layers = getattr(cache, "layers", ())
+    return (len(layers) == model.config.get_text_config(decoder=True).num_hidden_layers
+            and all(type(layer) is DynamicLayer for layer in layers))
+
+
+# generate's arguments that change neither the model's inputs nor its KV (decoding
+# settings, outputs, callbacks); a model input among the rest (pixel_values, audio
+# features, token_type_ids...) makes KV that is not a function of the token ids alone
+_NOT_MODEL_INPUTS = frozenset(("attention_mask", "use_cache", "return_dict",
+                               "output_attentions", "output_hidden_states", "logits_to_keep",
+                               "num_logits_to_keep", "labels"))
 
 
 class KVTierGenerate:
@@ -117,6 +134,7 @@ class KVTierGenerate:
         self.last: GenerateStats | None = None
         self._staging = torch.empty((0, *self.ns.block_shape), dtype=model.dtype)  # grow-only
         self._full_attention = _full_attention_only(model)
+        self._model_inputs = _model_inputs(model)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         if input_ids is None:
@@ -139,7 +157,11 @@ class KVTierGenerate:
         kwargs.setdefault("use_cache", True)
         kwargs.pop("cache_implementation", None)  # ("dynamic": the cache passed is one)
         out = self._plain_generate(input_ids, **kwargs)
-        num_saved = self._save(out.sequences[0].tolist(), out.cache, num_loaded // bt)
+        try:
+            num_saved = self._save(out.sequences[0].tolist(), out.cache, num_loaded // bt)
+        except Exception:  # noqa: BLE001 - the output is whole: a failed save costs the save
+            log.exception("this call's KV blocks could not be saved (its output stands)")
+            num_saved = 0
         self.last = GenerateStats(len(tokens), num_loaded, len(tokens) - num_loaded, num_saved, False)
         return out if want_dict else out.sequences
 
@@ -155,6 +177,13 @@ class KVTierGenerate:
         and contrastive decoding rewrite the cache as they go."""
         mask = kwargs.get("attention_mask")
         return (input_ids is not None and input_ids.shape[0] == 1 and self._full_attention
+                # another model input (an image, audio) makes KV the ids do not name: an
+                # image's KV was saved under its placeholder ids and loaded by text calls
+                and not any(k in self._model_inputs and v is not None
+                            for k, v in kwargs.items())
+                # with use_cache off generate recomputes the whole sequence each step and
+                # appended every pass to the cache passed: other tokens' KV saved
+                and self._setting(kwargs, "use_cache") is not False
                 and kwargs.get("cache") is None and kwargs.get("past_key_values") is None
                 and kwargs.get("inputs_embeds") is None
                 # positions of the caller's change the keys (RoPE) but not the token ids:
@@ -208,8 +237,18 @@ class KVTierGenerate:
         return blocks_to_cache(blocks[:good].to(device), self.model.config), good * self.ns.block_tokens
 
     def _save(self, sequence: list[int], cache, num_loaded_blocks: int) -> int:
-        """Store the full blocks whose KV the cache holds, past those just loaded."""
-        num_cached = min(cache.get_seq_length(), len(sequence))
+        """Store the full blocks whose KV the cache holds, past those just loaded: only when
+        it holds exactly the sequence but its last token (what generate leaves), each layer
+        K and V of the namespace's shape (MLA's K and V of two widths are not)."""
+        num_cached = cache.get_seq_length()
+        shape = (1, self.ns.num_kv_heads, num_cached, self.ns.head_dim)
+        if num_cached != len(sequence) - 1 or any(
+                tuple(layer.keys.shape) != shape or tuple(layer.values.shape) != shape
+                for layer in cache.layers):
+            log.warning("the cache generate left does not hold this sequence's K/V as kvtier "
+                        "blocks do (%d positions for %d tokens): nothing saved", num_cached,
+                        len(sequence))
+            return 0
         hashes = hash_blocks(self.ns, sequence[:num_cached])
         if len(hashes) <= num_loaded_blocks:
             return 0
@@ -225,6 +264,20 @@ class KVTierGenerate:
         if self.owns_store:
             self.store.close()
             self.store = None
+
+
+def _model_inputs(model) -> frozenset[str]:
+    """The keyword inputs of the model's forward (its `generate` passes these on), less
+    input_ids and the ones that change no KV."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    # (the ones _offloadable looks at itself: the cache and positions)
+    return frozenset(named) - _NOT_MODEL_INPUTS - {"input_ids", "cache", "past_key_values",
+                                                    "cache_position", "position_ids",
+                                                    "inputs_embeds"}
 
 
 def enable_kvtier(model, store: BlockStore | StoreSpec, **options) -> KVTierGenerate:

@@ -367,3 +367,111 @@ def test_a_store_that_cannot_answer_costs_the_loads_never_the_output(tmp_path):
     finally:
         kv.close()
         d.close()
+
+
+def test_a_call_with_use_cache_off_is_generated_plainly_and_saves_nothing(tmp_path):
+    """use_cache=False: generate recomputes the whole sequence each step and appended every
+    pass to the cache the wrapper passed, whose positions 0..N then held the second pass's
+    KV of tokens 0, 1, ... saved under the hashes of tokens 0..N: the call's output and a
+    later cached call that loaded those blocks both differed from plain generate."""
+    model = _tiny_llama()
+    ids = torch.randint(1, 300, (1, 40), generator=torch.Generator().manual_seed(5))
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)), model_id="tiny", block_tokens=8)
+    args = dict(max_new_tokens=10, do_sample=False)
+    try:
+        with torch.no_grad():
+            out = kv.generate(ids, use_cache=False, **args)
+            assert kv.last.bypassed and kv.last.num_saved_blocks == 0
+            assert torch.equal(out, model.generate(ids, use_cache=False, **args))
+            follow = torch.cat([out, ids[:, :6]], dim=1)
+            assert torch.equal(kv.generate(follow, **args), model.generate(follow, **args))
+            assert kv.last.num_loaded_tokens == 0
+    finally:
+        kv.close()
+
+
+def _tiny_llava():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, \
+        LlavaForConditionalGeneration
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, image_size=16, patch_size=8,
+                              projection_dim=32)
+    text = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256)
+    model = LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=120,
+        vision_feature_select_strategy="full", vision_feature_layer=-1)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_a_call_with_an_image_is_generated_plainly(tmp_path):
+    """An image's KV is not a function of the token ids (its placeholders are one id): the
+    first image's KV was saved under the ids' hashes, a second image's call then failed in
+    transformers, and a text call on the same ids was handed the first image's KV."""
+    model = _tiny_llava()
+    ids = torch.tensor([[1] + [120] * 5 + list(range(10, 60))])
+    images = torch.randn(2, 1, 3, 16, 16, generator=torch.Generator().manual_seed(6))
+    args = dict(max_new_tokens=8, do_sample=False)
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)), model_id="tiny-llava",
+                        block_tokens=8)
+    try:
+        with torch.no_grad():
+            for image in images:
+                out = kv.generate(ids, pixel_values=image, **args)
+                assert kv.last.bypassed and kv.last.num_saved_blocks == 0
+                assert torch.equal(out, model.generate(ids, pixel_values=image, **args))
+            assert torch.equal(kv.generate(ids, **args), model.generate(ids, **args))
+            assert not kv.last.bypassed and kv.last.num_loaded_tokens == 0
+    finally:
+        kv.close()
+
+
+def _odd_cache_model(kind: str):
+    import transformers as T
+    torch.manual_seed(0)
+    if kind == "conv-hybrid":  # LFM2: short-convolution layers beside attention ones
+        model = T.Lfm2ForCausalLM(T.Lfm2Config(
+            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv", "full_attention"]))
+    else:  # DeepSeek-V3's MLA: K and V of two widths (48, 32)
+        model = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
+            qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1))
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("kind", ["conv-hybrid", "mla"])
+def test_a_model_whose_cache_is_not_plain_kv_blocks_keeps_its_output(tmp_path, kind):
+    """A cache of more than per-layer K/V (LFM2's conv state) or of K and V of two widths
+    (MLA): each call failed after generating (its output lost), and a hybrid model's
+    loaded prefix lacked its SSM state (other tokens). Now such a model is generated
+    plainly, or its blocks are not saved, and every call's output is plain generate's."""
+    model = _odd_cache_model(kind)
+    ids = torch.randint(3, 128, (1, 45), generator=torch.Generator().manual_seed(1))
+    args = dict(max_new_tokens=6, do_sample=False)
+    kv = KVTierGenerate(model, StoreSpec(path=str(tmp_path)), model_id=f"tiny-{kind}",
+                        block_tokens=8)
+    try:
+        with torch.no_grad():
+            want = model.generate(ids, **args)
+            for _ in range(2):
+                assert torch.equal(kv.generate(ids, **args), want)
+                assert kv.last.num_saved_blocks == 0 and kv.last.num_loaded_tokens == 0
+            assert kv.last.bypassed == (kind == "conv-hybrid")
+    finally:
+        kv.close()

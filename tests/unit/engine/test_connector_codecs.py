@@ -139,3 +139,63 @@ def test_a_zstd_block_whose_length_cannot_be_is_a_miss_not_a_failed_request(mode
         assert out.token_ids == expect and out.num_loaded_tokens == 0
     finally:
         store.close()
+
+
+def _zstd_slot(codec: BlockCodec, frame: bytes) -> torch.Tensor:
+    """One zstd slot: u32 frame length, u32 0, the frame, zeros."""
+    slot = torch.zeros((1, codec.block_bytes), dtype=torch.uint8)
+    head = len(frame).to_bytes(4, "little") + bytes(4)
+    slot[0, :8 + len(frame)] = torch.frombuffer(bytearray(head + frame), dtype=torch.uint8)
+    return slot
+
+
+def test_zstd_frames_that_are_not_one_block_of_ours_are_misses_before_decompressing():
+    """A frame is decompressed only if it declares one block's size: a 16 KB frame of
+    512 MiB of zeros (a decompression bomb in a 60 KB slot) took +2 GiB for four blocks;
+    frames declaring 2^40 bytes or no size, or a slot of length 0, raised (a traceback per
+    load). A frame of the right size with a bit flipped fails its content checksum: a miss,
+    not other KV."""
+    import zstandard
+    shape, dtype = (2, 2, 4, 2, 16), torch.bfloat16
+    codec = BlockCodec("zstd", shape, dtype)
+    size = codec.raw_bytes
+    cache = torch.zeros((4, *shape), dtype=dtype)
+    block = torch.randn((1, *shape), generator=torch.Generator().manual_seed(0)).to(dtype)
+    good, keep = codec.encode(block)
+    assert keep == [True]
+    assert codec.decode(good, cache, torch.tensor([1])) == 1 and torch.equal(cache[1], block[0])
+    plain = zstandard.ZstdCompressor()
+    bomb = plain.compress(bytes(1 << 24))  # (16 MiB here: what matters is what it declares)
+    unsized = b"".join(plain.read_to_iter(__import__("io").BytesIO(bytes(size))))
+    flipped = bytearray(good[0, 8:8 + int.from_bytes(bytes(good[0, :4].tolist()), "little")]
+                        .numpy().tobytes())
+    flipped[len(flipped) // 2] ^= 0x10
+    for frame in (bomb, unsized, bytes(flipped), b""):
+        cache.zero_()
+        slot = _zstd_slot(codec, frame)
+        assert codec.decode(torch.cat([slot, good]), cache, torch.tensor([1, 2])) == 0
+        assert not cache.any()
+
+
+@pytest.mark.parametrize("codec_name,bad", [
+    (c, b) for c in ("int8", "fp8_e4m3") for b in ("nan", "inf", "zero", "out-of-range")]
+    + [("fp8_e4m3", "fp8-nan-value")])
+def test_quantized_blocks_with_values_no_encoder_writes_end_the_prefix(codec_name, bad):
+    """A quantized block whose scales are NaN, inf, 0 or past the codec's largest (or, fp8,
+    a NaN value) was decoded into the cache (no checksum in DRAM), and the model ran on NaN
+    KV; now it ends the decoded prefix there, like a miss."""
+    from kernels.codec import encoded_views
+    shape = (2, 2, 4, 2, 16)
+    codec = BlockCodec(codec_name, shape, torch.float32)
+    blocks = torch.randn((3, *shape), generator=torch.Generator().manual_seed(1))
+    encoded, _ = codec.encode(blocks)
+    encoded = encoded.clone()
+    values, scales = encoded_views(encoded, shape)
+    if bad == "fp8-nan-value":
+        values[1, 0, 1, 2, 1, 5] = 0x7F
+    else:
+        scales[1, 1, 0, 3, 1] = {"nan": float("nan"), "inf": float("inf"), "zero": 0.0,
+                                 "out-of-range": 60000.0 if codec_name == "fp8_e4m3" else -1.0}[bad]
+    cache = torch.zeros((3, *shape))
+    assert codec.decode(encoded, cache, torch.tensor([0, 1, 2])) == 1
+    assert torch.isfinite(cache).all() and cache[0].any() and not cache[1:].any()

@@ -192,3 +192,32 @@ def test_weights_revision_sees_bytes_names_dtypes_and_shapes():
     assert weights_revision(w, {"a": 1, "_name_or_path": "/x"}) == weights_revision(w, {"a": 1})
     with pytest.raises(ValueError, match="meta tensor"):
         weights_revision({"a": torch.empty(3, device="meta")})
+
+
+def test_an_engine_names_weights_that_came_with_no_revision_by_their_fingerprint(tmp_path):
+    """Random weights, a model built from a hand-made config, a transformers model converted
+    with a name: each kept the revision "main", so two of them of one name shared their
+    KV blocks, and one engine was handed the other's KV (other tokens than without the
+    store). Now an engine fingerprints weights that came with no revision."""
+    from engine_adapter.config import EngineConfig, ModelConfig
+    from engine_adapter.engine import LLMEngine
+    from engine_adapter.loader import random_model
+    from engine_adapter.sampling import SamplingParams
+    from kvstore.config import StoreConfig, TierConfig
+    from kvstore.store import TieredStore
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                      name="same-name")
+    a, b, a_again = random_model(cfg, seed=0), random_model(cfg, seed=1), random_model(cfg, seed=0)
+    ec = EngineConfig(num_blocks=64, block_tokens=4, max_num_batched_tokens=64)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    namespaces = [LLMEngine(m, ec).ns for m in (a, b, a_again)]
+    assert namespaces[0] != namespaces[1] and namespaces[0] == namespaces[2]
+    alone = LLMEngine(b, ec).generate([prompt], greedy)[0].token_ids
+    with TieredStore(namespaces[0], StoreConfig(tiers=(TierConfig("dram", 64),))) as store:
+        LLMEngine(a, ec, store=store).generate([prompt], greedy)
+        other = LLMEngine(b, ec, store=store).generate([prompt], greedy)[0]
+        assert other.num_loaded_tokens == 0 and other.token_ids == alone
+        again = LLMEngine(a_again, ec, store=store).generate([prompt], greedy)[0]
+        assert again.num_loaded_tokens == 36  # equal weights share, as ever
