@@ -66,6 +66,10 @@ class DaemonConfig:
                                    "hold (0 = no cap)", flag="--tenant-memory", kind="size")
     tenant_disk_bytes: int = opt(0, "SSD bytes all namespaces of one tenant may hold "
                                  "(0 = no cap)", flag="--tenant-disk", kind="size")
+    memory_bytes: int = opt(0, "DRAM bytes the DRAM tiers of all namespaces together may "
+                            "hold (0 = the memory of the host, or of its cgroup); a "
+                            "namespace whose DRAM tier does not fit is refused",
+                            flag="--max-memory", kind="size")
     tenant_limits: tuple[tuple[str, int, int, int], ...] = ()  # [tenants.NAME] overrides
     tokens: tuple[tuple[str, str], ...] = ()  # (token, tenant or ADMIN), from --token-file
     scratch_bytes: int = opt(1 << 30, "memory all connections together may use to move "
@@ -161,7 +165,8 @@ class DaemonConfig:
         if not 0 <= self.spin_us <= 1e6:
             raise ConfigError(f"--spin-us is 0 to 1000000 microseconds, not {self.spin_us}")
         for name in ("quota_blocks", "block_tokens", "tenant_memory_bytes",
-                     "tenant_disk_bytes", "shutdown_grace_s", "scratch_bytes"):
+                     "tenant_disk_bytes", "shutdown_grace_s", "scratch_bytes",
+                     "memory_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if self.cluster_ttl_s < 1 or self.max_payload_bytes < 1:
@@ -353,3 +358,25 @@ def with_overrides(cfg: DaemonConfig, **kw) -> DaemonConfig:
 def default_of(name: str) -> Any:
     f = next(f for f in fields(DaemonConfig) if f.name == name)
     return f.default_factory() if f.default is MISSING else f.default
+
+
+def memory_limit() -> int | None:
+    """The most memory this process may use: the host's (MemTotal), or its cgroup's limit
+    where that is lower; None where neither can be read."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None

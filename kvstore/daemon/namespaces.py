@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from kvstore.config import StoreConfig, TierConfig
-from kvstore.daemon.config import ADMIN, DaemonConfig
+from kvstore.daemon.config import ADMIN, DaemonConfig, memory_limit
 from kvstore.errors import ConfigError
 from kvstore.events import EventRing, KVEvent, TierKind
 from kvstore.keys import Namespace
@@ -208,6 +208,10 @@ class Registry:
         self._hosted: dict[int, Hosted] = {}
         self._clearing: set[int] = set()  # namespaces whose files `clear` is deleting
         self._closed = False
+        # what all DRAM tiers together may hold (each is faulted in when its namespace
+        # opens): 8 namespaces of one tenant's token held 8 GiB at the defaults, and a few
+        # tenants more than the host had
+        self.memory_budget = cfg.memory_bytes or memory_limit()
         self.failed: dict[str, str] = {}  # namespace directories that did not open: why
 
     def open(self, ns: Namespace, tenant_grant: str) -> Hosted:
@@ -269,7 +273,24 @@ class Registry:
         used_disk = sum(h.tier_bytes.get(TierKind.SSD, 0) for h in mine)
         memory_left = limits.memory_bytes - used_memory if limits.memory_bytes else None
         disk_left = limits.disk_bytes - used_disk if limits.disk_bytes else None
-        return _tiers(cfg, ns, cfg.quota_for(ns.tenant), self._dir(ns), memory_left, disk_left)
+        tiers = _tiers(cfg, ns, cfg.quota_for(ns.tenant), self._dir(ns), memory_left, disk_left)
+        self._check_host_memory(ns, tiers)
+        return tiers
+
+    def _check_host_memory(self, ns: Namespace, tiers: tuple[TierConfig, ...]) -> None:
+        """Refuse a namespace whose DRAM tier would take the DRAM tiers of all past
+        `memory_budget` (QUOTA, naming what holds the memory)."""
+        want = sum(t.capacity_blocks * ns.block_bytes for t in tiers if t.kind is TierKind.DRAM)
+        if not want or not self.memory_budget:
+            return
+        held = sum(h.tier_bytes.get(TierKind.DRAM, 0) for h in self._hosted.values())
+        if held + want > self.memory_budget:
+            raise RemoteError(ErrorCode.QUOTA, f"no memory for this namespace's DRAM tier "
+                              f"({want / 2**20:.0f} MiB): the DRAM tiers of the "
+                              f"{len(self._hosted)} namespaces hosted hold "
+                              f"{held / 2**20:.0f} MiB of the {self.memory_budget / 2**20:.0f} "
+                              "MiB this daemon may use (--max-memory, else the host's); clear "
+                              "a namespace, or start the daemon with a smaller --dram-size")
 
     def _create(self, ns: Namespace, tiers: tuple[TierConfig, ...]) -> Hosted:
         directory = self._dir(ns)

@@ -11,8 +11,8 @@ import sys
 
 from aiohttp import web
 
-from kvstore.daemon.config import (DaemonConfig, coerce, default_of, options, read_token_file,
-                                   read_toml)
+from kvstore.daemon.config import (DaemonConfig, coerce, default_of, memory_limit, options,
+                                   read_token_file, read_toml)
 from kvstore.daemon import httpguard
 from kvstore import lifetime
 from kvstore.errors import ConfigError
@@ -51,7 +51,7 @@ def _shown(default, kind: str) -> str:
         return ""
     if kind == "size":
         unit = next(u for u, b in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10), ("", 0))
-                    if default == 0 or default % (1 << b) == 0)
+                    if default % (1 << b) == 0 and (default or not b))  # (0: "0", not "0TiB")
         shift = {"TiB": 40, "GiB": 30, "MiB": 20, "KiB": 10, "": 0}[unit]
         return f" (default {default >> shift}{unit})"
     if kind == "list":
@@ -126,28 +126,6 @@ class _BadRequests(logging.Filter):
         record.levelno, record.levelname = logging.WARNING, "WARNING"
         record.exc_info = record.exc_text = None
         return True
-
-
-def memory_limit() -> int | None:
-    """The most memory this process may use: the host's (MemTotal), or its cgroup's limit
-    where that is lower; None where neither can be read."""
-    limits = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    limits.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append(int(text))
-    return min(limits) if limits else None
 
 
 def check_memory(cfg: DaemonConfig, limit: int | None) -> None:

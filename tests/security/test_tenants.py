@@ -147,3 +147,26 @@ def test_a_namespace_being_made_holds_up_no_other_tenants_requests(make_daemon, 
         finally:
             bob.join(60)
         assert done == [0] and (_shmem_kib(d.pid) - base) * 1024 >= 1.9 * gib
+
+
+def test_the_dram_tiers_of_all_namespaces_stay_within_the_daemons_memory(make_daemon,
+                                                                        token_file):
+    """Each namespace's DRAM tier is held in memory from its first HELLO: at the defaults
+    one tenant's token held 8 GiB, and a few tenants more than the host had. The DRAM tiers
+    of all namespaces now stay within --max-memory (else the host's): the one that does not
+    fit is refused (QUOTA, saying why), whoever asks, and a cleared one makes room."""
+    d = make_daemon("--token-file", token_file, "--max-memory", "40KiB", dram_size="16KiB",
+                    ssd_size="0")
+    assert hello_code(d, ns_of("alice", 1), "alice-secret") == 0
+    assert hello_code(d, ns_of("bob", 1), "bob-secret") == 0
+    with raw_conn(d) as s:
+        reply = call(s, hello_msg(ns_of("alice", 2), "alice-secret"))
+    assert reply.op is w.Op.ERROR and reply.msg.code == w.ErrorCode.QUOTA
+    assert "--max-memory" in reply.msg.message and "2 namespaces" in reply.msg.message
+    assert hello_code(d, ns_of("bob", 2), "admin-secret") == w.ErrorCode.QUOTA
+    ns_id = f"{ns_of('alice', 1).ns_id:016x}"
+    req = urllib.request.Request(f"{d.http}/admin/namespaces/{ns_id}/clear", method="POST",
+                                 headers={"Authorization": "Bearer alice-secret"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.load(r) == {"cleared": ns_id}
+    assert hello_code(d, ns_of("alice", 2), "alice-secret") == 0
