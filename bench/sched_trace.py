@@ -201,12 +201,15 @@ def print_details(summaries, rejecting: SimSummary, bound: float) -> None:
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
-    requests = load_trace(args.trace, QUICK_REQUESTS if args.quick else None)
+    try:  # (a bad trace or option: one line saying which, not a traceback)
+        requests = load_trace(args.trace, QUICK_REQUESTS if args.quick else None)
+        sched = SchedulerConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
+        config = SimConfig(num_prefill=args.prefill, num_decode=args.decode,
+                           prefill_cache_blocks=args.cache_blocks, pool_blocks=args.pool_blocks,
+                           speedup=args.speedup, scheduler=sched)
+    except (OSError, ValueError) as e:  # (TraceFormatError is a ValueError)
+        raise SystemExit(f"sched_trace: {e}") from None
     bound = infinite_cache_hit_ratio(requests)
-    sched = SchedulerConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
-    config = SimConfig(num_prefill=args.prefill, num_decode=args.decode,
-                       prefill_cache_blocks=args.cache_blocks, pool_blocks=args.pool_blocks,
-                       speedup=args.speedup, scheduler=sched)
     print(describe(config, len(requests)), file=sys.stderr)
 
     sim_started = time.perf_counter()

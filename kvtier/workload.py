@@ -26,6 +26,8 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from kvstore.scheduler.trace import load_trace
+
 TOKEN_RANGE = (1000, 30000)   # ordinary vocabulary ids of SmolLM2 (no special tokens)
 TAIL_TOKENS = 5               # each prompt's own last words, unique to the request
 
@@ -65,6 +67,7 @@ def load(name_or_path: str, limit: int | None = None,
         spec, path = WORKLOADS[name_or_path], workload_path(name_or_path)
     else:
         spec, path = spec or WORKLOADS["short"], name_or_path
+        load_trace(path, limit)  # every line checked (TraceFormatError names a bad one)
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = rows[:limit] if limit is not None else rows

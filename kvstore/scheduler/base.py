@@ -8,6 +8,7 @@ the same policy object drives the live scheduler and the simulator.
 from __future__ import annotations
 
 import abc
+import math
 import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -47,8 +48,9 @@ class RouteRequest:
             raise ValueError(f"RouteRequest.input_tokens must be > 0, got {self.input_tokens}")
         if self.output_tokens < 0:
             raise ValueError(f"RouteRequest.output_tokens must be >= 0, got {self.output_tokens}")
-        if self.arrival_s < 0:
-            raise ValueError(f"RouteRequest.arrival_s must be >= 0, got {self.arrival_s}")
+        if not 0 <= self.arrival_s < math.inf:  # (NaN and inf too: the simulator's clock)
+            raise ValueError(f"RouteRequest.arrival_s must be finite and >= 0, got "
+                             f"{self.arrival_s}")
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,9 @@ class SchedulerConfig:
     early_reject: bool = False
 
     def __post_init__(self) -> None:
-        if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
-            raise ValueError("SchedulerConfig SLOs must be > 0")
+        if not (0 < self.ttft_slo_s < math.inf and 0 < self.tbt_slo_s < math.inf):
+            raise ValueError("SchedulerConfig SLOs must be finite and > 0 (a NaN SLO met no "
+                             "request, and goodput read 0)")
         if self.balancing_threshold < 1.0:
             raise ValueError(f"balancing_threshold must be >= 1, got {self.balancing_threshold}")
 

@@ -15,8 +15,8 @@ class SimSummary(NamedTuple):
     num_rejected: int
     hit_ratio: float  # reused blocks / all blocks of all requests (rejected count as misses)
     fetched_ratio: float  # of all blocks, those fetched from another node
-    ttft_mean_s: float
-    ttft_p50_s: float
+    ttft_mean_s: float  # (the TTFT and TBT figures are NaN when no request finished: every
+    ttft_p50_s: float   # one rejected read as a TTFT of 0.00)
     ttft_p90_s: float
     ttft_p99_s: float
     tbt_p90_s: float
@@ -29,9 +29,9 @@ def summarize(outcomes: Sequence[RequestOutcome], ttft_slo_s: float,
     """Aggregate one policy's outcomes (all requests, finished or rejected)."""
     done = [o for o in outcomes if o.reject is None]
     total_blocks = sum(o.total_blocks for o in outcomes) or 1
-    ttft = np.array([o.ttft_s for o in done]) if done else np.zeros(1)
+    ttft = np.array([o.ttft_s for o in done]) if done else np.full(1, np.nan)
     tbts = [o.tbt_s for o in done if o.tbt_s is not None]
-    tbt = np.array(tbts) if tbts else np.zeros(1)
+    tbt = np.array(tbts) if tbts else np.full(1, np.nan)
     good = sum(1 for o in done
                if o.ttft_s <= ttft_slo_s and (o.tbt_s is None or o.tbt_s <= tbt_slo_s))
     start = min((o.arrival_s for o in outcomes), default=0.0)

@@ -45,8 +45,10 @@ class SimConfig:
             raise ValueError("SimConfig needs at least one prefill and one decode instance")
         if self.prefill_cache_blocks <= 0 or self.pool_blocks < 0:
             raise ValueError("SimConfig cache sizes must be > 0 (pool_blocks >= 0)")
-        if self.decode_capacity_tokens <= 0 or self.speedup <= 0:
-            raise ValueError("SimConfig decode_capacity_tokens and speedup must be > 0")
+        if self.decode_capacity_tokens <= 0:
+            raise ValueError("SimConfig decode_capacity_tokens must be > 0")
+        if not 1e-3 <= self.speedup <= 1e6:  # (NaN, inf, 1e-300: a clock that no step moves)
+            raise ValueError(f"SimConfig speedup must be within 1e-3..1e6, not {self.speedup}")
 
 
 class RequestOutcome(NamedTuple):

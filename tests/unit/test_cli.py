@@ -1,3 +1,4 @@
+import argparse
 import subprocess
 import sys
 
@@ -116,3 +117,27 @@ def test_ctrl_c_while_the_daemon_starts_is_no_traceback(tmp_path):
                 p.wait()
         assert p.returncode in (0, 128 + sig) and "Traceback" not in err, (delay, p.returncode, err)
         assert "terminate called" not in err
+
+
+def test_demo_and_sched_bench_refuse_bad_traces_in_one_line(tmp_path, capsys):
+    """A trace whose lines are not requests (a negative block id, a string of ids, no
+    requests at all) ended `kvtier demo` and `kvtier bench sched` in tracebacks (KeyError,
+    OverflowError, ZeroDivisionError); `--workers 1 --configs a` crashed building the
+    prefill/decode setup it was not asked to run."""
+    from kvtier import demo
+    ok = '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+    traces = {"neg.jsonl": ok.replace("[1]", "[-1]"), "str.jsonl": ok.replace("[1]", '"123"'),
+              "empty.jsonl": "\n"}
+    for name, text in traces.items():
+        (tmp_path / name).write_text(text)
+        assert main(["demo", "--workload", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert name in err and "Traceback" not in err
+        out = subprocess.run([sys.executable, "-m", "kvtier", "bench", "sched", "--quick",
+                              "--trace", str(tmp_path / name)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode != 0 and name in out.stderr and "Traceback" not in out.stderr
+    parser = argparse.ArgumentParser()
+    demo.configure(parser)
+    args = parser.parse_args(["--workers", "1", "--configs", "ab"])
+    assert [s.key for s in demo.setups(args)] == ["a", "b"]

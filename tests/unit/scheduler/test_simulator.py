@@ -116,3 +116,53 @@ def test_bad_trace_line_is_reported(tmp_path):
     path.write_text('{"timestamp": 0, "input_length": 10}\n')
     with pytest.raises(TraceFormatError, match="bad.jsonl:1"):
         load_trace(path)
+
+
+@pytest.mark.parametrize("line,why", [
+    ('{"timestamp": 1e400, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "finite"),
+    ('{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "finite"),
+    ('{"timestamp": 0, "input_length": 1.7, "output_length": 1, "hash_ids": [1]}', "integer"),
+    ('{"timestamp": 0, "input_length": true, "output_length": 1, "hash_ids": [1]}', "integer"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": "123"}', "list"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-1]}', "2\\*\\*128"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1e3]}', "2\\*\\*128"),
+    ('[1, 2]', "one JSON object"),
+])
+def test_a_trace_line_is_checked_for_what_each_field_is_never_coerced(tmp_path, line, why):
+    """Values were coerced (1.7 -> 1, true -> 1, "123" -> ids 1, 2, 3), a block id of -1
+    raised a bare OverflowError, and a timestamp of NaN or infinity crashed or hung the
+    simulator; each is now a TraceFormatError naming the line."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+                    + line + "\n")
+    with pytest.raises(TraceFormatError, match=f"t.jsonl:2: .*{why}"):
+        load_trace(path)
+
+
+def test_traces_that_cannot_be_simulated_are_refused_and_times_start_at_the_first(tmp_path):
+    """An empty trace crashed the report (ZeroDivisionError), a non-UTF-8 one raised a bare
+    UnicodeDecodeError, and arrivals 1e20 ms apart never finished (a decode step no longer
+    moved the float clock); a trace in epoch milliseconds simulates as one from 0."""
+    ok = '{"timestamp": %s, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+    cases = {"empty.jsonl": b"\n", "latin1.jsonl": b'{"timestamp": "\xe9"}\n',
+             "far.jsonl": (ok % 0 + ok % "1e20").encode()}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(TraceFormatError, match=name):
+            load_trace(tmp_path / name)
+    (tmp_path / "epoch.jsonl").write_text(ok % 1.8e12 + ok % (1.8e12 + 500))
+    assert [r.arrival_s for r in load_trace(tmp_path / "epoch.jsonl")] == [0.0, 0.5]
+
+
+@pytest.mark.parametrize("bad", [dict(speedup=float("nan")), dict(speedup=1e-300),
+                                 dict(speedup=float("inf"))])
+def test_a_speedup_that_stops_the_clock_is_refused(bad):
+    with pytest.raises(ValueError, match="speedup"):
+        SimConfig(**bad)
+
+
+def test_an_slo_that_no_request_can_meet_is_refused():
+    from kvstore.scheduler.base import SchedulerConfig
+    for slo in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="SLOs"):
+            SchedulerConfig(ttft_slo_s=slo)
