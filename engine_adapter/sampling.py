@@ -49,9 +49,10 @@ class SamplingParams:
             # worker's engine thread with it) as vLLM does, a temperature this small is greedy
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if type(self.top_k) is not int or self.top_k < 0:  # (2.5 passed, and the sampler's
-            # gather raised in the engine's step)
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got "
+        if type(self.top_k) is not int or not 0 <= self.top_k < 1 << 31:  # (2.5 passed, and
+            # the sampler's gather raised in the engine's step; 10**30 failed as a 500 when
+            # the request was packed for its worker)
+            raise InvalidRequestError(f"top_k must be an integer in [0, 2**31) (0 = off), got "
                                       f"{self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")

@@ -3,7 +3,9 @@
 Supported: `/v1/completions` (prompt: a string, a list of token ids, or a list of one of
 those) and `/v1/chat/completions` (messages), n = 1, `max_tokens` (chat also
 `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`, `stream`,
-`stream_options.include_usage`; extensions `top_k` and `ignore_eos`. Usage reports
+`stream_options.include_usage`; extensions `top_k` and `ignore_eos`. Parameters it does
+not implement (logprobs, penalties, tools...) are refused when they ask for something
+(`UNSUPPORTED`), accepted at their do-nothing values. Usage reports
 `prompt_tokens_details.cached_tokens`: prompt tokens whose KV came from a cache (the
 worker's own paged cache or the pool) instead of being computed.
 """
@@ -45,11 +47,25 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
+# OpenAI parameters this server does not implement, each with the values that ask for
+# nothing (what clients send by default): any other value is refused, never ignored (a
+# request for logprobs got 200 with "logprobs": null, penalties were silently not applied)
+UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+               "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+               "repetition_penalty": (1,), "best_of": (1,), "tools": ([],), "functions": ([],),
+               "tool_choice": ("none",), "response_format": ({"type": "text"},)}
+
+
 def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if body.get("n", 1) != 1:
         raise BadRequest("only n = 1 is supported")
+    for key, nothing in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is not None and not any(  # (False is not 0: legacy logprobs=0 asks)
+                value == v and isinstance(value, bool) == isinstance(v, bool) for v in nothing):
+            raise BadRequest(f"'{key}' is not supported by this server (got {value!r})")
     if chat:
         prompt = body.get("messages")
         if not isinstance(prompt, list) or not prompt or not all(

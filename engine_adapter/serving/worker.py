@@ -195,10 +195,12 @@ async def _stream(request: web.Request, rid: str, q: asyncio.Queue) -> web.Strea
             await resp.write(frame(item))
             if item.finished:
                 break
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         request.app[LOOP_KEY].abort(rid)
         raise
-    return resp
+    except ConnectionResetError:  # the front end let go of the stream (its client left):
+        request.app[LOOP_KEY].abort(rid)  # aborted, and nothing more to say (re-raised,
+    return resp  # aiohttp logged a 22-line traceback per stream a client cancelled)
 
 
 async def _decode(request: web.Request) -> web.StreamResponse:

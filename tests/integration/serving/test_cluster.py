@@ -92,6 +92,11 @@ def test_decode_loads_the_handed_off_prompt_from_the_pool(cluster):
 def test_bad_request_is_a_clear_400(cluster):
     status, msg = cluster.post_json("/v1/completions", {"prompt": "hi", "n": 3})
     assert status == 400 and "n = 1" in msg["error"]["message"]
+    # parameters that ask for nothing are served (clients send them by default)
+    status, msg = cluster.post_json("/v1/completions", {
+        "prompt": "hi", "max_tokens": 2, "logprobs": None, "presence_penalty": 0.0,
+        "frequency_penalty": 0, "best_of": 1, "echo": False, "logit_bias": {}})
+    assert status == 200 and msg["usage"]["completion_tokens"] == 2, msg
 
 
 def test_odd_requests_are_a_400_or_served_and_the_workers_serve_on(cluster):
@@ -111,7 +116,12 @@ def test_odd_requests_are_a_400_or_served_and_the_workers_serve_on(cluster):
             ("/v1/completions", {"prompt": "hi", "stop": {"a": 1}}, "stop"),
             # /cluster/locate: bad bodies were a 500
             ("/cluster/locate", {"prompt": "hi", "max_tokens": "x"}, "max_tokens"),
-            ("/cluster/locate", {"prompt": [2 ** 40] * 16}, "int32")):
+            ("/cluster/locate", {"prompt": [2 ** 40] * 16}, "int32"),
+            # a 500 (packed for the worker), and parameters silently not applied
+            ("/v1/completions", {"prompt": "hi", "top_k": 10 ** 30}, "top_k"),
+            ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+            ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs"),
+            ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty")):
         status, msg = cluster.post_json(path, body)
         assert status == 400 and why in msg["error"]["message"], (body, status, msg)
     req = urllib.request.Request(cluster.url + "/v1/completions",
@@ -162,6 +172,8 @@ def test_a_client_that_leaves_a_stream_ends_its_request(cluster):
     before = _cpu_s(pid)
     time.sleep(2.0)
     assert _cpu_s(pid) - before < 0.8, "the decode worker kept generating for nobody"
+    # (each stream a client left logged a 22-line traceback in its worker)
+    assert "ClientConnectionResetError" not in cluster._text()
     status, msg = cluster.post_json("/v1/completions", {"prompt": "Again:", "max_tokens": 3})
     assert status == 200 and msg["usage"]["completion_tokens"] == 3
 
