@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -15,8 +16,13 @@ def fetch_json(url: str, token: str = "", timeout_s: float = 5.0) -> dict:
 
 
 def print_stats(base_url: str, token: str) -> int:
+    base_url = base_url.rstrip("/")
+    if any(c in token for c in "\r\n\0"):  # (was blamed on the address: "cannot read ...")
+        print("kvtier stats: the token holds a line break or NUL: pass it as one line",
+              file=sys.stderr)
+        return 2
     try:
-        doc = fetch_json(base_url.rstrip("/") + "/stats", token)
+        doc = fetch_json(base_url + "/stats", token)
     except urllib.error.HTTPError as e:
         print(f"kvtier stats: {base_url} answered {e.code}: {e.read().decode().strip()}",
               file=sys.stderr)
@@ -28,13 +34,31 @@ def print_stats(base_url: str, token: str) -> int:
               "and is this its control-plane (--http-port) address, not the data plane?",
               file=sys.stderr)
         return 2
-    print(f"node {doc['node_id']}: {len(doc['namespaces'])} namespaces")
-    for ns in doc["namespaces"]:
-        print(f"  {ns['ns_id']} {ns['model']!r} tenant={ns['tenant']!r} block={ns['block_bytes']}B "
-              f"hits={ns['hits']} misses={ns['misses']} (same-host direct "
-              f"{ns.get('direct_hits', 0)}, leased {ns.get('lease_hits', 0)})")
-        for t in ns["tiers"]:
-            print(f"    {t['tier']:<5} {t['used_blocks']}/{t['capacity_blocks']} blocks  "
-                  f"in {t['bytes_in'] / 2**20:.1f} MiB  out {t['bytes_out'] / 2**20:.1f} MiB  "
-                  f"demoted {t['demotions_out']}  evicted {t['evictions']}")
+    try:
+        lines = _stats_lines(doc)
+    except (KeyError, TypeError, AttributeError) as e:  # (a KeyError traceback)
+        print(f"kvtier stats: {base_url}/stats answered JSON that is not a kvtier daemon's "
+              f"stats (no {e}); is this the daemon's control-plane address?", file=sys.stderr)
+        return 2
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:  # (`kvtier stats | head`: a BrokenPipeError traceback)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _stats_lines(doc: dict) -> list[str]:
+    lines = [f"node {doc['node_id']}: {len(doc['namespaces'])} namespaces"]
+    for ns in doc["namespaces"]:
+        lines.append(f"  {ns['ns_id']} {ns['model']!r} tenant={ns['tenant']!r} "
+                     f"block={ns['block_bytes']}B hits={ns['hits']} misses={ns['misses']} "
+                     f"(same-host direct {ns.get('direct_hits', 0)}, leased "
+                     f"{ns.get('lease_hits', 0)})")
+        for t in ns["tiers"]:
+            lines.append(f"    {t['tier']:<5} {t['used_blocks']}/{t['capacity_blocks']} blocks  "
+                         f"in {t['bytes_in'] / 2**20:.1f} MiB  out "
+                         f"{t['bytes_out'] / 2**20:.1f} MiB  demoted {t['demotions_out']}  "
+                         f"evicted {t['evictions']}")
+    return lines

@@ -168,6 +168,16 @@ def test_kvtier_stats_shows_direct_and_leased_hits(make_daemon):
                           f"http://127.0.0.1:{daemon.port}"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "control-plane" in bad.stderr
+    # a token with a line break was blamed on the address; a daemon's other JSON (its
+    # /healthz) was a KeyError traceback; `| head` a BrokenPipeError one
+    for argv, says in ((["--url", daemon.http, "--token", "a\nb"], "line break"),
+                       (["--url", daemon.http + "/healthz?"], "not a kvtier daemon's stats")):
+        bad = subprocess.run([sys.executable, "-m", "kvtier", "stats", *argv],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr
+    piped = subprocess.run(f"{sys.executable} -m kvtier stats --url {daemon.http} | head -c1",
+                           shell=True, capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in piped.stderr
 
 
 def test_reads_reach_the_daemon_in_few_touches_with_exact_counts(make_daemon, monkeypatch):
