@@ -173,10 +173,14 @@ class Agent:
         """`post`, `wait(timeout)` and `release` in one call: the bytes have moved when it
         returns (TransferError if they could not). A backend that can move them on the
         calling thread does (tcp, on a connection with nothing else in flight), sparing
-        the hand-offs a posted transfer takes to its threads and back."""
+        the hand-offs a posted transfer takes to its threads and back; not with a
+        `timeout` shorter than the agent's io_timeout_s, which bounds only a stall there (a
+        peer trickling its bytes held transfer(timeout=1) for 4 s)."""
         job, xfer = self._start(op, local, local_idx, remote, remote_idx, None)
         backend = self._backends[remote.backend]
         run = getattr(backend, "run", None)
+        if timeout is not None and timeout < self.config.io_timeout_s:
+            run = None
         try:
             if run is None or not run(xfer, job):
                 backend.post(xfer, job)

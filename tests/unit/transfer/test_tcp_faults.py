@@ -506,3 +506,30 @@ def test_a_socket_call_that_raises_fails_the_transfer_instead_of_leaving_it_pend
     with pytest.raises(TransferError) as e:  # on the connection's receiving thread
         a.post(Op.READ, mine, np.arange(4), theirs, np.arange(4), notify=b"x").wait(5)
     assert e.value.fault is Fault.INVALID and "TypeError" in str(e.value)
+
+
+def test_transfer_keeps_its_own_timeout_against_a_peer_that_stalls():
+    """transfer(timeout=...) ran on the calling thread, bounded only by the agent's
+    io_timeout_s (and not even that while a peer trickled its bytes): a stalled peer held
+    a transfer(timeout=0.2) for the agent's 30 s. It now ends with TIMEOUT by its own."""
+    a = Agent("client", AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=30.0))
+    peer = FakePeer(stall)
+    got = []
+    try:
+        region = a.register(np.zeros(4096, np.uint8))
+        a.add_peer(peer.metadata())
+        local = a.prepare(DescList.uniform(region, 4096, 1))
+        remote = a.prepare(DescList.uniform(1, 4096, 1), peer="fake")
+
+        def call():
+            try:
+                a.transfer(Op.READ, local, None, remote, None, timeout=0.2)
+            except TransferError as e:
+                got.append(e.fault)
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive() and got == [Fault.TIMEOUT]
+    finally:
+        peer.close()
+        a.close()
