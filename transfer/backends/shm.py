@@ -29,6 +29,18 @@ def ctl_name(agent_id: str) -> str:
     return f"kvt-ctl-{agent_id}"
 
 
+def _map(p: "_Peer", ids: list[int]) -> None:
+    """Map the peer's regions `ids` not mapped yet (TransferError PEER_GONE if one cannot)."""
+    for i in ids:
+        if i not in p.maps:
+            info = p.infos[i]
+            try:
+                p.maps[i], p.views[i] = map_path(info.path, info.size, info.path_offset)
+            except (OSError, ValueError) as e:
+                raise TransferError(Fault.PEER_GONE, f"cannot map region {i} of peer "
+                                    f"{p.meta.name!r}: {e}") from e
+
+
 class _Peer:
     def __init__(self, meta: AgentMetadata, ctl: ShmSegment):
         self.meta = meta
@@ -66,12 +78,23 @@ class ShmBackend:
             self._ctl.array[region.region_id] = 0
 
     def add_peer(self, peer: AgentMetadata) -> None:
+        old = self._peers.get(peer.name)
+        if old is not None and old.meta.agent_id == peer.agent_id and peer.host == self._host:
+            # refreshed region list, same agent: its mappings stay (dropped, a list
+            # prepared before the refresh failed its next post with a bare KeyError),
+            # but those of regions that changed or went
+            infos = {r.region_id: r for r in peer.regions}
+            for i in [i for i in old.maps if infos.get(i) != old.infos.get(i)]:
+                del old.maps[i]
+                old.views.pop(i, None)
+            old.meta, old.infos = peer, infos
+            return
         self.remove_peer(peer.name)
         if peer.host != self._host:
             return
         try:
             ctl = ShmSegment.attach(ctl_name(peer.agent_id), CTL_SLOTS)
-        except OSError:
+        except (OSError, ValueError):  # (a ctl file shorter than its slots: ValueError)
             return  # the peer runs without shm; another backend will serve it
         self._peers[peer.name] = _Peer(peer, ctl)
 
@@ -87,14 +110,7 @@ class ShmBackend:
         ids = np.unique(remote_ids).tolist()
         if any(i >= CTL_SLOTS or i not in p.infos or not p.infos[i].path for i in ids):
             return False
-        for i in ids:
-            if i not in p.maps:
-                info = p.infos[i]
-                try:
-                    p.maps[i], p.views[i] = map_path(info.path, info.size, info.path_offset)
-                except (OSError, ValueError) as e:
-                    raise TransferError(Fault.PEER_GONE, f"cannot map region {i} of peer "
-                                        f"{peer.name!r}: {e}") from e
+        _map(p, ids)
         return True
 
     def _live_peer(self, name: str, remote_ids: np.ndarray) -> _Peer:
@@ -111,6 +127,12 @@ class ShmBackend:
 
     def post(self, xfer: Transfer, job: Job) -> None:
         p = self._live_peer(job.peer, job.remote_ids)
+        ids = np.unique(job.remote_ids).tolist()
+        if any(i not in p.views for i in ids):  # (its mapping dropped by a refresh)
+            if any(i not in p.infos or not p.infos[i].path for i in ids):
+                raise TransferError(Fault.UNREGISTERED, f"peer {job.peer!r} no longer "
+                                    "exports a region of this list: prepare it again")
+            _map(p, ids)
         local = {i: buffer_of(r) for i, r in job.local_regions.items()}
         copy_job(job.op is Op.WRITE, local, job.local_ids, job.local_offsets, p.views,
                  job.remote_ids, job.remote_offsets, job.lengths)

@@ -103,3 +103,35 @@ def test_read_only_arrays_are_refused_at_registration(agents):
     with pytest.raises(TransferError, match="read-only") as e:
         a.register(ro)
     assert e.value.fault is Fault.INVALID
+
+
+def test_an_shm_peer_refreshed_after_prepare_keeps_serving_the_lists_prepared_before():
+    """A peer's metadata learned again (it registered another region) dropped its shm
+    mappings, and the next post of a list prepared before raised a bare KeyError; now the
+    mappings of regions that did not change stay, and the new region is reached too."""
+    from transfer import ShmSegment
+    cfg = AgentConfig(backends=(BackendKind.SHM, BackendKind.TCP), io_timeout_s=2.0)
+    a, b = Agent("a", cfg), Agent("b", cfg)
+    segs = [ShmSegment.create(1 << 16), ShmSegment.create(1 << 16)]
+    try:
+        segs[0].array[:4096] = 7
+        rb = b.register(segs[0])
+        a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        mine = np.zeros(4096, np.uint8)
+        local = a.prepare(DescList.uniform(a.register(mine), 4096, 1))
+        remote = a.prepare(DescList.uniform(rb.region_id, 4096, 1), peer="b")
+        assert remote.backend is BackendKind.SHM
+        segs[1].array[:4096] = 9
+        rb2 = b.register(segs[1])
+        a.add_peer(b.metadata())  # (refreshed: same agent, one region more)
+        a.post(Op.READ, local, [0], remote, [0]).wait(3)
+        assert (mine == 7).all()
+        remote2 = a.prepare(DescList.uniform(rb2.region_id, 4096, 1), peer="b")
+        a.post(Op.READ, local, [0], remote2, [0]).wait(3)
+        assert (mine == 9).all()
+    finally:
+        a.close()
+        b.close()
+        for s in segs:
+            s.close()
