@@ -30,6 +30,14 @@ class RegionInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fi
     path: str | None = None
     path_offset: int = 0
 
+    def __post_init__(self) -> None:
+        # (a negative id overwrote another region's size in prepare's lookup table, so an
+        # offset of 1 GiB passed the local check against a 4 KiB region; an id of 1e11 had
+        # prepare allocate a 745 GiB table)
+        if not 0 <= self.region_id < 1 << 31 or self.size <= 0 or self.path_offset < 0:
+            raise ValueError(f"region {self.region_id} of {self.size} bytes at "
+                             f"{self.path_offset}: ids are in [0, 2**31), sizes > 0")
+
 
 class _MetadataError(TransferError):
     """A malformed metadata blob (a TransferError with fault PROTOCOL)."""

@@ -8,6 +8,8 @@ go over the notifier the agent supplies (the tcp control path), after the copy.
 """
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -27,6 +29,13 @@ CTL_SLOTS = 1 << 16  # region ids below this can be reached through shm
 
 def ctl_name(agent_id: str) -> str:
     return f"kvt-ctl-{agent_id}"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _map(p: "_Peer", ids: list[int]) -> None:
@@ -63,6 +72,10 @@ class ShmBackend:
         self._host = host_id()
         self._ctl = ShmSegment.create(CTL_SLOTS, ctl_name(ctx.agent_id))
         self._ctl.array[0] = 1
+        # an agent never closed (its process exited without close) left its 64 KiB control
+        # file in /dev/shm for good: unlinked at interpreter exit too (a SIGKILL still
+        # leaves it: the file must outlive this process's start for peers to attach)
+        self._unlink_at_exit = weakref.finalize(self, _unlink, self._ctl.path)
         self._peers: dict[str, _Peer] = {}
         self.notifier: Callable[[str, bytes, Transfer], None] | None = None  # set by the agent
 
@@ -151,3 +164,4 @@ class ShmBackend:
         for name in list(self._peers):
             self.remove_peer(name)
         self._ctl.close()
+        self._unlink_at_exit.detach()

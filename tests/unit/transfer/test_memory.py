@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from transfer import (Agent, AgentConfig, AgentMetadata, BackendKind, DescList, Fault,
-                      FileRegion, MemKind, Op, TransferError)
+                      FileRegion, MemKind, Op, RegionInfo, TransferError)
 
 LOCAL = AgentConfig(backends=(BackendKind.LOCAL,))
 
@@ -135,3 +135,37 @@ def test_an_shm_peer_refreshed_after_prepare_keeps_serving_the_lists_prepared_be
         b.close()
         for s in segs:
             s.close()
+
+
+@pytest.mark.parametrize("region", [[-1, 4096, 1, None, 0], [10 ** 11, 4096, 1, None, 0],
+                                    [1, 0, 1, None, 0], [1, 4096, 1, "/x", -5]])
+def test_forged_region_ids_and_sizes_in_metadata_are_refused(region):
+    """A negative region id overwrote another region's size in prepare's lookup table (an
+    offset of 1 GiB then passed the local check against a 4 KiB region); an id of 1e11
+    made prepare allocate a 745 GiB table. Such metadata is refused when decoded."""
+    good = AgentMetadata("p", "x" * 32, "h", 1, ("127.0.0.1", 1),
+                         (RegionInfo(1, 4096, MemKind.HOST),)).encode()
+    fields = msgpack.unpackb(good)
+    fields[6] = [region]
+    a = Agent("a", LOCAL)
+    try:
+        with pytest.raises(TransferError) as e:
+            a.add_peer(msgpack.packb(fields))
+        assert e.value.fault is Fault.PROTOCOL
+    finally:
+        a.close()
+
+
+def test_an_agent_never_closed_leaves_no_control_file_behind(tmp_path):
+    """A process that exits without closing its agent left /dev/shm/kvt-ctl-<id> (64 KiB)
+    for good; it is unlinked at interpreter exit."""
+    import subprocess
+    import sys
+    script = ("from transfer import Agent, AgentConfig, BackendKind\n"
+              "a = Agent('a', AgentConfig(backends=(BackendKind.SHM,)))\n"
+              "print(a.agent_id, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True)
+    from transfer.backends.shm import ctl_name
+    import os
+    assert not os.path.exists(f"/dev/shm/{ctl_name(out.stdout.strip())}")
