@@ -139,9 +139,11 @@ async def _locate(request: web.Request) -> web.Response:
     """Where the router believes a prompt's prefix is cached: {"prompt": "..." or [ids]}
     -> {"blocks": full blocks of the prompt, "nodes": {node: leading blocks it holds}}."""
     try:
-        body = await request.json()
+        body = await _body(request)
         req = api.parse(body, bool(body.get("messages")), request.app[CFG_KEY].model)
         hashes = await _off_loop(_prompt_hashes, request.app, req)
+    except TimeoutError:
+        return _error(408, _LATE_BODY, "invalid_request_error")
     except (ValueError, TypeError, OverflowError, api.BadRequest, AttributeError) as e:
         # (bytes not UTF-8, max_tokens "x", token ids past int32: each was a 500)
         return _error(400, f"POST a completions or chat body: {e}", "invalid_request_error")
@@ -162,6 +164,17 @@ async def _models(request: web.Request) -> web.Response:
     model = request.app[CFG_KEY].model
     return web.json_response({"object": "list", "data": [
         {"id": model, "object": "model", "created": 0, "owned_by": "kvtier"}]})
+
+
+BODY_DEADLINE_S = 30.0
+_LATE_BODY = f"the request body did not arrive whole within {BODY_DEADLINE_S:.0f} s"
+
+
+async def _body(request: web.Request):
+    """The request's JSON body, whole within BODY_DEADLINE_S (TimeoutError past it): a
+    client that announced a length and sent nothing held its connection for good."""
+    async with asyncio.timeout(BODY_DEADLINE_S):
+        return await request.json()
 
 
 async def _off_loop(fn, *args):
@@ -188,7 +201,9 @@ def _tokenize(app: web.Application, req: api.ApiRequest) -> list[int]:
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     app, m = request.app, request.app[METRICS_KEY]
     try:
-        body = await request.json()
+        body = await _body(request)
+    except TimeoutError:
+        return _error(408, _LATE_BODY, "invalid_request_error")
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (it was a 500)
         return _error(400, f"the body is not JSON in UTF-8: {e}", "invalid_request_error")
     try:
