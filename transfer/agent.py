@@ -70,9 +70,16 @@ class Agent:
         return region
 
     def deregister(self, region: Region) -> None:
+        """Withdraw `region`: no peer reaches it once this returns (tcp peers' requests in
+        progress on it end with their connections; a peer that cannot be stopped within
+        io_timeout_s is a TransferError TIMEOUT here)."""
         for b in self._backends.values():
             b.on_deregister(region)
-        self.regions.remove(region)
+        for conn in self.regions.remove(region):
+            conn.close()
+        if not self.regions.wait_idle(region, self.config.io_timeout_s):
+            raise TransferError(Fault.TIMEOUT, f"region {region.region_id}: a peer's request "
+                                f"on it did not end within {self.config.io_timeout_s} s")
 
     # peers ----------------------------------------------------------------------------------
 

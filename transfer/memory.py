@@ -110,6 +110,11 @@ class RegionTable:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        # peers' requests in progress on each region, and the connections serving them: a
+        # deregister ends those and waits for them (a slow peer went on reading and writing
+        # memory its owner had deregistered and reused: 4 MiB landed after it returned)
+        self._busy: dict[int, dict[Any, int]] = {}
         self._regions: dict[int, Region] = {}
         self._next_id = 1
         self.sizes = np.full(1, -1, dtype=np.int64)  # replaced, never mutated in place
@@ -125,12 +130,49 @@ class RegionTable:
             self._rebuild()
             return region
 
-    def remove(self, region: Region) -> None:
+    def remove(self, region: Region) -> list:
+        """Unregister `region`; returns the connections serving peers' requests on it now
+        (close them, then `wait_idle`)."""
         with self._lock:
             if self._regions.pop(region.region_id, None) is None:
                 raise TransferError(Fault.UNREGISTERED,
                                     f"region {region.region_id} is not registered")
             self._rebuild()
+            return list(self._busy.get(region.region_id, {}))
+
+    def wait_idle(self, region: Region, timeout_s: float) -> bool:
+        """Wait until no peer's request is in progress on `region` (False: still one after
+        `timeout_s`)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._busy.get(region.region_id),
+                                       timeout_s)
+
+    def use(self, ids: list[int], conn) -> dict[int, Region]:
+        """The exported regions `ids`, each marked in use by `conn` until `done` (a peer's
+        request on them is in progress); TransferError UNREGISTERED for one that is not."""
+        with self._lock:
+            regions = {}
+            for i in ids:
+                r = self._regions.get(i)
+                if r is None or not r.exported:
+                    raise TransferError(Fault.UNREGISTERED, f"region {i} is not registered/"
+                                        "exported")
+                regions[i] = r
+            for i in ids:
+                users = self._busy.setdefault(i, {})
+                users[conn] = users.get(conn, 0) + 1
+            return regions
+
+    def done(self, ids: list[int], conn) -> None:
+        with self._lock:
+            for i in ids:
+                users = self._busy.get(i, {})
+                users[conn] -= 1
+                if not users[conn]:
+                    del users[conn]
+                if not users:
+                    self._busy.pop(i, None)
+            self._idle.notify_all()
 
     def get(self, region_id: int) -> Region:
         try:

@@ -215,12 +215,13 @@ class _ServerConn:
             raise protocol_error(f"a notification of {len(note)} bytes (at most {limit})")
 
     def _validate(self, ids, offs, lens):
+        """The request's regions, in use by this connection (`done` them after)."""
         if ids.size > self.ctx.config.max_descs:  # (the header's bound keeps it so anyway)
             raise protocol_error(f"a request of {ids.size} descriptors (at most "
                                  f"{self.ctx.config.max_descs})")
         check_ranges(self.ctx.regions.exported_sizes, ids, offs, lens)
         unique = ids.tolist() if ids.size == 1 else np.unique(ids).tolist()
-        return {i: self.ctx.regions.get(i) for i in unique}
+        return self.ctx.regions.use(unique, self)
 
     def _write(self, header: list, plen: int) -> None:
         seq, ids, offs, lens, note = desc_arrays(header)
@@ -236,9 +237,13 @@ class _ServerConn:
             drain(self.sock, plen, self.progress, self.ctx.config.io_timeout_s, self.stopped)
             self._send([frame(Kind.ERROR, [seq, e.fault.name, e.cause])])
             return
-        views, finish = host_views(regions, ids, offs, lens, incoming=True)
-        recv_views(self.sock, views, self.progress, self.ctx.config.io_timeout_s, self.stopped)
-        finish_staged(finish)
+        try:
+            views, finish = host_views(regions, ids, offs, lens, incoming=True)
+            recv_views(self.sock, views, self.progress, self.ctx.config.io_timeout_s,
+                       self.stopped)
+            finish_staged(finish)
+        finally:
+            self.ctx.regions.done(list(regions), self)
         if note is not None:
             self.ctx.deliver(Notification(self.peer, note))
         self._send([frame(Kind.ACK, [seq])])
@@ -246,18 +251,23 @@ class _ServerConn:
     def _read(self, header: list) -> None:
         seq, ids, offs, lens, note = desc_arrays(header)
         try:
-            regions = self._validate(ids, offs, lens)
-            nbytes = int(lens.sum())  # (each length within a region: no overflow)
-            if nbytes > self.ctx.config.max_frame_bytes:
-                raise TransferError(Fault.OUT_OF_RANGE, f"a READ of {nbytes} bytes (at most "
-                                    f"{self.ctx.config.max_frame_bytes} a request)")
+            nbytes = int(lens.sum())  # (each length within a region, once checked: no
+            regions = self._validate(ids, offs, lens)  # overflow)
         except TransferError as e:
             if e.fault is Fault.PROTOCOL:
                 raise
             self._send([frame(Kind.ERROR, [seq, e.fault.name, e.cause])])
             return
-        views, _ = host_views(regions, ids, offs, lens, incoming=False)
-        self._send([frame(Kind.DATA, [seq], int(lens.sum())), *views])
+        try:
+            if nbytes > self.ctx.config.max_frame_bytes:
+                self._send([frame(Kind.ERROR, [seq, Fault.OUT_OF_RANGE.name,
+                                              f"a READ of {nbytes} bytes (at most "
+                                              f"{self.ctx.config.max_frame_bytes} a request)"])])
+                return
+            views, _ = host_views(regions, ids, offs, lens, incoming=False)
+            self._send([frame(Kind.DATA, [seq], nbytes), *views])
+        finally:
+            self.ctx.regions.done(list(regions), self)
 
     def try_send_error(self, seq: int, err: TransferError) -> None:
         if err.fault in (Fault.CONNECTION_LOST, Fault.CLOSED):

@@ -533,3 +533,31 @@ def test_transfer_keeps_its_own_timeout_against_a_peer_that_stalls():
     finally:
         peer.close()
         a.close()
+
+
+def test_deregister_ends_a_peers_write_in_progress_before_it_returns(target):
+    """A peer writing slowly into a region went on landing bytes after its owner had
+    deregistered it (and reused the memory): 4 MiB came in after deregister returned.
+    Deregister now ends the connections serving requests on the region and waits for
+    them: nothing lands after it returns."""
+    b, region, mem = target
+    s = _raw_conn(b)
+    q = lambda v: struct.pack("<q", v)  # noqa: E731
+    s.sendall(frame(Kind.WRITE, [1, q(region.region_id), q(0), q(mem.size), None], mem.size)
+              + b"\x11" * 1000)
+    for _ in range(200):  # (the server is receiving into the region)
+        if mem[999] == 0x11:
+            break
+        time.sleep(0.01)
+    assert mem[999] == 0x11
+    done = threading.Event()
+    threading.Thread(target=lambda: (b.deregister(region), done.set()), daemon=True).start()
+    assert done.wait(10)
+    mem[:] = 0  # (the owner reuses its memory)
+    try:
+        s.sendall(b"\x22" * (mem.size - 1000))
+    except OSError:
+        pass  # (the connection is closed: what the fix does)
+    time.sleep(0.5)
+    assert not mem.any()
+    s.close()
