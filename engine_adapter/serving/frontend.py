@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, NamedTuple
 
@@ -177,11 +178,16 @@ async def _body(request: web.Request):
         return await request.json()
 
 
+# one thread: one tokenizer is not used by two threads at once (a fast tokenizer's Rust
+# side refuses a borrow that is already taken), and one long prompt is all it costs
+_PROMPT_THREAD = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tokenize")
+
+
 async def _off_loop(fn, *args):
-    """`fn(*args)` in the default executor: tokenizing (a chat template over 20k messages,
-    a 1 MB prompt) and hashing a long prompt took 1-1.7 s, and every stream of the front end
+    """`fn(*args)` off the event loop: tokenizing (a chat template over 20k messages, a 1 MB
+    prompt) and hashing a long prompt took 1-1.7 s on it, and every stream of the front end
     stood still meanwhile (/healthz answered in 1.5 s)."""
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_PROMPT_THREAD, fn, *args)
 
 
 def _prompt_hashes(app: web.Application, req: api.ApiRequest) -> tuple[bytes, ...]:
