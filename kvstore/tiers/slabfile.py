@@ -295,9 +295,7 @@ class SlabFile:
                 self._io(os.pwritev, self.fd, base + at, [piece, self._pad_view] if last else [piece])
                 h.update(piece)
             sums.append(h.intdigest())
-        for first, idx in _runs(slots):
-            self._io(os.pwritev, self.hfd, first * HEADER_BYTES,
-                     [self._header(hashes[i], sums[i]) for i in idx])
+        self._write_heads(hashes, sums, _runs(slots))
         return sums
 
     def _write_native(self, slots: Sequence[int], hashes: Sequence[bytes],
