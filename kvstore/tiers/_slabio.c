@@ -115,9 +115,12 @@ static void release(Blocks *b)
     PyMem_Free(b->views);
 }
 
+static int check_span(long long offset, Py_ssize_t n, Py_ssize_t stride);
+
 /* the buffers of `seq` (contiguous, all one length, writable for a read), held until
- * release(); -1 with an exception set */
-static int take(PyObject *seq, int writable, Py_ssize_t stride, Blocks *b)
+ * release(), each of which fits its slot of `stride` bytes from `offset`; -1 with an
+ * exception set (nothing held) */
+static int take(PyObject *seq, int writable, long long offset, Py_ssize_t stride, Blocks *b)
 {
     PyObject *fast = PySequence_Fast(seq, "blocks must be a sequence of buffers");
     if (fast == NULL)
@@ -147,6 +150,10 @@ static int take(PyObject *seq, int writable, Py_ssize_t stride, Blocks *b)
     if (n > 0 && (b->len <= 0 || b->len > stride || stride - b->len > MAX_PAD)) {
         PyErr_Format(PyExc_ValueError, "blocks of %zd bytes do not fit slots of %zd "
                      "(a pad of at most %d)", b->len, stride, MAX_PAD);
+        release(b);
+        return -1;
+    }
+    if (check_span(offset, b->n, stride) < 0) {
         release(b);
         return -1;
     }
@@ -196,12 +203,8 @@ static PyObject *write_blocks(PyObject *self, PyObject *args)
         return NULL;
     }
     Blocks b;
-    if (take(seq, 0, stride, &b) < 0)
+    if (take(seq, 0, offset, stride, &b) < 0)
         return NULL;
-    if (check_span(offset, b.n, stride) < 0) {
-        release(&b);
-        return NULL;
-    }
     uint64_t *sums = PyMem_Calloc(b.n ? (size_t)b.n : 1, sizeof(uint64_t));
     struct iovec *iov = PyMem_Calloc(2 * MAX_RUN, sizeof(struct iovec));
     void *state = xxh_create();
@@ -288,12 +291,8 @@ static PyObject *read_blocks(PyObject *self, PyObject *args)
         return NULL;
     }
     Blocks b;
-    if (take(seq, 1, stride, &b) < 0)
+    if (take(seq, 1, offset, stride, &b) < 0)
         return NULL;
-    if (check_span(offset, b.n, stride) < 0) {
-        release(&b);
-        return NULL;
-    }
     uint64_t *sums = PyMem_Calloc(b.n ? (size_t)b.n : 1, sizeof(uint64_t));
     char *good = PyMem_Calloc(b.n ? (size_t)b.n : 1, 1);
     struct iovec *iov = PyMem_Calloc(2 * MAX_RUN, sizeof(struct iovec));
