@@ -349,8 +349,10 @@ class TieredStore(Reads, Grants):
     def pin_n(self, hashes: Sequence[bytes], ttl_s: float | None = None) -> list[bool]:
         """Keep blocks from eviction: hard (ttl_s None; counted, until `unpin_n`) or soft
         (until ttl_s passes). Returns whether each block was present to pin."""
-        if ttl_s is not None and not ttl_s > 0:  # (NaN too: it pinned nothing, said True)
-            raise ValueError(f"a soft pin's ttl_s is a number of seconds above 0, not {ttl_s}")
+        if ttl_s is not None and not 0 < ttl_s < math.inf:  # (NaN: it pinned nothing, said
+            raise ValueError(  # True; inf: a soft pin that never ended, no hard pin's count)
+                f"a soft pin's ttl_s is a finite number of seconds above 0, not {ttl_s} "
+                "(for a pin until unpin_n, leave ttl_s None)")
         keys = hash_keys(hashes)
         now = time.monotonic()
         with self._lock:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvstore import AsyncClient, Client
+from kvstore.errors import KVStoreError
 from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
 from kvstore.store import PutStatus
@@ -91,6 +92,10 @@ def test_metadata_ops_match_store_semantics(client):
     assert client.match_prefix(hs).num_blocks == 2
     assert client.pin_n(hs[:3]) == [True, True, False]
     client.unpin_n(hs[:2])
+    for ttl in (float("inf"), float("nan"), -1.0):  # a clear error, the connection usable
+        with pytest.raises(KVStoreError, match="ttl_s"):
+            client.pin_n(hs[:1], ttl_s=ttl)
+    assert client.pin_n(hs[:1], ttl_s=1.0) == [True]
     s = client.stats()
     assert s.block_bytes == BB and sum(t.used_blocks for t in s.tiers) >= 4
 

@@ -610,13 +610,14 @@ def test_a_promotion_never_costs_the_store_a_block(tmp_path):
 
 def test_every_call_checks_its_hashes_and_a_soft_pin_its_ttl(tmp_path):
     """The in-process store answered a 3-byte hash False / 0 where the clients raise, and
-    a soft pin of ttl -5 or NaN said True having pinned nothing."""
+    a soft pin of ttl -5 or NaN said True having pinned nothing (and one of ttl inf never
+    ended)."""
     with make(tmp_path, dram=2) as s:
         s.put_n(CHAIN[:1], blocks(1))
         for call in (s.contains_n, s.match_prefix, s.pin_n, s.unpin_n, s.evict_n, s.remove_n):
             with pytest.raises(ValueError, match="16 bytes"):
                 call([CHAIN[0], b"abc"])
-        for ttl in (-5.0, 0.0, float("nan")):
+        for ttl in (-5.0, 0.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match="ttl_s"):
                 s.pin_n(CHAIN[:1], ttl_s=ttl)
         assert s.pin_n(CHAIN[:1], ttl_s=5.0) == [True] and s.contains_n(CHAIN[:1]) == [True]
