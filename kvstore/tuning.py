@@ -1,5 +1,6 @@
 """Tuning for a process that moves many MiB-sized blocks (the daemon, benches): its heap,
-its cyclic GC (`freeze_gc_heap`) and its background threads (`background_thread`).
+its cyclic GC (`freeze_gc_heap`), its background threads (`background_thread`) and its
+open-file limit (`raise_open_file_limit`).
 
 glibc serves every allocation of 128 KiB or more with a fresh mmap and unmaps it on free, so
 each block-sized bytes object RocksDB hands back is first-touched page by page (~10x slower
@@ -13,6 +14,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import resource
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -74,3 +76,19 @@ def _freeze_survivors(phase: str, info: dict) -> None:
     the collection has just run."""
     if phase == "stop" and info["generation"] == 2:
         gc.freeze()
+
+
+def raise_open_file_limit() -> None:
+    """The soft open-file limit up to the hard one, as servers do (the daemon, the front
+    end): each connection takes a descriptor or more. The daemon's kernel also refuses to
+    pass descriptors (same-host clients' shared memory) once those in replies not read yet
+    pass the soft limit (ETOOMANYREFS), which at the usual 1024 six connections that never
+    read could reach."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = max(soft, 1 << 20)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass  # (kept as it is: the daemon's accepting pauses when it runs out, see dataplane)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from aiohttp import web
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
@@ -29,6 +31,8 @@ from engine_adapter.serving import openai_api as api
 from engine_adapter.serving.protocol import GenerateRequest, Role
 from engine_adapter.serving.router import (NoWorkerError, Router, WorkerDiedError,
                                            WorkerRejectedError)
+from kvstore.daemon import httpguard
+from kvstore.tuning import raise_open_file_limit
 
 log = logging.getLogger("kvtier.frontend")
 
@@ -37,6 +41,8 @@ log = logging.getLogger("kvtier.frontend")
 class FrontendConfig:
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     startup_timeout_s: float = 600.0
+    max_connections: int = 1024  # open at once (`serve`): streams in flight count too
+    header_deadline_s: float = httpguard.HEADER_DEADLINE_S
 
 
 class Progress(NamedTuple):
@@ -99,6 +105,49 @@ def create_app(cfg: FrontendConfig, router: Router, tokenizer: Any = None) -> we
     app.router.add_post("/v1/completions", lambda r: _serve(r, chat=False))
     app.router.add_post("/v1/chat/completions", lambda r: _serve(r, chat=True))
     return app
+
+
+def serve(app: web.Application, sock: socket.socket,
+          ready: Callable[[], None] = lambda: None) -> None:
+    """Serve `app` (create_app's) on a bound socket until SIGINT or SIGTERM (`ready()` once
+    it listens, after every worker is up), behind
+    httpguard: at most `max_connections` open at once (an idle one makes room for a new
+    one), each connection's first request head whole within `header_deadline_s`, an idle
+    kept-alive one closed after httpguard.KEEPALIVE_S. aiohttp's `run_app` has none of
+    these: 1,000 connections that sent half a head, or none, held their descriptors for
+    good, and with them the front end's sockets to the workers."""
+    asyncio.run(_listen(app, sock, ready))
+
+
+async def _listen(app: web.Application, sock: socket.socket,
+                  ready: Callable[[], None]) -> None:
+    cfg = app[CFG_KEY]
+    raise_open_file_limit()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    gate = httpguard.Gate(limit=cfg.max_connections, deadline_s=cfg.header_deadline_s)
+    app.middlewares.append(gate.middleware)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           keepalive_timeout=httpguard.KEEPALIVE_S)
+    setup = asyncio.ensure_future(runner.setup())  # (waits for every worker: a stop
+    stopped = asyncio.ensure_future(stop.wait())  # meanwhile ends it)
+    try:
+        await asyncio.wait((setup, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if not setup.done():
+            setup.cancel()
+            await asyncio.gather(setup, return_exceptions=True)
+            return
+        setup.result()
+        server = await httpguard.serve_on(runner.server, sock, gate)
+        ready()
+        await stopped
+        server.close()
+    finally:
+        stopped.cancel()
+        if setup.done() and not setup.cancelled() and setup.exception() is None:
+            await runner.cleanup()
 
 
 def _load_tokenizer():

@@ -246,9 +246,7 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
 def run(a: argparse.Namespace) -> int:
     import logging
 
-    from aiohttp import web
-
-    from engine_adapter.serving.frontend import FrontendConfig, create_app
+    from engine_adapter.serving.frontend import FrontendConfig, create_app, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -276,12 +274,10 @@ def run(a: argparse.Namespace) -> int:
               f"\nthe API opens at {api} once every worker has loaded its model and measured "
               "its speed", flush=True)
 
-        async def announce(app: web.Application) -> None:
+        def announce() -> None:
             print(f"kvtier cluster ready: {api}/v1 ({cfg.describe}, policy {cfg.policy}; "
                   f"{router.cost_summary()})", flush=True)
 
-        app = create_app(FrontendConfig(), router)
-        app.on_startup.append(announce)
-        web.run_app(app, sock=sock, print=None, access_log=None)
+        serve(create_app(FrontendConfig(), router), sock, ready=announce)
     print("kvtier cluster: stopped", flush=True)
     return 0

@@ -24,6 +24,7 @@ after the token check, each within a deadline of its own: `cluster.BODY_GRACE_S`
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -170,7 +171,13 @@ class _Guarded(asyncio.Protocol):
 async def listen(factory: Callable[[], asyncio.Protocol], host: str, port: int,
                  gate: Gate) -> asyncio.AbstractServer:
     """Serve `factory`'s protocol (aiohttp's `AppRunner.server`) on host:port, guarded."""
-    sock = bind(host, port)
+    return await serve_on(factory, bind(host, port), gate)
+
+
+async def serve_on(factory: Callable[[], asyncio.Protocol], sock: socket.socket,
+                   gate: Gate) -> asyncio.AbstractServer:
+    """Serve `factory`'s protocol on a bound socket (listening or not), guarded; the socket
+    is closed if that fails."""
     loop = asyncio.get_running_loop()
     try:
         return await loop.create_server(lambda: _Guarded(factory(), gate), sock=sock)

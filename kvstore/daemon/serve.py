@@ -16,7 +16,7 @@ from kvstore.daemon.config import (DaemonConfig, coerce, default_of, memory_limi
 from kvstore.daemon import httpguard
 from kvstore import lifetime
 from kvstore.errors import ConfigError
-from kvstore.tuning import freeze_gc_heap
+from kvstore.tuning import freeze_gc_heap, raise_open_file_limit
 from kvstore.wire import netloc
 
 log = logging.getLogger("kvtier.serve")
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     _own_threads()
     from kvstore.tuning import tune_malloc_for_large_blocks
     tune_malloc_for_large_blocks()  # block-sized buffers reuse the heap instead of fresh mmaps
-    _raise_open_file_limit()
+    raise_open_file_limit()
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_BadRequests())
@@ -173,22 +173,6 @@ def run(args: argparse.Namespace) -> int:
                               "--http-port (0: any free one) or --host") from e
         raise
     return 0
-
-
-def _raise_open_file_limit() -> None:
-    """The soft open-file limit up to the hard one (as servers do): each connection takes a
-    descriptor or more, and the kernel refuses to pass descriptors (same-host clients'
-    shared memory) once those in replies not read yet pass the soft limit (ETOOMANYREFS),
-    which at the usual 1024 six connections that never read could reach."""
-    import resource
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY:
-            hard = max(soft, 1 << 20)
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass  # (kept as it is: accepting pauses when it runs out, see dataplane)
 
 
 async def serve(cfg: DaemonConfig) -> None:
