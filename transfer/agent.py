@@ -173,6 +173,9 @@ class Agent:
         except TransferError as e:
             xfer._fail(e)
             raise e.for_transfer(xfer.name) from e
+        except BaseException as e:  # (a bug or an interrupt: the handle still ends, not
+            xfer._fail(TransferError(Fault.INVALID, f"posting failed: {e!r}"))  # pending)
+            raise
         return xfer
 
     def transfer(self, op: Op, local: Prepared, local_idx: Any, remote: Prepared,
@@ -194,6 +197,9 @@ class Agent:
         except TransferError as e:
             xfer._fail(e)
             raise e.for_transfer(xfer.name) from e
+        except BaseException as e:  # (as post)
+            xfer._fail(TransferError(Fault.INVALID, f"posting failed: {e!r}"))
+            raise
         xfer.wait(timeout)
         xfer.release()
 

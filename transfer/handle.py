@@ -11,7 +11,9 @@ class Transfer:
     """One posted READ/WRITE. Backends finish it with `_done_part` / `_fail`, exactly once.
 
     A transfer may be split into parts (e.g., one per connection); it is DONE when every part
-    is, FAILED as soon as any part fails. A failed transfer never becomes DONE.
+    is, FAILED once any part has failed and every other part has finished (landed, or
+    failed too): until then the others may still be moving bytes to or from the caller's
+    memory, and the handle stays PENDING. A failed transfer never becomes DONE.
     """
 
     __slots__ = ("name", "op", "peer", "num_descs", "nbytes", "_state", "_error", "_event",
@@ -67,24 +69,29 @@ class Transfer:
     def _set_parts(self, parts: int) -> None:
         self._parts = parts
 
+    def _unstarted(self, parts: int) -> None:
+        """`parts` of those set will never start (posting them failed): no part of theirs
+        will finish. The part whose post raised is the one the caller's `_fail` ends."""
+        with self._lock:
+            self._parts -= parts
+
     def _done_part(self) -> None:
+        self._finish_part(None)
+
+    def _fail(self, err: TransferError) -> None:
+        """One part failed (the whole transfer, if it has one part)."""
+        self._finish_part(err)
+
+    def _finish_part(self, err: TransferError | None) -> None:
         with self._lock:
             if self._state is not State.PENDING:
                 return
+            if err is not None and self._error is None:  # (the first one is said)
+                self._error = err if err.transfer == self.name else err.for_transfer(self.name)
             self._parts -= 1
             if self._parts > 0:
                 return
-            self._state = State.DONE
-            event = self._event
-        if event is not None:
-            event.set()
-
-    def _fail(self, err: TransferError) -> None:
-        with self._lock:
-            if self._state is not State.PENDING:
-                return
-            self._error = err if err.transfer == self.name else err.for_transfer(self.name)
-            self._state = State.FAILED
+            self._state = State.DONE if self._error is None else State.FAILED
             event = self._event
         if event is not None:
             event.set()

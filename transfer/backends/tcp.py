@@ -88,11 +88,15 @@ class TcpBackend:
         xfer._set_parts(len(parts))
         # a notification goes with the last part, and all parts on one connection (served
         # in order): it is delivered after every byte landed
-        one = self._conn(job.peer) if job.notify is not None else None
         for k, sel in enumerate(parts):
-            conn = one or self._conn(job.peer)
-            conn.submit(self._request(conn.next_seq(), xfer, job, sel,
-                                      job.notify if k == len(parts) - 1 else None))
+            try:
+                if k == 0 or job.notify is None:
+                    conn = self._conn(job.peer)
+                conn.submit(self._request(conn.next_seq(), xfer, job, sel,
+                                          job.notify if k == len(parts) - 1 else None))
+            except BaseException:
+                xfer._unstarted(len(parts) - k - 1)  # (this part: the agent's _fail)
+                raise
 
     def run(self, xfer: Transfer, job: Job) -> bool:
         """The whole transfer on the calling thread, when it goes as one request and the

@@ -38,6 +38,7 @@ class PendingOp:
     recv_bytes: int = 0
     finish: list = field(default_factory=list)  # device copies after DATA landed
     then_notify: bytes | None = None  # READ with a notification: NOTIFY after the data
+    refused: TransferError | None = None  # the peer's ERROR reply (`_complete` fails it)
 
 
 class PeerConnection:
@@ -169,7 +170,7 @@ class PeerConnection:
                                 f"{req.seq}")
         if kind is Kind.ERROR:
             req.recv = []
-            req.xfer._fail(_reply_error(header, "peer refused the request"))
+            req.refused = _reply_error(header, "peer refused the request")
         elif kind is Kind.DATA and req.kind is Kind.READ and plen == req.recv_bytes:
             recv_views(self.sock, req.recv, self.progress, self.config.io_timeout_s,
                        self._is_dead)
@@ -179,6 +180,11 @@ class PeerConnection:
                                 f"{req.kind.name} (payload {plen})")
 
     def _complete(self, req: PendingOp) -> None:
+        """Finish `req`'s part of its transfer: refused, done, or done once its notification
+        is acknowledged."""
+        if req.refused is not None:
+            req.xfer._fail(req.refused)
+            return
         if req.then_notify is None:
             req.xfer._done_part()
             return

@@ -212,11 +212,15 @@ class UcxBackend:
         xfer._set_parts(len(parts))
         for n, sel in enumerate(parts):
             last = n == len(parts) - 1
-            self._start(xfer, int(job.op), ep, job.remote_ids[sel], job.remote_offsets[sel],
-                        job.lengths[sel], job.notify if last else None,
-                        *host_views(job.local_regions, job.local_ids[sel],
-                                    job.local_offsets[sel], job.lengths[sel],
-                                    job.op is Op.READ))
+            try:
+                self._start(xfer, int(job.op), ep, job.remote_ids[sel], job.remote_offsets[sel],
+                            job.lengths[sel], job.notify if last else None,
+                            *host_views(job.local_regions, job.local_ids[sel],
+                                        job.local_offsets[sel], job.lengths[sel],
+                                        job.op is Op.READ))
+            except BaseException:
+                xfer._unstarted(len(parts) - n - 1)  # (this part: the agent's _fail)
+                raise
 
     def notify(self, peer: str, payload: bytes, xfer: Transfer) -> None:
         empty = np.empty(0, np.int64)

@@ -13,6 +13,7 @@ import pytest
 
 from transfer import (Agent, AgentConfig, AgentMetadata, BackendKind, DescList, Fault, MemKind,
                       Op, RegionInfo, TransferError)
+from transfer.types import State
 from transfer.backends.tcp_wire import HEAD, MAGIC, Kind, frame
 
 TCP = AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=0.6, connect_timeout_s=1.0)
@@ -561,3 +562,88 @@ def test_deregister_ends_a_peers_write_in_progress_before_it_returns(target):
     time.sleep(0.5)
     assert not mem.any()
     s.close()
+
+
+class SplitPeer:
+    """A fake peer for split READs: every connection refuses a request naming region 2 at
+    once and answers the others (bytes of 7) only once `go` is set."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.go = threading.Event()
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        import msgpack
+        try:
+            while True:
+                head = conn.recv(HEAD.size, socket.MSG_WAITALL)
+                if len(head) < HEAD.size:
+                    return
+                kind, hlen = HEAD.unpack(head)[2], HEAD.unpack(head)[4]
+                header = msgpack.unpackb(conn.recv(hlen, socket.MSG_WAITALL))
+                if kind == Kind.HELLO:
+                    conn.sendall(frame(Kind.ACK, [0]))
+                    continue
+                seq, ids, lens = header[0], np.frombuffer(header[1], "<i8"), header[3]
+                if (ids == 2).any():
+                    conn.sendall(frame(Kind.ERROR, [seq, Fault.UNREGISTERED.name, "gone"]))
+                    continue
+                self.go.wait(10)
+                n = int(np.frombuffer(lens, "<i8").sum())
+                conn.sendall(frame(Kind.DATA, [seq], n) + b"\x07" * n)
+        except OSError:
+            pass
+
+    def metadata(self) -> bytes:
+        regions = (RegionInfo(1, 1 << 20, MemKind.HOST), RegionInfo(2, 1 << 20, MemKind.HOST))
+        return AgentMetadata("split", "s" * 32, "elsewhere", 1, self.sock.getsockname()[:2],
+                             regions).encode()
+
+    def close(self):
+        self.go.set()
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_failed_part_fails_its_transfer_only_once_no_other_part_is_landing():
+    """A READ split over 4 connections, one part refused by the peer while the others are
+    still coming: the transfer stays PENDING until every other part has finished, so
+    nothing lands in the caller's memory after it said FAILED. It had failed at the first
+    refusal, and the other parts' bytes landed afterwards in a buffer its caller had taken
+    back."""
+    peer = SplitPeer()
+    a = Agent("client", AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=5.0,
+                                    tcp_num_conns=4))
+    try:
+        a.add_peer(peer.metadata())
+        ids = np.array([2] * 4 + [1] * 12)  # the refused part first
+        theirs = a.prepare(DescList(ids, np.tile(np.arange(4) << 18, 4), np.full(16, 1 << 18)),
+                           peer="split")
+        back = np.zeros(16 << 18, np.uint8)
+        mine = a.prepare(DescList.uniform(a.register(back), 1 << 18, 16))
+        xfer = a.post(Op.READ, mine, np.arange(16), theirs, np.arange(16))
+        with pytest.raises(TransferError) as still:
+            xfer.wait(1.0)
+        assert still.value.fault is Fault.TIMEOUT and xfer.state is State.PENDING
+        assert not back.any()
+        peer.go.set()  # the other parts land now, and only then is the transfer FAILED
+        with pytest.raises(TransferError) as failed:
+            xfer.wait(5)
+        assert failed.value.fault is Fault.UNREGISTERED
+        assert (back[4 << 18:] == 7).all() and not back[:4 << 18].any()
+        xfer.release()
+    finally:
+        a.close()
+        peer.close()
