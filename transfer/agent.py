@@ -6,6 +6,7 @@ import itertools
 import os
 import threading
 import uuid
+import weakref
 from collections import deque
 from typing import Any
 
@@ -24,7 +25,8 @@ from .backends.base import AgentContext, Backend, Grants, Job
 
 class Agent:
     """One endpoint of the transfer layer (a process may hold several). Thread-safe for
-    posting from several threads; register/add_peer are control-path calls."""
+    posting from several threads; register/add_peer are control-path calls. An agent does
+    not cross os.fork(): in the child it is closed (`_forked`), the parent's untouched."""
 
     def __init__(self, name: str, config: AgentConfig | None = None):
         if not name:
@@ -50,6 +52,7 @@ class Agent:
             self.close()
             raise
         self._wire_notifiers()
+        _live.add(self)
 
     def _wire_notifiers(self) -> None:
         shm, tcp = self._backends.get(BackendKind.SHM), self._backends.get(BackendKind.TCP)
@@ -295,6 +298,18 @@ class Agent:
         if self._closed:
             raise TransferError(Fault.CLOSED, f"agent {self.name!r} is closed")
 
+    def _forked(self) -> None:
+        """In a child made by os.fork(): closed, without closing anything of the parent's.
+        A child had held the parent's listening socket and connections (and could shut
+        them down: `close` on its copy ended the parent's server), and its exit unlinked
+        the parent's shm control file, which its shm peers then could not attach."""
+        self._closed = True
+        for b in self._backends.values():
+            forked = getattr(b, "forked", None)
+            if forked is not None:
+                forked()
+        self._peers.clear()
+
     def close(self) -> None:
         """Close every backend (in-flight transfers fail) and forget peers. Idempotent."""
         if self._closed:
@@ -309,3 +324,18 @@ class Agent:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_live: "weakref.WeakSet[Agent]" = weakref.WeakSet()
+
+
+def _in_child() -> None:
+    for agent in list(_live):
+        try:
+            agent._forked()
+        except Exception:  # noqa: BLE001 - best effort: the child must go on starting
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_child)

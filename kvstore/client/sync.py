@@ -102,7 +102,7 @@ class Client:
         self._made = weakref.WeakSet()
         puts, self._puts = self._puts, None
         arena, self._arena = self._arena, None
-        self._agent = None  # (its sockets and threads are the parent's)
+        self._agent = None  # (closed in this process: transfer.agent, at fork)
         self._touches, self._toucher, self._touch_sent = TouchLog(), None, None
         for conn in idle:
             conn.close()  # (only this process's descriptor: the socket stays the parent's)

@@ -127,6 +127,11 @@ class Backend(Protocol):
     def close(self) -> None:
         """Stop threads, close sockets and mappings; pending transfers fail."""
 
+    def forked(self) -> None:
+        """In a child made by os.fork(): let go of this process's copies of the parent's
+        descriptors (closed here only: no shutdown, nothing sent, no lock taken) and of
+        anything that would touch the parent's state, now or at exit."""
+
 
 def quiet_ucx_without_rdma() -> None:
     """Before UCX loads (nixl / ucx adapters): on a host with libibverbs installed but no

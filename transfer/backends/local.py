@@ -87,6 +87,10 @@ class LocalBackend:
         self._peer_ctx(peer).deliver(Notification(self.ctx.name, payload))
         xfer._done_part()
 
+    def forked(self) -> None:
+        _AGENTS.pop(self.ctx.agent_id, None)  # (no lock: a parent's thread may have held it)
+        self._peers.clear()
+
     def close(self) -> None:
         with _AGENTS_LOCK:
             _AGENTS.pop(self.ctx.agent_id, None)

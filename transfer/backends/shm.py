@@ -159,6 +159,11 @@ class ShmBackend:
             raise TransferError(Fault.UNSUPPORTED, "shm notifications need the tcp backend")
         self.notifier(peer, payload, xfer)
 
+    def forked(self) -> None:
+        """The control file is the parent's: never marked closed nor unlinked from here."""
+        self._unlink_at_exit.detach()
+        self._peers = {}
+
     def close(self) -> None:
         self._ctl.array[0] = 0
         for name in list(self._peers):

@@ -140,3 +140,11 @@ class TcpBackend:
         for name in list(self._peers):
             self.remove_peer(name)
         self.server.close()
+
+    def forked(self) -> None:
+        for p in self._peers.values():
+            for c in p.conns:
+                if c is not None:
+                    c.sock.close()  # (this process's descriptor only: no shutdown)
+        self._peers = {}
+        self.server.forked()

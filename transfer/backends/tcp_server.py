@@ -126,6 +126,14 @@ class Server:
                 self._pending.pop(sock, None)
             sock.close()
 
+    def forked(self) -> None:
+        """(TcpBackend.forked) Closes this process's descriptors of the listening socket and
+        the served connections: the parent's stay open, its server untouched. (No thread
+        of its runs here; nothing that may wait on a lock a parent's thread held.)"""
+        self._sock.close()
+        for s in list(self._conns):
+            s.close()
+
     def close(self) -> None:
         self._stop.set()
         try:
