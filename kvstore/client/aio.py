@@ -274,6 +274,7 @@ class AsyncClient:
         if puts is not None:
             done = puts.put_n(hashes, rows)
             if done is not None:
+                await asyncio.sleep(0)  # (no request: see _read_direct)
                 return done
         return await self._run(self._put_n, w.pack_hashes(hashes), rows)
 
@@ -416,6 +417,8 @@ class AsyncClient:
                                     select_rows(rows, missed))
             for i, t in zip(missed, found):
                 tiers[i] = t
+        else:
+            await asyncio.sleep(0)  # (no request: see _read_direct)
         return tiers
 
     def _direct_ok(self) -> bool:
@@ -424,7 +427,9 @@ class AsyncClient:
 
     async def _read_direct(self, hashes, rows, prefix: bool):
         """The blocks the slot directory shows in DRAM, copied with no request (same host):
-        (tiers, indices left for the daemon)."""
+        (tiers, indices left for the daemon). A call answered this way alone (and a put the
+        put channel takes) gives the event loop a turn before it returns: with no request
+        to wait for, a task looping over them had kept every other task of the loop out."""
         arena = self._arena
         if not self._direct_ok() or not arena.directory.writer_alive():
             return [None] * len(hashes), list(range(len(hashes)))
@@ -498,6 +503,8 @@ class AsyncClient:
             tiers += await self._run(self._get_n, w.pack_hashes(hashes[start:]),
                                      select_rows(request_rows(rows, dsts, n, self.block_bytes),
                                                  range(start, n)), True)
+        else:
+            await asyncio.sleep(0)  # (no request: see _read_direct)
         hit = leading_hits(tiers)
         return MatchResult(hit, tuple(tiers[:hit]))
 

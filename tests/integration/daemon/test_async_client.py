@@ -253,3 +253,39 @@ def test_wrong_token_unreachable_daemon_and_silent_peer(make_daemon, tmp_path, r
         run(main())
     finally:
         silent.close()
+
+
+def test_same_host_calls_answered_without_a_request_still_let_other_tasks_run(make_daemon, run):
+    """Reads the slot directory shows in DRAM and puts through the put channel send no
+    request: a task looping over them had never given the event loop back, and every other
+    task of the process (other clients' streams, a server's handlers) stood still."""
+    d = make_daemon("--dram-size", "1MiB")
+
+    async def main():
+        ticks = 0
+
+        async def other():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+        async with AsyncClient(d.url, namespace=NS) as c:
+            hs = chain(77, 4)
+            assert await c.put_n(hs, blocks(hs)) == [PutStatus.STORED] * 4
+            out = np.zeros((4, BB), np.uint8)
+            assert None not in await c.get_n(hs, out)  # (all DRAM hits from here on)
+            task = asyncio.ensure_future(other())
+            await asyncio.sleep(0)
+            for _ in range(50):
+                assert None not in await c.get_n(hs, out)
+                assert (await c.get_prefix_n(hs, out)).num_blocks == 4
+            got, ticks = ticks, 0
+            more = chain(78, 50)
+            for i in range(50):
+                await c.put_n(more[i:i + 1], blocks(more[i:i + 1]))
+            put_ticks = ticks
+            task.cancel()
+            return c.transport, got, put_ticks
+    transport, get_ticks, put_ticks = run(main())
+    assert transport == "shm"
+    assert get_ticks >= 50 and put_ticks >= 25, (get_ticks, put_ticks)
