@@ -71,11 +71,10 @@ class TieredStore(Reads, Grants):
         self._reservations: dict[int, tuple[float, list[Entry]]] = {}  # id -> (deadline, entries)
         # reservations made for a writer outside the daemon (a same-host client writing its
         # DRAM slots itself), by id -> that writer; and, per writer, the DRAM slots of its
-        # reservations that timed out, by id: kept from reuse until it is done with them
+        # reservations that timed out, by id: kept from reuse until it is done with them or
+        # ends (they count against its limits meanwhile: see num_quarantined)
         self._owners: dict[int, object] = {}
-        # (each kept at most one more reservation timeout: a writer stalled that long has
-        # lost its slots; one that never says it is done cannot keep them for good)
-        self._quarantined: dict[object, dict[int, tuple[float, list[Entry]]]] = {}
+        self._quarantined: dict[object, dict[int, list[Entry]]] = {}
         self._granted: set[int] = set()  # DRAM slots granted to same-host writers (grants.py)
         self._leases: dict[int, tuple[float, list[Entry]]] = {}
         self._ids = itertools.count(1)
@@ -266,8 +265,10 @@ class TieredStore(Reads, Grants):
     def _expire_reservation(self, rid: int) -> None:
         """Under the lock: a reservation past its timeout is reclaimed. Its blocks were
         never visible; their slots go back, but the DRAM slots an outside writer may still
-        be filling stay out of use (quarantined) until that writer is done (see reserve_n):
-        reused at once, its late bytes would land in another block."""
+        be filling stay out of use (quarantined) until that writer is done (see reserve_n),
+        however long it takes: reused before, its late bytes would land in another block.
+        (They had gone back after one more timeout: a writer stalled past twice the timeout
+        still wrote into another block. What an owner keeps counts against its limits.)"""
         entries = self._reservations.pop(rid)[1]
         owner = self._owners.pop(rid, None)
         if owner is None:
@@ -278,24 +279,14 @@ class TieredStore(Reads, Grants):
         self._p.forget_reserved(held)  # the hashes may be put again meanwhile
         self._p.release_reserved([e for e in entries if e.tier != dram])
         if held:
-            until = time.monotonic() + self.config.reservation_timeout_s
-            self._quarantined.setdefault(owner, {})[rid] = (until, held)
-
-    def _expire_quarantine(self, now: float) -> None:
-        """Under the lock: quarantined slots past their second timeout go back."""
-        for owner in list(self._quarantined):
-            mine = self._quarantined[owner]
-            for rid in [r for r, (until, _) in mine.items() if until < now]:
-                self._p.release_reserved(mine.pop(rid)[1])
-            if not mine:
-                del self._quarantined[owner]
+            self._quarantined.setdefault(owner, {})[rid] = held
 
     def num_quarantined(self, owner: object) -> tuple[int, int]:
         """(reservations, blocks) of `owner`'s kept out of use after their timeout: they
         count against its limits as if still open."""
         with self._lock:
             mine = self._quarantined.get(owner, {})
-            return len(mine), sum(len(held) for _, held in mine.values())
+            return len(mine), sum(len(held) for held in mine.values())
 
     def release_owned(self, owner: object, reservation_id: int) -> bool:
         """`owner` is done with a reservation it no longer holds open (it sent COMMIT or
@@ -310,7 +301,7 @@ class TieredStore(Reads, Grants):
             if not mine:
                 self._quarantined.pop(owner, None)
             if held and not self._closed:
-                self._p.release_reserved(held[1])
+                self._p.release_reserved(held)
             return held is not None
 
     def end_owner(self, owner: object) -> None:
@@ -320,7 +311,7 @@ class TieredStore(Reads, Grants):
             for rid in [r for r, o in self._owners.items() if o is owner]:
                 del self._owners[rid]  # (its open reservations are aborted by the caller)
             if not self._closed:
-                for _, held in mine.values():
+                for held in mine.values():
                     self._p.release_reserved(held)
 
     # ---------------------------------------------------------------- reads
@@ -440,7 +431,6 @@ class TieredStore(Reads, Grants):
                 return
             for rid in [r for r, (dl, _) in self._reservations.items() if dl < now]:
                 self._expire_reservation(rid)
-            self._expire_quarantine(now)
             for lid in [l for l, (dl, _) in self._leases.items() if dl < now]:
                 self._unhold(self._leases.pop(lid)[1])
             self._p.expire_soft_pins(now)

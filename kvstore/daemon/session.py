@@ -662,11 +662,15 @@ class Session:
     def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:
         hashes = msg.hash_list
         self._make_room_for_reservation(len(hashes))
-        # a same-host client writes its DRAM slots itself: if the reservation times out, they
-        # stay out of use until it sends COMMIT / ABORT for it, or goes (a TCP client
-        # writes none: its slots go back at once)
+        # a same-host client writes its DRAM slots itself, and so does one holding a key to
+        # the namespace's transfer agent (one-sided writes from another host): if the
+        # reservation times out, they stay out of use until it sends COMMIT / ABORT for it,
+        # or goes (a plain TCP client writes none: its slots go back at once). An agent
+        # writer's had gone back at once: a write stalled past the timeout landed in a slot
+        # another block had been committed to, served to every reader of that block.
+        writes_slots = self.local or bool(self.agent_key)
         res = self.store.reserve_n(hashes, timeout_s=self.cfg.reservation_timeout_s,
-                                   owner=self if self.local else None)
+                                   owner=self if writes_slots else None)
         self.reservations[res.reservation_id] = (res, time.monotonic()
                                                  + self.cfg.reservation_timeout_s)
         slots = [s[1] if s is not None and s[0] is TierKind.DRAM else w.NO_SLOT for s in res.slots]

@@ -227,3 +227,49 @@ def test_the_agents_connection_setup_keeps_to_the_clients_connect_timeout(make_d
         finally:
             os.kill(d.pid, signal.SIGCONT)
         assert took < 4.5, took  # (the agent's own default alone is 5 s)
+
+
+def test_a_write_stalled_past_its_reservation_never_lands_in_another_block(make_daemon,
+                                                                          monkeypatch):
+    """A client off the daemon's host writes its reserved DRAM slots one-sided, through the
+    transfer agent, and may still be at it when the reservation times out: those slots
+    stay out of use until it is done (its COMMIT refused, nothing stored), however long
+    that takes. They had gone back at once, and a write stalled past the timeout landed in
+    a slot another block had been committed to, served to every reader of that block."""
+    import threading
+    import time
+
+    from kvstore.client import agentpath
+    d = make_daemon("--reservation-timeout", "0.5", "--dram-size", "16KiB", "--ssd-size", "0")
+    real, stalled = agentpath.AgentPath.write, threading.Event()
+
+    def slow(self, *a, **kw):
+        if not stalled.is_set():
+            stalled.set()
+            time.sleep(2.5)  # past the timeout, and past one more
+        return real(self, *a, **kw)
+    monkeypatch.setattr(agentpath.AgentPath, "write", slow)
+    late = hash_blocks(NS, np.arange(16) + 4242)
+    others = hash_blocks(NS, np.arange(6 * 16) + 4343)
+    failed = []
+    with agent_client(d.url) as writer, Client(d.url, namespace=NS, use_shm=False) as c:
+        def put_late():
+            try:
+                writer.put_n(late, np.full((1, BB), 0x11, np.uint8))
+            except Exception as e:  # noqa: BLE001 - what the late COMMIT says
+                failed.append(e)
+        t = threading.Thread(target=put_late)
+        t.start()
+        assert stalled.wait(10)
+        time.sleep(1.5)  # the reservation reclaimed, and a second timeout passed
+        for h in others:  # 4 slots: every free one taken, the oldest blocks evicted
+            c.put_n([h], blocks([h]))
+        t.join(10)
+        assert failed and "nothing was stored" in str(failed[0])
+        got = np.zeros((len(others), BB), np.uint8)
+        tiers = c.get_n(others, got)
+        assert any(tiers)
+        for h, tier, row in zip(others, tiers, got):
+            if tier is not None:
+                assert (row == block_of(h, BB)).all(), "another block's bytes"
+        assert not any(writer.get_n(late, got[:1]))
