@@ -229,6 +229,7 @@ class HelloOk(Message):
     agent_meta: bytes = b""   # transfer Agent metadata exporting the DRAM arena (if asked)
     agent_region: int = -1    # the arena's region id in that agent
     agent_key: bytes = b""    # the capability that agent wants from this client
+    lease_ttl_s: float = 0.0  # how long a GET's lease holds its slots (0: not said, 30 s)
 
 
 @_msg(Op.SHARE)

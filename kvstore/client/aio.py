@@ -27,7 +27,8 @@ from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client import forks
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (MAX_STAGE_BYTES, SPIN_US, STAGED_PUT_BYTES, TouchLog,
-                                    as_numpy, check_timeouts, copy_row, flags_of, get_layout,
+                                    as_numpy, check_timeouts, copy_row, drop_late_copies,
+                                    flags_of, get_layout,
                                     payload_views, row_view, match_of, put_statuses,
                                     raise_unless_retryable, reusable_after, stage, stats_of)
 from kvstore.client.shm import SHARE_REFUSALS, VECTOR_READS, ArenaMap, open_arena
@@ -470,6 +471,7 @@ class AsyncClient:
         arena = self._arena if conn.local else None
         release, conn.pending_release = tuple(conn.pending_release), []
         host = host_rows(rows, len(packed) // 16, self.block_bytes)
+        sent_at = time.monotonic()
         reply, payload_bytes = await conn.call(w.Get(hashes=packed, release=release,
                                                      prefix=prefix, shm=arena is not None))
         tiers, inline, leased, slots = get_layout(reply, payload_bytes, self.block_bytes)
@@ -484,6 +486,7 @@ class AsyncClient:
                     copy_row(rows[i], arena.rows[int(slots[i])])
             finally:
                 conn.pending_release.append(reply.lease_id)
+            drop_late_copies(tiers, leased, sent_at, conn.info)
         return tiers
 
     async def get_prefix_n(self, hashes: Sequence[bytes], dsts) -> MatchResult:

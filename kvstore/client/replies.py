@@ -189,6 +189,25 @@ def get_layout(reply: w.GetOk, payload_bytes: int, block_bytes: int) -> GetLayou
     return GetLayout(tiers, inline, leased, slots)
 
 
+DEFAULT_LEASE_TTL_S = 30.0  # what a daemon that does not say its lease TTL holds to
+LEASE_MARGIN = 0.9  # of the TTL: what a copy may take, the rest for clocks and the reply
+
+
+def drop_late_copies(tiers: list, leased: Sequence[int], sent_at: float,
+                     info: w.HelloOk) -> None:
+    """Leased blocks copied after their lease may have ended are misses: the daemon reuses
+    a lease's slots once its TTL passes, so a copy that finished later (a client stalled
+    by a pause, SIGSTOP, a busy host) may hold another block's bytes, and had been handed
+    over as a hit. The lease began after `sent_at` (the GET's send, on this monotonic
+    clock), so a copy done within LEASE_MARGIN of the TTL from then read leased slots."""
+    if not leased:
+        return
+    ttl = info.lease_ttl_s if info.lease_ttl_s > 0 else DEFAULT_LEASE_TTL_S
+    if time.monotonic() - sent_at >= LEASE_MARGIN * ttl:
+        for i in leased:
+            tiers[i] = None
+
+
 def match_of(reply: w.MatchOk) -> MatchResult:
     return MatchResult(reply.num_blocks, tuple(tiers_of(reply.tiers)))
 

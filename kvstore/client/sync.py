@@ -9,6 +9,7 @@ reached raises `ConnectError`, a silent one `RequestTimeout`.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,7 +26,8 @@ from kvstore.client import forks
 from kvstore.client.putpath import DirectPuts
 from kvstore.client.replies import (INLINE_GET_BYTES, INLINE_PUT_BYTES, MAX_STAGE_BYTES,
                                     SPIN_US, STAGED_PUT_BYTES, TouchLog, as_numpy, check_timeouts,
-                                    copy_row, flags_of, get_layout, match_of, payload_views,
+                                    copy_row, drop_late_copies, flags_of, get_layout,
+                                    match_of, payload_views,
                                     put_statuses, stage, raise_unless_retryable,
                                     reusable_after, row_view, stats_of)
 from kvstore.client.shm import VECTOR_READS, ArenaMap, map_arena
@@ -515,6 +517,7 @@ class Client:
         if arena is None and agent is not None and self._inline_get(agent, len(packed) // 16):
             agent = None
         release, conn.pending_release = tuple(conn.pending_release), []
+        sent_at = time.monotonic()
         conn.send(w.Get(hashes=packed, release=release, prefix=prefix,
                         shm=arena is not None or agent is not None))
         # while the daemon works, not after its reply: host rows as one numpy view (a 256
@@ -537,6 +540,7 @@ class Client:
                                host, leased)
             finally:
                 conn.pending_release.append(reply.lease_id)
+            drop_late_copies(tiers, leased, sent_at, conn.info)
         return tiers
 
     def _inline_get(self, agent: AgentPath, n: int) -> bool:

@@ -259,7 +259,8 @@ class Session:
             local_socket=self.local_name, arena_id=dram.arena_id if dram else b"",
             shm_slots=dram.num_slots if dram else 0,
             agent_meta=agent.metadata if agent else b"",
-            agent_region=agent.region_id if agent else -1, agent_key=self.agent_key))
+            agent_region=agent.region_id if agent else -1, agent_key=self.agent_key,
+            lease_ttl_s=self.cfg.lease_ttl_s))
 
     def _same_host(self, op: str) -> None:
         if not self.local:

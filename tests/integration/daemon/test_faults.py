@@ -319,6 +319,49 @@ def test_timed_out_reservations_cannot_pile_up_out_of_use(daemon):
     still_serving(daemon)
 
 
+@pytest.mark.parametrize("stall", ["within", "past"])
+def test_a_leased_copy_finished_after_the_lease_could_end_is_a_miss(make_daemon, monkeypatch,
+                                                                    stall):
+    """A GET leases DRAM slots for the client to copy; the daemon reuses them once the lease
+    TTL passes. A client stalled past it (a pause, SIGSTOP, a busy host) had copied another
+    block's bytes and handed them over as a hit: such a copy is a miss now. (The leased
+    path: direct reads off, as on a host whose CPU orders memory unlike x86-64.)"""
+    import threading
+
+    from kvstore.client import shm, sync
+    monkeypatch.setattr(shm, "DIRECT_READS", False)
+    d = make_daemon("--lease-ttl", "1", "--dram-size", "16KiB", "--ssd-size", "0")
+    real, stalled = sync.copy_row, threading.Event()
+
+    def slow(dst, src):
+        if not stalled.is_set():
+            stalled.set()
+            time.sleep(2.5 if stall == "past" else 0.2)
+        return real(dst, src)
+    monkeypatch.setattr(sync, "copy_row", slow)
+    a, others = hash_blocks(NS, np.arange(16) + 9191), hash_blocks(NS, np.arange(4 * 16) + 9292)
+    with Client(d.url, namespace=NS) as reader, Client(d.url, namespace=NS,
+                                                       use_shm=False) as writer:
+        assert reader.transport == "shm"
+        writer.put_n(a, [block_of(a[0], BB)])
+
+        def churn():  # once the lease is over: A gone, its slot taken by other blocks
+            time.sleep(1.8)
+            writer.remove_n(a)
+            for h in others:
+                writer.put_n([h], [block_of(h, BB)])
+        t = threading.Thread(target=churn)
+        t.start()
+        out = np.zeros((1, BB), np.uint8)
+        tiers = reader.get_n(a, out)
+        t.join()
+        assert stalled.is_set()
+        if stall == "within":
+            assert tiers == [TierKind.DRAM] and (out[0] == block_of(a[0], BB)).all()
+        else:
+            assert tiers == [None]
+
+
 def test_full_store_reports_no_space(make_daemon):
     d = make_daemon("--dram-size", "16KiB", "--ssd-size", "0")  # 4 slots, DRAM only
     with Client(d.url, namespace=NS) as c:
