@@ -243,6 +243,31 @@ def test_frame_reader_hands_out_frames_of_any_size_from_one_stream():
             assert reader.buffered.capacity == w.FrameBuffer.CHUNK
 
 
+def test_a_frame_buffer_grows_with_what_arrives_not_with_what_a_header_announces():
+    """A prefix announcing a 1 MiB header grew the buffer to 1 MiB at once: 300 connections
+    that sent one byte more made a daemon hold 311 MiB (kept by its tuned heap after they
+    closed). It grows only once full, doubling, so it holds about what has arrived."""
+    buf = w.FrameBuffer()
+    n, fed = 1 << 20, bytearray()
+    view = buf.room(n)
+    assert buf.capacity == w.FrameBuffer.CHUNK  # nothing arrived: nothing grown
+    view[:1] = b"x"
+    buf.received(1)
+    assert buf.capacity == w.FrameBuffer.CHUNK
+    while buf.pending() < n:
+        view = buf.room(n)
+        k = min(len(view), n - buf.pending(), 5000)
+        chunk = bytes((len(fed) + i) % 251 for i in range(k))
+        view[:k] = chunk
+        fed += chunk
+        buf.received(k)
+        assert buf.capacity <= 2 * (buf.pending() + w.FrameBuffer.CHUNK)
+    assert buf.take(1) == b"x" and buf.take(len(fed)) == bytes(fed)
+    assert buf.capacity == w.FrameBuffer.CHUNK  # drained: back to its first size
+    buf.load(b"y" * (40 << 10))  # bytes received elsewhere, bigger than the buffer
+    assert buf.take(40 << 10) == b"y" * (40 << 10)
+
+
 def test_frame_reader_reports_a_peer_that_closes_mid_frame():
     a, b = socket.socketpair()
     with b:
