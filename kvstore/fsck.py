@@ -49,6 +49,12 @@ def fsck(path: str, repair: bool = False) -> FsckReport:
     return report
 
 
+def _kind(path: str) -> str:
+    if os.path.islink(path):
+        return "a link to nothing" if not os.path.exists(path) else "a link"
+    return "a directory" if os.path.isdir(path) else "not a file"
+
+
 def _namespace(path: str) -> Namespace:
     meta = os.path.join(path, TIER_FILE)
     if not os.path.isfile(meta):
@@ -67,6 +73,12 @@ def _namespace(path: str) -> Namespace:
 
 
 def _check(path: str, ns: Namespace) -> FsckReport:
+    for name in (SLABS, HEADERS):
+        p = os.path.join(path, name)
+        if os.path.lexists(p) and not os.path.isfile(p):  # (a directory had been said to
+            raise ConfigError(  # be missing, while the tier refused to open: EISDIR)
+                f"{p} is not a regular file ({_kind(p)}): the tier cannot open the "
+                f"directory; move {name} aside (the blocks it held are lost) and restart")
     if headers_missing(path):  # (a SlabFile would create an empty one)
         entries, index_error = _read_index(os.path.join(path, "index"))
         return FsckReport(0, 0, [], f"{HEADERS} is missing; the tier writes it again from the "

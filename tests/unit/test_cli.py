@@ -1,4 +1,5 @@
 import argparse
+import os
 import subprocess
 import sys
 
@@ -53,6 +54,21 @@ def test_fsck_of_a_wrong_directory_is_a_clear_error(tmp_path, capsys):
         (tmp_path / "tier.json").write_text(junk)
         assert main(["fsck", str(tmp_path)]) == 2
         assert "does not name a namespace" in capsys.readouterr().err
+
+
+def test_fsck_names_a_slab_file_that_is_not_a_file(tmp_path, capsys):
+    """slabs.dat (or headers.dat) made a directory: fsck had called it missing, every
+    block gone, while the tier refused to open with EISDIR."""
+    SsdTier(NS, str(tmp_path), 4).close()
+    for name in ("slabs.dat", "headers.dat"):
+        os.rename(tmp_path / name, tmp_path / f"{name}.bak")
+        (tmp_path / name).mkdir()
+        assert main(["fsck", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{name} is not a regular file (a directory)" in err and "move" in err
+        (tmp_path / name).rmdir()
+        os.rename(tmp_path / f"{name}.bak", tmp_path / name)
+    assert main(["fsck", str(tmp_path)]) == 0
 
 
 def test_malloc_tuning_applies_on_glibc():
