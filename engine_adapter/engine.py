@@ -104,10 +104,11 @@ class LLMEngine:
                                       f"is {self.max_model_len} (leave room for one output token)")
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})")
-        self._check_fits_cache(len(ids), len(ids) + num_outputs, params)
+        self.check_fits_cache(len(ids), len(ids) + num_outputs, params)
 
-    def _check_fits_cache(self, num_prompt: int, num_tokens: int, params: SamplingParams) -> None:
-        """Refuse what could never finish: every token but the last sampled one needs K/V."""
+    def check_fits_cache(self, num_prompt: int, num_tokens: int, params: SamplingParams) -> None:
+        """Refuse what could never finish (InvalidRequestError): every token but the last
+        sampled one needs K/V. Reads the config only: any thread may ask."""
         bt, num_blocks = self.config.block_tokens, self.config.num_blocks
         if cdiv(num_tokens, bt) > num_blocks:
             raise InvalidRequestError(f"the prompt needs {cdiv(num_tokens, bt)} KV blocks; the cache "

@@ -64,6 +64,27 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def shown_text(self) -> str:
+        """`text` as far as it can be shown now (streamed): see `shown_text`."""
+        return shown_text(self.text, self.params.stop, self.finished)
+
+
+def shown_text(text: str, stops, final: bool) -> str:
+    """`text` less, until the request is `final`, any tail that may still grow into one of
+    the `stops` strings (a stop string, once whole, is cut with all after it): a stream
+    that had shown "answer" of the stop string "answer is" could not take it back, and its
+    deltas added up to more than the finished text."""
+    if final or not stops:
+        return text
+    keep = len(text)
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):  # the longest such tail first
+            if text.endswith(s[:k]):
+                keep = min(keep, len(text) - k)
+                break
+    return text[:keep]
+
 
 class RequestOutput(NamedTuple):
     request_id: str
@@ -77,5 +98,5 @@ class RequestOutput(NamedTuple):
 
     @classmethod
     def of(cls, r: Request) -> "RequestOutput":
-        return cls(r.request_id, r.output_token_ids, r.text, r.finished, r.finish_reason,
+        return cls(r.request_id, r.output_token_ids, r.shown_text, r.finished, r.finish_reason,
                    r.num_local_hit_tokens, r.num_loaded_tokens, r.num_model_tokens)

@@ -267,13 +267,13 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         ids = await _off_loop(_tokenize, app, req)
         if not ids:
             raise api.BadRequest("the prompt is empty")
+        hashes = await _off_loop(_hashes, app, ids)
     except (api.BadRequest, ValueError, TypeError, OverflowError) as e:  # InvalidRequestError
         # is a ValueError; int(1e999) an OverflowError
         m.requests.labels("invalid").inc()
         return _error(400, str(e), "invalid_request_error")
     rid = f"cmpl-{uuid.uuid4().hex[:16]}"
     try:
-        hashes = await _off_loop(_hashes, app, ids)
         pw, dw, _, est = app[ROUTER_KEY].place(hashes, len(ids), params.max_tokens)
     except NoWorkerError as e:
         m.requests.labels("unavailable").inc()
@@ -429,12 +429,26 @@ async def _unary(request: web.Request, req: api.ApiRequest, rid: str,
 
 async def _stream(request: web.Request, req: api.ApiRequest, rid: str,
                   gen: AsyncIterator[Progress], headers: dict) -> web.StreamResponse:
+    # the stream opens with its first token: a request the workers refuse before that (one
+    # that cannot fit their caches, say) is a plain 400 / 503, as unary, not an error event
+    # in a 200 stream
+    try:
+        head = [await gen.__anext__()]
+    except StopAsyncIteration:
+        head = []
+    except WorkerRejectedError as e:
+        return _error(400, str(e), "invalid_request_error")
+    except WorkerDiedError as e:
+        return _error(503, str(e), "worker_failed")
+    except Exception as e:
+        log.exception("request %s failed", rid)
+        return _error(500, f"internal error: {e}", "internal_error")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", **headers})
-    await resp.prepare(request)
     sent, last, first = "", None, True
     try:
-        async for last in gen:
+        await resp.prepare(request)
+        async for last in _chain(head, gen):
             delta = last.text[len(sent):] if last.text.startswith(sent) else ""
             sent = last.text if last.text.startswith(sent) else sent
             await resp.write(api.sse(api.chunk(req, rid, delta, last.finish_reason, first)))
@@ -443,8 +457,9 @@ async def _stream(request: web.Request, req: api.ApiRequest, rid: str,
             usage = api.Usage(last.num_prompt_tokens, last.num_tokens, last.cached_tokens)
             await resp.write(api.sse(api.usage_chunk(req, rid, usage)))
         await resp.write(b"data: [DONE]\n\n")
-    except ConnectionResetError:  # the client went away: its request ends with this
-        pass  # handler (_serve closes the generator; the worker aborts the request)
+    except ConnectionError:  # the client went away (reset, or "Connection lost" while a
+        pass  # write waited): its request ends with this handler (_serve closes the
+        # generator; the worker aborts the request)
     except WorkerRejectedError as e:
         await _last_event(resp, api.error_body(str(e), "invalid_request_error", 400))
     except WorkerDiedError as e:
@@ -455,10 +470,17 @@ async def _stream(request: web.Request, req: api.ApiRequest, rid: str,
     return resp
 
 
+async def _chain(head: list[Progress], gen: AsyncIterator[Progress]) -> AsyncIterator[Progress]:
+    for item in head:
+        yield item
+    async for item in gen:
+        yield item
+
+
 async def _last_event(resp: web.StreamResponse, body: dict) -> None:
     try:
         await resp.write(api.sse(body))
-    except ConnectionResetError:
+    except ConnectionError:
         pass  # the client is gone too: nothing to tell
 
 

@@ -59,7 +59,7 @@ UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "su
 def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):  # (null: the default)
         raise BadRequest("only n = 1 is supported")
     for key, nothing in UNSUPPORTED.items():
         value = body.get(key)
@@ -78,8 +78,9 @@ def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                            and all(isinstance(t, int) for t in prompt))):
-            raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)")
+                                            and all(_token_id(t) for t in prompt))):
+            raise BadRequest("'prompt' must be a string or a list of token ids (integers in "
+                             "[0, 2**31): one prompt)")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):  # (a list here raised AttributeError: a 500)
         raise BadRequest("'stream_options' must be an object, e.g. {\"include_usage\": true}")
@@ -87,8 +88,23 @@ def parse(body: Any, chat: bool, default_model: str) -> ApiRequest:
                       _flag(body, "stream"), _flag(options, "include_usage"))
 
 
+def _token_id(t: Any) -> bool:
+    """(2**32 had reached the block hashing, which packs ids as int32: a 500)"""
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+
+
 def _flag(body: dict, key: str) -> bool:
     return bool_field(body, key, BadRequest, f"'{key}'")
+
+
+def _number(body: dict, key: str, default: float) -> float:
+    """A number field; null (which the OpenAI API allows) or absent: `default`."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"'{key}' must be a number, not {value!r}")
+    return float(value)
 
 
 def _params(body: dict, chat: bool) -> dict:
@@ -99,8 +115,8 @@ def _params(body: dict, chat: bool) -> dict:
         max_tokens = DEFAULT_MAX_TOKENS
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):  # (1.7 served 1 token)
         raise BadRequest(f"'max_tokens' must be an integer, not {max_tokens!r}")
-    p: dict = {"max_tokens": max_tokens, "temperature": float(body.get("temperature", 1.0)),
-               "top_p": float(body.get("top_p", 1.0))}
+    p: dict = {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 1.0),
+               "top_p": _number(body, "top_p", 1.0)}
     stop = body.get("stop")
     if stop:
         if isinstance(stop, str):

@@ -116,12 +116,18 @@ def test_odd_requests_are_a_400_or_served_and_the_workers_serve_on(cluster):
             ("/v1/completions", {"prompt": "hi", "stop": {"a": 1}}, "stop"),
             # /cluster/locate: bad bodies were a 500
             ("/cluster/locate", {"prompt": "hi", "max_tokens": "x"}, "max_tokens"),
-            ("/cluster/locate", {"prompt": [2 ** 40] * 16}, "int32"),
+            ("/cluster/locate", {"prompt": [2 ** 40] * 16}, "token ids"),
             # a 500 (packed for the worker), and parameters silently not applied
             ("/v1/completions", {"prompt": "hi", "top_k": 10 ** 30}, "top_k"),
             ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
             ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs"),
-            ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty")):
+            ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+            # token ids past int32 reached the block hashing: a 500
+            ("/v1/completions", {"prompt": [2 ** 32] + [1] * 15}, "token ids"),
+            # no cache of the workers' size holds it: refused before it was prefilled and
+            # its first token streamed, then by the decode worker in an error event
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 6000, "stream": True},
+             "max_tokens")):
         status, msg = cluster.post_json(path, body)
         assert status == 400 and why in msg["error"]["message"], (body, status, msg)
     req = urllib.request.Request(cluster.url + "/v1/completions",
@@ -134,6 +140,30 @@ def test_odd_requests_are_a_400_or_served_and_the_workers_serve_on(cluster):
         status, msg = cluster.post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2,
                                                             "temperature": 1e-50})
         assert status == 200 and msg["usage"]["completion_tokens"] == 2, msg
+    # null is the default where the OpenAI API allows it (temperature, top_p, n: a 400)
+    status, msg = cluster.post_json("/v1/completions", {
+        "prompt": "hi", "max_tokens": 2, "temperature": None, "top_p": None, "n": None})
+    assert status == 200 and msg["usage"]["completion_tokens"] == 2, msg
+
+
+def test_a_stop_string_of_several_tokens_never_shows_in_a_stream(cluster):
+    """The streamed deltas add up to the unary answer, with no part of the stop string: a
+    stream had sent "answer" of the stop "answer is" before the string was whole and cut,
+    and could not take it back."""
+    body = {"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0}
+    status, plain = cluster.post_json("/v1/completions", body)
+    assert status == 200
+    text = plain["choices"][0]["text"]
+    words = text.split()
+    stop = " ".join(words[2:4])  # two words, several tokens, in the middle
+    assert len(words) >= 5 and stop in text, text
+    status, unary = cluster.post_json("/v1/completions", {**body, "stop": [stop]})
+    want = unary["choices"][0]["text"]
+    assert status == 200 and want == text[:text.index(stop)]
+    _, events = sse_events(cluster.url, "/v1/completions", {**body, "stop": [stop]})
+    got = "".join(json.loads(e)["choices"][0]["text"] for e in events
+                  if e != "[DONE]" and json.loads(e).get("choices"))
+    assert got == want
 
 
 def _cpu_s(pid: int) -> float:

@@ -79,6 +79,30 @@ def test_stop_strings_end_and_truncate_the_text(tiny_model, engine_config, promp
     assert out.text == text[:text.index(stop)] and out.token_ids == tokens[:text.index(stop) + 2]
 
 
+def test_text_shown_while_running_is_never_taken_back_by_a_stop_string(tiny_model, engine_config,
+                                                                      prompts):
+    """A stop string of several tokens: each step's text is a prefix of the next and of the
+    final text (a stream of deltas adds up to the finished text). The text had shown the
+    stop string's first part, cut once the string was whole, and a stream that had sent it
+    could not take it back."""
+    from engine_adapter.request import shown_text
+    tokens = alone(tiny_model, engine_config, prompts[:1])[0]
+    text = CharTokenizer().decode(tokens)
+    stop = text[4:8]  # four tokens long
+    engine = LLMEngine(tiny_model, engine_config, tokenizer=CharTokenizer())
+    engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=12, stop=(stop,)))
+    seen = []
+    while engine.has_unfinished:
+        seen += [o.text for o in engine.step()]
+    final = seen[-1]
+    assert final == text[:text.index(stop)]
+    assert all(final.startswith(t) for t in seen), seen
+    assert shown_text("the answer", ("answer is",), False) == "the "
+    assert shown_text("the answer", ("answer is", "r i"), False) == "the "
+    assert shown_text("the ans", ("answer is",), True) == "the ans"
+    assert shown_text("a\n\n", ("\n\n\n",), False) == "a"
+
+
 @pytest.mark.parametrize("prompt,params,match", [
     ([], None, "empty"),
     (list(range(300)), None, "context"),
