@@ -140,6 +140,10 @@ def _check(a: argparse.Namespace) -> str | None:
 
 def run(a: argparse.Namespace) -> int:
     problem = _check(a)
+    try:
+        chosen = setups(a)  # (the worker settings ClusterConfig checks: a traceback before)
+    except ValueError as e:
+        problem = problem or str(e)
     if problem:
         print(f"kvtier demo: {problem}", file=sys.stderr)
         return 2
@@ -151,7 +155,6 @@ def run(a: argparse.Namespace) -> int:
     bound = hit_ratio_bound(workload)
     t0 = time.perf_counter()
     lens = [len(r.prompt_token_ids) for r in workload]
-    chosen = setups(a)
     print(f"kvtier demo: {len(workload)} requests in {len({r.conversation for r in workload})} "
           f"conversations, prompts {min(lens)}-{max(lens)} tokens "
           f"(mean {sum(lens) / len(lens):.0f}),"

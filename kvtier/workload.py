@@ -71,9 +71,28 @@ def load(name_or_path: str, limit: int | None = None,
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = rows[:limit] if limit is not None else rows
+    for i, r in enumerate(rows):
+        _check_turn(i + 1, r)
     if any("conversation" not in r for r in rows):
         rows = annotate_conversations(rows)
     return [_request(i, r, spec) for i, r in enumerate(rows)]
+
+
+def _check_turn(line: int, row: dict) -> None:
+    """A row's `conversation` and `turn`: both or neither, each an integer >= 0 (a row with
+    a conversation and no turn had ended the demo in a KeyError)."""
+    from kvstore.scheduler.trace import TraceFormatError
+    given = [k for k in ("conversation", "turn") if k in row]
+    if not given:
+        return
+    if len(given) == 1:
+        raise TraceFormatError(f"line {line}: '{given[0]}' without "
+                               f"'{({'conversation', 'turn'} - set(given)).pop()}': give both "
+                               "or neither (the conversations are then found from hash_ids)")
+    for k in given:
+        v = row[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise TraceFormatError(f"line {line}: '{k}' must be an integer >= 0, not {v!r}")
 
 
 def _request(i: int, row: dict, spec: WorkloadSpec) -> WorkloadRequest:

@@ -101,7 +101,10 @@ def test_odd_arguments_are_one_line_errors(capsys):
         assert says in err and "Traceback" not in err
     for argv, says in ((["--requests", "0"], "--requests"), (["--sessions", "0"], "--sessions"),
                        (["--workload", "/nowhere.jsonl"], "no such file"),
-                       (["--dram-size", "abc"], "--dram-size")):
+                       (["--dram-size", "abc"], "--dram-size"),
+                       # (ClusterConfig's own checks: tracebacks before)
+                       (["--chunk-tokens", "0"], "--chunk-tokens"),
+                       (["--max-num-seqs", "0"], "--max-num-seqs")):
         assert main(["demo", *argv]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err

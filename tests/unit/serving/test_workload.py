@@ -54,3 +54,19 @@ def test_bound_counts_each_block_once_and_leaves_a_token_to_compute():
             WorkloadRequest(2, a, 4, 1, 0)]
     # 2nd: all 4 blocks seen; 3rd: the same 64 tokens, but the last one must be computed
     assert hit_ratio_bound(reqs) == pytest.approx((64 + 48) / (64 + 65 + 64))
+
+
+@pytest.mark.parametrize("extra,says", [({"conversation": 0}, "without 'turn'"),
+                                        ({"turn": 1}, "without 'conversation'"),
+                                        ({"conversation": "a", "turn": 0}, "integer"),
+                                        ({"conversation": 0, "turn": True}, "integer"),
+                                        ({"conversation": -1, "turn": 0}, "integer")])
+def test_a_rows_conversation_and_turn_are_both_given_and_whole_numbers(tmp_path, extra, says):
+    """A row with a conversation and no turn ended the demo in a KeyError; "a" was an
+    error naming no line."""
+    from kvstore.scheduler.trace import TraceFormatError
+    row = {"timestamp": 0, "input_length": 32, "output_length": 10, "hash_ids": [0, 1]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, **extra}) + "\n")
+    with pytest.raises(TraceFormatError, match=f"line 2: .*{says}"):
+        load(str(path))
