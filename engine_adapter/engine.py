@@ -24,7 +24,7 @@ from engine_adapter.model_runner import ModelRunner
 from engine_adapter.request import FinishReason, Request, RequestOutput
 from engine_adapter.sampling import SamplingParams, sample
 from engine_adapter.scheduler import Scheduler, cdiv
-from kvstore.keys import Namespace, hash_blocks
+from kvstore.keys import BlockHash, Namespace, hash_blocks
 
 Prompt = str | Sequence[int]
 
@@ -123,6 +123,20 @@ class LLMEngine:
                 f"lower max_tokens to {num_blocks * bt + 1 - num_prompt} or less, raise "
                 "EngineConfig.num_blocks, or set EngineConfig.oversize_policy='truncate' to "
                 "end such requests with finish_reason 'length' when the cache is full")
+
+    def save_cached(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Queue for saving to the store the blocks of `hashes` this engine's prefix cache
+        still holds (ones the store lost: a request that hit them here saved nothing of
+        them); whether each was queued."""
+        if self.connector is None:
+            return [False] * len(hashes)
+        found = [self.pool.cached.get(BlockHash(bytes(h))) if self.pool.enable_caching else None
+                 for h in hashes]
+        held = [(h, b) for h, b in zip(hashes, found) if b is not None]
+        if held:
+            self.connector.save([BlockHash(bytes(h)) for h, _ in held],
+                                [b.block_id for _, b in held])
+        return [b is not None for b in found]
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -7,6 +7,7 @@ the value over (e.g. `asyncio.AbstractEventLoop.call_soon_threadsafe`).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -37,6 +38,11 @@ class _Abort(NamedTuple):
     request_id: str
 
 
+class _Call(NamedTuple):
+    fn: Callable[[LLMEngine], object]
+    done: concurrent.futures.Future
+
+
 _STOP = object()
 
 
@@ -59,6 +65,13 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the loop thread, between steps (the engine is not
+        thread-safe); its result or exception in the returned future."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, done))
+        return done
 
     def close(self) -> None:
         self._inbox.put(_STOP)
@@ -95,7 +108,13 @@ class EngineLoop:
                 log.exception("aborting %s after a failed step failed", request_id)
             callback(None, error)
 
-    def _handle(self, item: _Add | _Abort) -> None:
+    def _handle(self, item: _Add | _Abort | _Call) -> None:
+        if isinstance(item, _Call):
+            try:
+                item.done.set_result(item.fn(self.engine))
+            except Exception as e:  # (the caller's to handle; the loop goes on)
+                item.done.set_exception(e)
+            return
         if isinstance(item, _Abort):
             self._callbacks.pop(item.request_id, None)
             self._reqs.pop(item.request_id, None)

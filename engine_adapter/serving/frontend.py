@@ -160,7 +160,7 @@ async def _healthz(request: web.Request) -> web.Response:
     decode worker); 503 otherwise, so that a load balancer stops sending here. It said ok
     with a prefill worker alone, which could serve nothing."""
     router = request.app[ROUTER_KEY]
-    live = [w for w in router.workers if w.alive]
+    live = [w for w in router.workers if w.alive and w.responsive]
     roles = {w.role for w in live}
     ok = Role.COLOCATED in roles or {Role.PREFILL, Role.DECODE} <= roles
     return web.json_response({"ok": ok, "live_workers": [w.name for w in live]},
@@ -172,7 +172,8 @@ async def _cluster(request: web.Request) -> web.Response:
     return web.json_response({"pooled": router.pooled, "policy": router.policy_kind.value,
                               "cost_model": router.cost_summary(),
                               "workers": [{"name": w.name, "role": w.role.value, "pid": w.pid,
-                                           "url": w.url, "alive": w.alive, "inflight": w.inflight}
+                                           "url": w.url, "alive": w.alive,
+                                           "responsive": w.responsive, "inflight": w.inflight}
                                           for w in router.workers],
                               "index": _index_summary(router.index)})
 
@@ -205,7 +206,7 @@ async def _locate(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS_KEY]
     for w in request.app[ROUTER_KEY].workers:
-        m.worker_up.labels(w.name, w.role.value).set(1 if w.alive else 0)
+        m.worker_up.labels(w.name, w.role.value).set(1 if w.alive and w.responsive else 0)
     return web.Response(body=generate_latest(m.registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -52,6 +52,7 @@ class ClusterConfig:
     threads: int = 0                 # torch threads per worker; 0 = cores / workers
     policy: str = "conductor"
     quiet_workers: bool = False      # send worker output to a log file instead of stderr
+    worker_timeout_s: float = 15.0   # a worker silent this long is out of service
 
     def __post_init__(self) -> None:
         if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
@@ -69,6 +70,9 @@ class ClusterConfig:
             raise ValueError("--max-num-seqs must be >= 1")
         if self.threads < 0:
             raise ValueError("--threads must be >= 0 (0: the cores shared out)")
+        if not 1 <= self.worker_timeout_s < 1e6:  # (NaN too)
+            raise ValueError(f"--worker-timeout must be 1 to 1e6 seconds, not "
+                             f"{self.worker_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a port (0-65535; 0: any free one)")
         for flag, size in (("--dram-size", self.dram_size), ("--ssd-size", self.ssd_size)):
@@ -207,7 +211,8 @@ def cluster_processes(cfg: ClusterConfig) -> Iterator[Router]:
         workers = stack.enter_context(
             worker_processes(cfg, store.url if store else None, tmp, log))
         yield Router(workers, PolicyKind(cfg.policy), pooled=cfg.pooled,
-                     store_control_url=store.http if store else None)
+                     store_control_url=store.http if store else None,
+                     worker_timeout_s=cfg.worker_timeout_s)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -235,12 +240,17 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="torch threads per worker (default: cores / workers, at least 1)")
     p.add_argument("--policy", default="conductor",
                    choices=["conductor", "prefix", "least_loaded", "round_robin", "random"])
+    p.add_argument("--worker-timeout", type=float, default=15.0, metavar="S",
+                   help="a worker that answers no health check for S seconds (stopped, hung) "
+                   "is taken out of service, its requests ending with an error; it comes "
+                   "back once it answers again (default 15)")
 
 
 def config_from_args(a: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(a.prefill, a.decode, a.colocated, a.pool or not a.colocated, a.host,
                          a.port, a.num_blocks, a.max_num_seqs, a.chunk_tokens, a.dram_size,
-                         a.ssd_size, a.data_dir, a.threads, a.policy)
+                         a.ssd_size, a.data_dir, a.threads, a.policy,
+                         worker_timeout_s=a.worker_timeout)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -63,6 +63,9 @@ class WorkerHandle:
     proc: subprocess.Popen | None = None
     info: WorkerInfo | None = None
     alive: bool = True
+    responsive: bool = True         # answered a health check within the router's timeout
+    answered_at: float = 0.0        # loop time of its last answer to a health check
+    silent: asyncio.Event | None = None  # set while it is out of service for silence
     booked: dict = field(default_factory=dict)  # request -> estimated seconds it still needs
     streams: int = 0                # running decode streams
     kv_tokens: int = 0              # KV tokens those streams hold
@@ -81,8 +84,10 @@ class WorkerHandle:
 
 class Router:
     def __init__(self, workers: list[WorkerHandle], policy: PolicyKind = PolicyKind.CONDUCTOR,
-                 pooled: bool = True, store_control_url: str | None = None) -> None:
+                 pooled: bool = True, store_control_url: str | None = None,
+                 worker_timeout_s: float = 15.0) -> None:
         self.workers, self.pooled = workers, pooled
+        self.worker_timeout_s = worker_timeout_s
         self.policy_kind, self.store_control_url = policy, store_control_url
         self.index = ClusterIndex()
         self.cost: CostModel | None = None
@@ -137,12 +142,78 @@ class Router:
         raise WorkerDiedError(f"worker {w.name} did not answer {w.url}/info in {timeout_s:.0f} s")
 
     async def watch(self, period_s: float = 0.2) -> None:
-        """Report workers whose process exited; the rest of the cluster keeps serving."""
+        """Report workers whose process exited, and take out of service the ones that stop
+        answering health checks (a stopped or hung process: its requests had waited for
+        good, and new ones were still sent to it); the rest of the cluster keeps serving."""
+        loop = asyncio.get_running_loop()
+        probes: dict[str, asyncio.Task] = {}
+        for w in self.workers:
+            w.answered_at = loop.time()
+            w.silent = asyncio.Event()
+        next_probe = loop.time()
         while True:
             for w in self.workers:
                 if w.alive and w.proc is not None and w.proc.poll() is not None:
                     self.mark_dead(w, f"exited with code {w.proc.returncode}")
+            if loop.time() >= next_probe:
+                next_probe = loop.time() + self.worker_timeout_s / 5
+                for w in self.workers:
+                    if w.alive and (w.name not in probes or probes[w.name].done()):
+                        probes[w.name] = asyncio.create_task(self._probe(w))
+            for w in self.workers:
+                if w.alive and w.responsive and (loop.time() - w.answered_at
+                                                 > self.worker_timeout_s):
+                    self._mark_silent(w)
             await asyncio.sleep(period_s)
+
+    async def _probe(self, w: WorkerHandle) -> None:
+        """One health check (GET /info, answered by the worker's event loop, not its engine
+        thread: a long step does not delay it)."""
+        try:
+            async with self._session.get(w.url + "/info", timeout=aiohttp.ClientTimeout(
+                    total=self.worker_timeout_s)) as r:
+                await r.read()
+                if r.status != 200:
+                    return
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return
+        w.answered_at = asyncio.get_running_loop().time()
+        if not w.responsive and w.alive:
+            w.responsive = True
+            w.silent = asyncio.Event()
+            log.warning("worker %s (pid %s) answers again: back in service", w.name, w.pid)
+
+    def _mark_silent(self, w: WorkerHandle) -> None:
+        w.responsive = False
+        if w.silent is not None:
+            w.silent.set()  # (its requests in flight end: see _guard)
+        left = ", ".join(x.name for x in self.workers if x.alive and x.responsive) or "none"
+        log.error("worker %s (pid %s) answered no health check for %.0f s: out of service, "
+                  "its requests fail with 'worker_failed' (it comes back once it answers); "
+                  "still serving: %s", w.name, w.pid, self.worker_timeout_s, left)
+
+    async def _guard(self, w: WorkerHandle, aw):
+        """`await aw`, or WorkerDiedError once `w` is taken out of service for silence."""
+        silent = w.silent
+        if silent is None:
+            return await aw
+        if silent.is_set():
+            raise self._silent_error(w)
+        task, stop = asyncio.ensure_future(aw), asyncio.ensure_future(silent.wait())
+        try:
+            await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+            stop.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise self._silent_error(w)
+
+    def _silent_error(self, w: WorkerHandle) -> WorkerDiedError:
+        return WorkerDiedError(f"{w.role.value} worker {w.name} (pid {w.pid}) answered no health "
+                               f"check for {self.worker_timeout_s:.0f} s; retry the request: "
+                               "the cluster keeps serving on the remaining workers")
 
     def mark_dead(self, w: WorkerHandle, why: str) -> None:
         if not w.alive:
@@ -155,7 +226,7 @@ class Router:
                   "still serving: %s", w.name, w.pid, why, left)
 
     def live(self, *roles: Role) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.alive and w.role in roles]
+        return [w for w in self.workers if w.alive and w.responsive and w.role in roles]
 
     # ---- placement ----------------------------------------------------------------------
     def place(self, prompt_hashes: tuple[bytes, ...], num_prompt_tokens: int,
@@ -186,9 +257,9 @@ class Router:
     # ---- calls to workers ---------------------------------------------------------------
     async def prefill(self, w: WorkerHandle, g: GenerateRequest) -> PrefillResult:
         try:
-            async with self._session.post(w.url + "/prefill", data=g.encode(),
-                                          headers={"Content-Type": MSGPACK}) as r:
-                body = await r.read()
+            async with await self._guard(w, self._session.post(
+                    w.url + "/prefill", data=g.encode(), headers={"Content-Type": MSGPACK})) as r:
+                body = await self._guard(w, r.read())
                 if r.status == 400:
                     raise WorkerRejectedError(body.decode(errors="replace"))
                 if r.status != 200:
@@ -199,14 +270,14 @@ class Router:
 
     async def stream(self, w: WorkerHandle, path: str, body: bytes) -> AsyncIterator[TokenEvent]:
         try:
-            async with self._session.post(w.url + path, data=body,
-                                          headers={"Content-Type": MSGPACK}) as r:
+            async with await self._guard(w, self._session.post(
+                    w.url + path, data=body, headers={"Content-Type": MSGPACK})) as r:
                 if r.status == 400:
                     raise WorkerRejectedError((await r.read()).decode(errors="replace"))
                 if r.status != 200:
                     raise WorkerDiedError(f"worker {w.name} answered HTTP {r.status}")
                 while True:
-                    ev = await read_frame(r.content, TokenEvent)
+                    ev = await self._guard(w, read_frame(r.content, TokenEvent))
                     if ev is None:
                         raise WorkerDiedError(f"worker {w.name} ended the stream early")
                     if ev.error:

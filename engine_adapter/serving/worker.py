@@ -25,6 +25,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
+import msgspec
 import torch
 from aiohttp import web
 
@@ -202,7 +203,36 @@ async def _prefill(request: web.Request) -> web.Response:
         raise
     if isinstance(item, BaseException):
         raise web.HTTPBadRequest(text=str(item))
+    item = await _pool_holds_local_hits(request, item)
     return web.Response(body=item.encode(), content_type=MSGPACK)
+
+
+async def _pool_holds_local_hits(request: web.Request, result: PrefillResult) -> PrefillResult:
+    """The prompt blocks this prefill found in its own cache are in the pool too, for the
+    decode worker to load: ones the pool has lost since are saved again from this cache,
+    and the handoff names none past one that is in neither any more. A prefill that hit
+    its own cache saved none of those blocks, and the decode worker waited BLOCK_WAIT_S
+    (10 s) for them per request before computing them itself."""
+    engine = request.app[LOOP_KEY].engine
+    hits = result.block_hashes[:result.num_local_hit_tokens // request.app[INFO_KEY].block_tokens]
+    if not hits or result.finished or engine.connector is None or engine.connector.store_down:
+        return result
+    loop = asyncio.get_running_loop()
+    try:
+        held = await loop.run_in_executor(None, engine.connector.store.contains_n, list(hits))
+    except Exception:  # a store outage: the decode worker does not wait on a store seen down
+        return result
+    missing = [h for h, ok in zip(hits, held) if not ok]
+    if not missing:
+        return result
+    queued = await asyncio.wrap_future(
+        request.app[LOOP_KEY].call(lambda e: e.save_cached(missing)))
+    if all(queued):
+        return result
+    lost = hits.index(missing[queued.index(False)])
+    h = Handoff.decode(result.handoff)
+    handoff = msgspec.structs.replace(h, block_hashes=h.block_hashes[:lost]).encode()
+    return msgspec.structs.replace(result, handoff=handoff, block_hashes=hits[:lost])
 
 
 def _prefill_result(req: Request, params: SamplingParams, block_tokens: int) -> PrefillResult:

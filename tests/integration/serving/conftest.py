@@ -9,7 +9,7 @@ from .cluster_proc import Cluster
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster("--prefill", "1", "--decode", "2", "--num-blocks", "256")
+    c = Cluster("--prefill", "1", "--decode", "2", "--num-blocks", "256", "--worker-timeout", "4")
     try:
         yield c.wait_ready()
     finally:

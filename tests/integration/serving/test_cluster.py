@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -87,6 +88,37 @@ def test_decode_loads_the_handed_off_prompt_from_the_pool(cluster):
     assert status == 200, msg
     full_blocks = msg["usage"]["prompt_tokens"] // 16
     assert metric(cluster, "kvtier_decode_loaded_tokens_total") - before >= 16 * (full_blocks - 1)
+
+
+def test_a_prompt_the_pool_lost_but_the_prefill_still_holds_is_saved_again(cluster):
+    """The prefill worker finds the prompt in its own cache, the pool has lost it (cleared
+    here; evicted in a real run): it saves those blocks again, and the decode worker finds
+    them in the pool as it starts. It had saved nothing, and the decode worker waited 10 s
+    for the blocks per request, then computed them itself."""
+    prompt = SYSTEM + " Asked twice, the pool emptied in between: what is a tide?"
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    status, msg = cluster.post_json("/v1/completions", body)
+    assert status == 200, msg
+    control = re.search(r"control (http://\S+)", cluster._text()).group(1)
+
+    def pool_blocks() -> int:
+        with urllib.request.urlopen(control + "/stats", timeout=10) as r:
+            rows = json.loads(r.read())["namespaces"]
+        return sum(t["used_blocks"] for row in rows for t in row["tiers"])
+    with urllib.request.urlopen(control + "/admin/namespaces", timeout=10) as r:
+        ids = [ns["ns_id"] for ns in json.loads(r.read())["namespaces"]]
+    for ns_id in ids:
+        clear = urllib.request.Request(f"{control}/admin/namespaces/{ns_id}/clear", b"",
+                                       method="POST")
+        urllib.request.urlopen(clear, timeout=30).close()
+    for _ in range(3):  # (the clear ended the workers' store connections: they reconnect)
+        cluster.post_json("/v1/completions", {"prompt": "Hello there.", "max_tokens": 2})
+    assert pool_blocks() == 0
+    status, msg = cluster.post_json("/v1/completions", body)
+    assert status == 200, msg
+    full_blocks = msg["usage"]["prompt_tokens"] // 16
+    assert msg["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * full_blocks - 16
+    assert pool_blocks() >= full_blocks - 1  # (in before the decode worker began)
 
 
 def test_bad_request_is_a_clear_400(cluster):
@@ -206,6 +238,42 @@ def test_a_client_that_leaves_a_stream_ends_its_request(cluster):
     assert "ClientConnectionResetError" not in cluster._text()
     status, msg = cluster.post_json("/v1/completions", {"prompt": "Again:", "max_tokens": 3})
     assert status == 200 and msg["usage"]["completion_tokens"] == 3
+
+
+def test_a_stopped_worker_is_taken_out_of_service_and_comes_back(cluster):
+    """A decode worker stopped (SIGSTOP: a hung process) answers nothing: its stream ends
+    with an error once it has been silent for --worker-timeout (4 s here), new requests go
+    to the other one, and it is back in service once it answers again. Its streams had
+    waited for good, /healthz said ok, and new requests were still sent to it."""
+    long = {"prompt": "Count slowly:", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    headers, doomed = sse_events(cluster.url, "/v1/completions", long)
+    victim = headers["X-Kvtier-Decode-Worker"]
+    next(doomed), next(doomed)  # decoding is under way on the victim
+    pid = next(w["pid"] for w in cluster.get_json("/cluster")["workers"] if w["name"] == victim)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        rest = list(doomed)
+        assert time.monotonic() - t0 < 30
+        errors = [json.loads(d)["error"] for d in rest if d.startswith("{")
+                  and "error" in json.loads(d)]
+        assert errors and errors[0]["type"] == "worker_failed", rest[-3:]
+        assert "health check" in errors[0]["message"] and victim in errors[0]["message"]
+        view = {w["name"]: w for w in cluster.get_json("/cluster")["workers"]}
+        assert view[victim]["alive"] and not view[victim]["responsive"]
+        for _ in range(2):  # new requests go to the other decode worker
+            h, events = sse_events(cluster.url, "/v1/completions",
+                                   {"prompt": "Say hi.", "max_tokens": 3})
+            assert h["X-Kvtier-Decode-Worker"] != victim and list(events)[-1] == "[DONE]"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        view = {w["name"]: w for w in cluster.get_json("/cluster")["workers"]}
+        if view[victim]["responsive"]:
+            break
+        time.sleep(0.2)
+    assert view[victim]["responsive"], view[victim]
 
 
 def test_killed_decode_worker_ends_its_stream_with_an_error(cluster):
