@@ -27,7 +27,7 @@ from kvstore.events import TierKind
 from kvstore.keys import Namespace
 from kvstore.api import MatchResult, PutStatus
 from kvstore.logevery import LogEvery
-from kvstore.wire import RemoteError
+from kvstore.wire import ErrorCode, RemoteError
 
 log = logging.getLogger("kvtier.cluster")
 TENANT_LOCATE = "locate-tenant"  # the leader's route for a namespace's own token
@@ -35,6 +35,16 @@ ASK_INDEX_AGAIN_S = 60.0  # a token the leader's index refused asks it again aft
 
 _RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 NODE_ERRORS = (ClientError, RemoteError, ConnectionError, OSError)
+# refusals of the caller's own making, the same from every node: raised, not taken for a
+# node fault (a wrong token had made every put NO_SPACE and every read a miss, silently)
+CALLER_ERRORS = (ErrorCode.AUTH, ErrorCode.FORBIDDEN, ErrorCode.NAMESPACE)
+
+
+def _node_fault(e: Exception) -> None:
+    """A node's call failed with `e` (one of NODE_ERRORS): raise it again if the caller's
+    request is what is wrong, else return (the node is skipped)."""
+    if isinstance(e, RemoteError) and e.code in CALLER_ERRORS:
+        raise e
 
 
 class _LoopThread:
@@ -52,6 +62,8 @@ class _LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():  # (its epoll descriptor and wake-up socketpair:
+            self.loop.close()  # three descriptors leaked per client)
 
 
 class ClusterClient:
@@ -106,8 +118,11 @@ class ClusterClient:
             client = self._clients.get(key)
         if client is not None:
             return client
-        client = Client(f"kvtier://{rec.data_addr}", self.token, self.ns,
-                        timeout_s=self.timeout_s, use_shm=self.use_shm)
+        try:
+            client = Client(f"kvtier://{rec.data_addr}", self.token, self.ns,
+                            timeout_s=self.timeout_s, use_shm=self.use_shm)
+        except ValueError as e:  # (records are checked as they are read: not expected)
+            raise ClientError(f"node {node_id}'s address {rec.data_addr!r}: {e}") from e
         with self._lock:
             stale = [k for k in self._clients if k[0] == node_id and k != key]
             old = [self._clients.pop(k) for k in stale]
@@ -201,8 +216,8 @@ class ClusterClient:
                              "%s): reads ask every member (%d more since the last line)",
                              e.code, rec.node_id, skipped)
             return None
-        except (urllib.error.URLError, OSError, ClusterError):
-            return None
+        except (urllib.error.URLError, OSError, ClusterError, ValueError):
+            return None  # (ValueError: a URL or a reply that is not one)
 
     def _candidates(self, hashes: Sequence[bytes]) -> list[list[str]]:
         """Per hash, the nodes to try in order: index holders, then ring owners; where no
@@ -232,7 +247,8 @@ class ClusterClient:
         for node, idx in groups.items():
             try:
                 got = self._node_client(node).put_n([hashes[i] for i in idx], [rows[i] for i in idx])
-            except NODE_ERRORS:
+            except NODE_ERRORS as e:
+                _node_fault(e)
                 self._forget(node)
                 continue
             for i, st in zip(idx, got):
@@ -261,22 +277,42 @@ class ClusterClient:
     def _get_from(self, node: str, hashes, rows, idx: list[int]) -> list[TierKind | None]:
         try:
             return self._node_client(node).get_n([hashes[i] for i in idx], [rows[i] for i in idx])
-        except NODE_ERRORS:
+        except NODE_ERRORS as e:
+            _node_fault(e)
             self._forget(node)
             return [None] * len(idx)
 
 
     def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Whether the pool holds each block: the index's holders, and for a block it
+        names none, its ring owners asked (the index lags a put by tens of milliseconds:
+        a block just STORED had read as absent)."""
         located = self.locate(hashes)
         if located is not None:
-            return [bool(h) for h in located.holders]
+            found = [bool(h) for h in located.holders]
+            groups: dict[str, list[int]] = {}
+            for i, h in enumerate(hashes):
+                if not found[i]:
+                    for node in self._owners(bytes(h)):
+                        groups.setdefault(node, []).append(i)
+            for node, idx in groups.items():
+                try:
+                    got = self._node_client(node).contains_n([hashes[i] for i in idx])
+                except NODE_ERRORS as e:
+                    _node_fault(e)
+                    self._forget(node)
+                    continue
+                for i, ok in zip(idx, got):
+                    found[i] = found[i] or ok
+            return found
         found = [False] * len(hashes)
         # no index answers: every member asked once, for the whole batch (the ring owners
         # of this reader's `replicas` missed what a writer put elsewhere)
         for node in sorted(self._member.members):
             try:
                 got = self._node_client(node).contains_n(hashes)
-            except NODE_ERRORS:
+            except NODE_ERRORS as e:
+                _node_fault(e)
                 self._forget(node)
                 continue
             found = [a or b for a, b in zip(found, got)]
@@ -288,11 +324,16 @@ class ClusterClient:
         by a few milliseconds); without a leader, every live node is asked."""
         located = self.locate(hashes)
         nodes = [n for n, _ in located.prefix[:2]] if located else sorted(self._member.members)
+        whole = bool(located and located.prefix and located.prefix[0][1] >= len(hashes))
+        if located is not None and hashes and not whole:  # the index lags a put by tens of
+            # milliseconds: the first block's ring owners are asked too
+            nodes += [n for n in self._owners(bytes(hashes[0])) if n not in nodes]
         best = MatchResult(0, ())
         for node in nodes:
             try:
                 got = self._node_client(node).match_prefix(hashes)
-            except NODE_ERRORS:
+            except NODE_ERRORS as e:
+                _node_fault(e)
                 self._forget(node)
                 continue
             if got.num_blocks > best.num_blocks:

@@ -33,6 +33,26 @@ class NodeRecord(Record, tag="node/2"):
             self.node_id.encode()
         except UnicodeEncodeError:  # (bytes not UTF-8 from a command line: a traceback)
             raise ConfigError(f"node id {self.node_id!r} is not valid UTF-8 text") from None
+        # (a record naming "127.0.0.1:notaport", or "[127.0.0.1:5555]:7481" from an
+        # --advertise with a port, made every pool client's put_n and get_n raise)
+        check_host_port(self.data_addr, "data address", ("kvtier",))
+        check_host_port(self.control_url, "control url", ("http", "https"))
+
+
+def check_host_port(addr: str, what: str, schemes: tuple[str, ...]) -> None:
+    """ConfigError unless `addr` is HOST:PORT (with `schemes[0]`:// for a URL scheme
+    among `schemes`, when it has one) and nothing else."""
+    url = addr if "://" in addr else f"{schemes[0]}://{addr}"
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError as e:
+        raise ConfigError(f"{what} {addr!r} is not HOST:PORT ({e})") from None
+    if (parts.scheme not in schemes or not host or port is None or not 0 < port < 65536
+            or parts.path.strip("/") or parts.query or parts.fragment or parts.username
+            or any(c.isspace() for c in addr)):
+        raise ConfigError(f"{what} {addr!r} is not HOST:PORT"
+                          + (f" behind {schemes[0]}://" if "://" in addr else ""))
 
 
 class EtcdAddress(NamedTuple):

@@ -134,6 +134,19 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.advertise is not None:
+            from kvstore.cluster.records import check_host_port
+            from kvstore.wire import netloc
+            try:  # (one with a port joined as "[127.0.0.1:5555]:7481": every client raised)
+                check_host_port(netloc(self.advertise, 1), "--advertise", ("kvtier",))
+            except ConfigError:
+                raise ConfigError(f"--advertise {self.advertise!r} must be a host name or an "
+                                  "address alone, without a port or a scheme (the node "
+                                  "advertises its own ports)") from None
+        if self.cluster and self.tokens and not self.cluster_token:
+            raise ConfigError("--cluster with a --token-file needs an admin token in it (a "
+                              "line with no tenant): the nodes report their blocks to the "
+                              "leader with it, and without one the pool's index stays empty")
         if not self.tokens and not _is_loopback(self.host):
             raise ConfigError(f"refusing to bind {self.host}: without an auth token the daemon "
                               "only binds loopback (pass --token-file to serve other hosts)")

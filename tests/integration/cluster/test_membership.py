@@ -4,6 +4,7 @@ import itertools
 import time
 
 import aetcd
+import msgspec
 import pytest
 
 from kvstore.cluster.membership import Change, ClusterMember
@@ -36,8 +37,21 @@ def test_parse_etcd_url():
 def test_records_roundtrip_and_refuse_garbage():
     rec = NodeRecord("n1", "127.0.0.1:5", "http://127.0.0.1:6", b"\x00\x01")
     assert NodeRecord.decode(rec.encode()) == rec
+    assert NodeRecord("n6", "[::1]:5", "https://[::1]:6").data_addr == "[::1]:5"
     with pytest.raises(ClusterError):
         NodeRecord.decode(b"\xc1garbage")
+    # addresses no client could connect to (one of them in the pool had made every pool
+    # client's put_n and get_n raise ValueError): refused as the record is made or read
+    for data, control in (("127.0.0.1:notaport", "http://127.0.0.1:6"),
+                          ("[127.0.0.1:5555]:7481", "http://127.0.0.1:6"),
+                          ("127.0.0.1", "http://127.0.0.1:6"), ("127.0.0.1:0", "http://h:6"),
+                          ("127.0.0.1:5/x", "http://h:6"), ("127.0.0.1:5", "ftp://h:6"),
+                          ("127.0.0.1:5", "http://h"), ("127.0.0.1:5", "http://h:99999")):
+        with pytest.raises(ConfigError):
+            NodeRecord("n1", data, control)
+        raw = msgspec.msgpack.encode(["node/2", "n1", data, control, b"", 0.0])
+        with pytest.raises(ClusterError):
+            NodeRecord.decode(raw)
 
 
 @pytest.mark.asyncio

@@ -117,3 +117,18 @@ def test_a_dram_tier_bigger_than_the_memory_there_is_is_refused_at_start():
     if limit is not None:
         with pytest.raises(ConfigError, match="--dram-size"):
             check_memory(DaemonConfig(dram_bytes=(1 << 50) * 1024), limit)
+
+
+def test_cluster_settings_a_pool_could_not_use_are_refused():
+    """--advertise with a port had joined as "[127.0.0.1:5555]:7481", an address every
+    pool client raised on; a pool whose token file names tenants only had started with
+    an index no node could report to (the leader answered each report 401)."""
+    for bad in ("127.0.0.1:5555", "http://h", "h/x", "a b"):
+        with pytest.raises(ConfigError, match="--advertise"):
+            DaemonConfig(advertise=bad)
+    for good in ("10.1.2.3", "::1", "node-7.example"):
+        assert DaemonConfig(advertise=good).advertise == good
+    with pytest.raises(ConfigError, match="admin token"):
+        DaemonConfig(cluster="etcd://127.0.0.1:2379/p", tokens=(("t", "alice"),))
+    assert DaemonConfig(cluster="etcd://127.0.0.1:2379/p",
+                        tokens=(("t", "alice"), ("a", ADMIN))).cluster_token == "a"
