@@ -110,6 +110,9 @@ class EngineLoop:
 
     def _handle(self, item: _Add | _Abort | _Call) -> None:
         if isinstance(item, _Call):
+            if not item.done.set_running_or_notify_cancel():
+                return  # (its caller was cancelled: setting a result would raise here, and
+                # end this thread)
             try:
                 item.done.set_result(item.fn(self.engine))
             except Exception as e:  # (the caller's to handle; the loop goes on)

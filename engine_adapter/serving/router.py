@@ -92,6 +92,7 @@ class Router:
         self.index = ClusterIndex()
         self.cost: CostModel | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._probes: aiohttp.ClientSession | None = None
         self._policy = None
         self._feed: KVEventFeed | None = None
         self._tasks: list[asyncio.Task] = []
@@ -101,7 +102,7 @@ class Router:
     async def start(self, timeout_s: float = 600.0) -> None:
         """Wait until every worker answers /info, fit the cost model to what they
         measured, then follow the KV events of the workers and the store node."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10))
+        self.open_sessions()
         await asyncio.gather(*(self._wait_ready(w, timeout_s) for w in self.workers))
         info = self.workers[0].info
         ns = info.ns
@@ -116,6 +117,16 @@ class Router:
         await self._feed.poll_all()
         self._tasks.append(asyncio.create_task(self._feed.run(), name="kv-event-feed"))
 
+    def open_sessions(self) -> None:
+        """The HTTP sessions to the workers (`start` opens them)."""
+        # (no connection cap: the front end's own bounds how many requests are in flight;
+        # aiohttp's default of 100 had queued the 101st stream behind the others)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10),
+                                              connector=aiohttp.TCPConnector(limit=0))
+        # health checks on connections of their own: behind the streams' they had waited
+        # for a free one until they timed out, and a loaded cluster took every worker out
+        self._probes = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
     def cost_summary(self) -> str:
         return describe(self.cost) if self.cost is not None else "cost model not fitted yet"
 
@@ -125,6 +136,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        if self._probes is not None:
+            await self._probes.close()
 
     async def _wait_ready(self, w: WorkerHandle, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -170,7 +183,7 @@ class Router:
         """One health check (GET /info, answered by the worker's event loop, not its engine
         thread: a long step does not delay it)."""
         try:
-            async with self._session.get(w.url + "/info", timeout=aiohttp.ClientTimeout(
+            async with self._probes.get(w.url + "/info", timeout=aiohttp.ClientTimeout(
                     total=self.worker_timeout_s)) as r:
                 await r.read()
                 if r.status != 200:
@@ -198,6 +211,9 @@ class Router:
         if silent is None:
             return await aw
         if silent.is_set():
+            close = getattr(aw, "close", None)  # a coroutine, or aiohttp's request (never
+            if callable(close):  # awaited: said so, as a warning, at collection)
+                close()
             raise self._silent_error(w)
         task, stop = asyncio.ensure_future(aw), asyncio.ensure_future(silent.wait())
         try:
@@ -278,6 +294,7 @@ class Router:
                     raise WorkerDiedError(f"worker {w.name} answered HTTP {r.status}")
                 while True:
                     ev = await self._guard(w, read_frame(r.content, TokenEvent))
+                    w.answered_at = asyncio.get_running_loop().time()  # (it answers)
                     if ev is None:
                         raise WorkerDiedError(f"worker {w.name} ended the stream early")
                     if ev.error:
