@@ -79,10 +79,14 @@ def shown_text(text: str, stops, final: bool) -> str:
         return text
     keep = len(text)
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):  # the longest such tail first
-            if text.endswith(s[:k]):
-                keep = min(keep, len(text) - k)
+        # a tail that begins a stop string starts with its first character: only those
+        # places are tried, the farthest back (the longest tail) first
+        at = text.find(s[0], max(0, len(text) - len(s) + 1))
+        while 0 <= at < keep:
+            if s.startswith(text[at:]):
+                keep = at
                 break
+            at = text.find(s[0], at + 1)
     return text[:keep]
 
 

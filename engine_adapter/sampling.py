@@ -19,6 +19,10 @@ MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS)
 MAX_TOKENS = 1 << 31  # (a request cannot run longer than its context allows anyway)
 
 
+MAX_STOPS = 16  # stop strings a request may give (OpenAI's API takes 4)
+MAX_STOP_CHARS = 1024
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0        # 0 = greedy
@@ -54,8 +58,13 @@ class SamplingParams:
             # the request was packed for its worker)
             raise InvalidRequestError(f"top_k must be an integer in [0, 2**31) (0 = off), got "
                                       f"{self.top_k!r}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            # (each is looked for after every token: 1,000 of 1,000 characters cost the
+            # engine thread 0.2 s a step, for every request on the worker)
+            raise InvalidRequestError(f"at most {MAX_STOPS} stop strings of at most "
+                                      f"{MAX_STOP_CHARS} characters each")
 
     @property
     def greedy(self) -> bool:

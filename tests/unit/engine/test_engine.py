@@ -103,6 +103,31 @@ def test_text_shown_while_running_is_never_taken_back_by_a_stop_string(tiny_mode
     assert shown_text("a\n\n", ("\n\n\n",), False) == "a"
 
 
+def test_shown_text_holds_back_exactly_the_longest_tail_a_stop_string_begins_with():
+    """Against the definition, by brute force, on random short texts and stops (the held
+    back part is the longest proper prefix of a stop string the text ends with)."""
+    import random
+
+    from engine_adapter.request import shown_text
+    rng = random.Random(7)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab ") for _ in range(rng.randrange(0, 12)))
+        stops = tuple("".join(rng.choice("ab ") for _ in range(rng.randrange(1, 6)))
+                      for _ in range(rng.randrange(1, 4)))
+        held = max([k for s in stops for k in range(1, len(s))
+                    if k <= len(text) and text.endswith(s[:k])], default=0)
+        assert shown_text(text, stops, False) == text[:len(text) - held], (text, stops)
+        assert shown_text(text, stops, True) == text
+
+
+def test_stop_strings_are_bounded_in_number_and_length():
+    from engine_adapter.sampling import MAX_STOP_CHARS, MAX_STOPS
+    SamplingParams(stop=("x" * MAX_STOP_CHARS,) * MAX_STOPS)
+    for stop in (("x",) * (MAX_STOPS + 1), ("x" * (MAX_STOP_CHARS + 1),), ("",), (3,)):
+        with pytest.raises(InvalidRequestError, match="stop"):
+            SamplingParams(stop=stop)
+
+
 @pytest.mark.parametrize("prompt,params,match", [
     ([], None, "empty"),
     (list(range(300)), None, "context"),
