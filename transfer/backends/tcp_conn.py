@@ -51,6 +51,7 @@ class PeerConnection:
         self._queue: queue.SimpleQueue[PendingOp | None] = queue.SimpleQueue()
         self._inflight: deque[PendingOp] = deque()
         self._has_inflight = threading.Condition(self._lock)
+        self._receiving: PendingOp | None = None  # the request the receive thread lands
         # held while a request is being sent, and by an inline request until its reply is in
         self._io = threading.Lock()
         self._seq = 0
@@ -151,11 +152,17 @@ class PeerConnection:
                         self._has_inflight.wait(0.5)
                     if self._dead is not None:
                         return
-                    req = self._inflight[0]
-                self._recv_reply(req)
+                    req = self._receiving = self._inflight[0]
+                try:
+                    self._recv_reply(req)
+                except Exception:
+                    with self._lock:
+                        self._receiving = None  # (failed by the _die below)
+                    raise
                 with self._lock:
+                    self._receiving = None
                     self._inflight.popleft()
-                self._complete(req)
+                self._complete(req)  # (whole: done, even if the connection died meanwhile)
         except Exception as e:  # (any: see _broken)
             self._die(_broken(e))
 
@@ -199,12 +206,16 @@ class PeerConnection:
         return self._dead is not None
 
     def _die(self, err: TransferError) -> None:
+        """End the connection: every request on it fails, but the one the receiving thread
+        is landing, which that thread finishes once its receive returns (whole, or cut by
+        the shutdown here). Failed from here, a READ's bytes still buffered went on landing
+        in its caller's memory after the handle said FAILED."""
         with self._lock:
             if self._dead is None:
                 fault = Fault.CONNECTION_LOST if err.fault is Fault.CLOSED else err.fault
                 self._dead = TransferError(fault, err.cause)
-            failed = list(self._inflight)
-            self._inflight.clear()
+            failed = [r for r in self._inflight if r is not self._receiving]
+            self._inflight = deque(r for r in self._inflight if r is self._receiving)
             while True:
                 try:
                     req = self._queue.get_nowait()

@@ -647,3 +647,38 @@ def test_a_failed_part_fails_its_transfer_only_once_no_other_part_is_landing():
     finally:
         a.close()
         peer.close()
+
+
+def test_a_connection_ended_mid_read_leaves_the_read_to_finish_its_landing_first():
+    """A connection ended by another thread (its sending side failed) while a 64 MiB READ
+    was landing: the READ's handle ends only once the receiving thread has stopped writing
+    into the caller's memory. It had said FAILED at once, and megabytes still buffered
+    landed afterwards."""
+    cfg = AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=5.0)
+    a, b = Agent("a", cfg), Agent("b", cfg)
+    try:
+        n = 64 << 20
+        src = np.full(n, 7, np.uint8)
+        ra = a.register(src)
+        b.add_peer(a.metadata())
+        dst = np.zeros(n, np.uint8)
+        mine = b.prepare(DescList.uniform(b.register(dst, export=False), 1 << 20, n >> 20))
+        theirs = b.prepare(DescList.uniform(ra.region_id, 1 << 20, n >> 20), peer="a")
+        x = b.post(Op.READ, mine, np.arange(n >> 20), theirs, np.arange(n >> 20))
+        conn = next(c for p in b._backends[BackendKind.TCP]._peers.values()
+                    for c in p.conns if c is not None)
+        deadline = time.monotonic() + 10
+        while dst[n // 8] == 0 and time.monotonic() < deadline:  # bytes are landing
+            time.sleep(0.0005)
+        conn._die(TransferError(Fault.CONNECTION_LOST, "the sending side failed"))
+        try:
+            x.wait(10)
+        except TransferError:
+            pass
+        assert x.state in (State.DONE, State.FAILED)
+        landed = int(np.count_nonzero(dst))
+        time.sleep(0.5)
+        assert int(np.count_nonzero(dst)) == landed, "bytes landed after the handle ended"
+    finally:
+        b.close()
+        a.close()
