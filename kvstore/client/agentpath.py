@@ -78,8 +78,11 @@ class AgentPath:
                                 self.remote, np.asarray(slots, np.int64), self.timeout_s)
         except TransferError as e:
             self.broken = True  # the daemon restarted or went away: a new HELLO makes a new one
-            if local is not None:  # nothing of a failed transfer may land in the caller's
-                self.agent.close()  # rows after it returns: its connections end now
+            if local is not None or op is Op.WRITE:  # nothing of a failed transfer may land
+                # in the caller's rows after it returns, nor a WRITE still queued (a timeout
+                # leaves it pending) reach slots the caller's ABORT gives back: its
+                # connections end now
+                self.agent.close()
             raise ConnectionError(f"transfer agent {op.name} of {len(slots)} blocks: {e}") from e
 
     def _direct(self, op: Op, slots: Sequence[int], host: np.ndarray | None,

@@ -836,11 +836,14 @@ class Session:
             self._close_channel(store, give_back=not stopping)
         finally:
             try:
+                # the transfer connections of its agent key (when it was the key's last
+                # holder) end before its slots go back: a write of theirs still arriving
+                # would land in slots handed to other blocks
+                self._drop_agent_key()
                 if store:
                     self.close_ops()  # even if the channel's last drain failed
             finally:
                 self.close()
-                self._drop_agent_key()
 
     def close_ops(self) -> None:
         """The connection ended (or re-helloed): its reservations and leases end with it."""
