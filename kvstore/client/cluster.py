@@ -19,7 +19,7 @@ from typing import Sequence
 
 from kvstore.buffers import byte_rows
 from kvstore.client.errors import ClientError
-from kvstore.cluster.membership import ClusterMember
+from kvstore.cluster.membership import Change, ClusterMember
 from kvstore.cluster.messages import TENANT_LOCATE_HASHES, Locate, Located, TenantLocate
 from kvstore.cluster.records import ClusterError, parse_etcd_url
 from kvstore.cluster.ring import HashRing
@@ -95,6 +95,21 @@ class ClusterClient:
         except BaseException:
             self._loop.close()
             raise
+        self._leaves = asyncio.run_coroutine_threadsafe(self._cut_leavers(), self._loop.loop)
+
+    async def _cut_leavers(self) -> None:
+        """A node that leaves the pool (its lease lapsed: killed, stopped, cut off) has
+        its calls in flight cut at once, so they go on to another holder: docs/cluster.md
+        promises the TTL bounds how long a dead node is tried. A stopped node had held a
+        read for the client's whole timeout_s (30 s)."""
+        events = self._member.subscribe()
+        while True:
+            event = await events.get()
+            if event.change is Change.LEFT and event.node_id:
+                with self._lock:
+                    clients = [c for k, c in self._clients.items() if k[0] == event.node_id]
+                for client in clients:
+                    client.abort_calls()
 
     # ------------------------------------------------------------ membership
 
@@ -341,6 +356,7 @@ class ClusterClient:
         return best
 
     def close(self) -> None:
+        self._leaves.cancel()
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:

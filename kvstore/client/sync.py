@@ -8,6 +8,7 @@ reached raises `ConnectError`, a silent one `RequestTimeout`.
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import weakref
@@ -79,6 +80,7 @@ class Client:
         self._agent: AgentPath | None = None
         self._idle: list[Connection] = []
         self._made: weakref.WeakSet[Connection] = weakref.WeakSet()  # every one still open
+        self._aborted = False  # abort_calls: no call goes out any more
         self._lock = threading.Lock()
         self._arena: ArenaMap | None = None
         self._local: LocalAddress | None = None  # the daemon's local socket, once found
@@ -213,6 +215,8 @@ class Client:
         """An idle pooled connection, or a new one."""
         if self._closed:
             raise ConnectError("this Client is closed")
+        if self._aborted:
+            raise ConnectError(f"calls to {self.addr} were cut (abort_calls)")
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         return conn or self._new_conn()
@@ -643,6 +647,18 @@ class Client:
             conn.flush_releases()
             return conn.call(msg)[0]
         return self._run(op)
+
+    def abort_calls(self) -> None:
+        """Shut down every connection of this client, those other threads' calls wait on
+        too: those calls fail now (a connection error), not after timeout_s, and so does
+        every call after (a retry had connected again and waited as long). (A pool client
+        does this for a node that left the pool: one stopped had held its calls 30 s.)"""
+        self._aborted = True
+        for conn in list(self._made):
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self._closed:

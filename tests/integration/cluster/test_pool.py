@@ -82,6 +82,13 @@ def check_bytes(hashes, out, tiers) -> int:
     return sum(t is not None for t in tiers)
 
 
+def indexed(client, hashes) -> bool:
+    """Does the leader's index list a holder for every block? (contains_n also asks the
+    ring owners, so it answers before the index has caught up.)"""
+    located = client.locate(hashes)
+    return located is not None and all(located.holders)
+
+
 def read(client, hashes):
     out = np.zeros((len(hashes), NS.block_bytes), np.uint8)
     tiers = client.get_n(hashes, out)
@@ -147,7 +154,7 @@ def test_blocks_spread_over_the_nodes_and_all_come_back(pool):
         assert c.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 60
         out, tiers = read(c, hashes)
         assert check_bytes(hashes, out, tiers) == 60
-        wait_until(lambda: all(c.contains_n(hashes)), 10, "the leader's index lists every block")
+        wait_until(lambda: indexed(c, hashes), 10, "the leader's index lists every block")
         located = c.locate(hashes)
         assert len({h[0] for h in located.holders}) == 3, "consistent hashing used every node"
         assert c.put_n(hashes[:3], payload(hashes[:3])) == [PutStatus.EXISTS] * 3
@@ -224,7 +231,7 @@ def test_a_lost_node_turns_its_blocks_into_misses_and_replicas_serve(etcd, tmp_p
             one, two = chain(5, 40), chain(6, 40)
             single.put_n(one, payload(one))
             double.put_n(two, payload(two))
-            wait_until(lambda: all(single.contains_n(one + two)), 10, "index converged")
+            wait_until(lambda: indexed(single, one + two), 10, "index converged")
             victim = next(n for n in pool.nodes if n != single.leader_id)
             lost = [h for h, hs in zip(one, single.locate(one).holders) if hs == (victim,)]
             assert lost, "the victim held some single-copy blocks"
@@ -244,6 +251,36 @@ def test_a_lost_node_turns_its_blocks_into_misses_and_replicas_serve(etcd, tmp_p
             print(f"node loss seen by clients after {took:.2f} s (lease TTL {TTL} s)")
             wait_until(lambda: all(victim not in hs for hs in single.locate(one).holders), 5,
                        "the dead node leaves the index")
+    finally:
+        pool.stop()
+
+
+def test_a_stopped_nodes_calls_are_cut_once_it_leaves_the_pool(etcd, tmp_path):
+    """A node stopped (SIGSTOP) mid-pool answers nothing but keeps its sockets: a read of
+    blocks it holds ends (they are misses: no replica here; over TCP, as from another host)
+    once its lease lapses and it
+    leaves the pool, not after the client's timeout_s (30 s here: it had waited all of it,
+    and its retry as long again)."""
+    import signal
+    pool = Pool(etcd, tmp_path, 3)
+    try:
+        with ClusterClient(pool.url, namespace=NS, timeout_s=30.0, use_shm=False) as c:
+            wait_until(lambda: len(c.nodes()) == 3, 15, "three members")
+            hashes = chain(8, 30)
+            c.put_n(hashes, payload(hashes))
+            wait_until(lambda: indexed(c, hashes), 10, "index converged")
+            victim = next(n for n in pool.nodes if n != c.leader_id)
+            lost = [h for h, hs in zip(hashes, c.locate(hashes).holders) if hs == (victim,)]
+            assert lost, "the victim holds some of the blocks"
+            os.kill(pool.nodes[victim].proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                out, tiers = read(c, hashes)
+                took = time.monotonic() - t0
+                assert check_bytes(hashes, out, tiers) == 30 - len(lost)
+                assert took < 4 * TTL + 10, f"a read waited {took:.1f} s on a stopped node"
+            finally:
+                os.kill(pool.nodes[victim].proc.pid, signal.SIGCONT)
     finally:
         pool.stop()
 
@@ -288,7 +325,7 @@ def test_a_node_others_cannot_reach_never_leads(etcd, tmp_path):
                        "three members")
             hs = chain(9, 20)
             assert writer.put_n(hs, payload(hs)) == [PutStatus.STORED] * 20
-            wait_until(lambda: all(reader.contains_n(hs)), 10, "the index")
+            wait_until(lambda: indexed(reader, hs), 10, "the index")
             assert all(h == ("n1",) for h in reader.locate(hs).holders)
     finally:
         pool.stop()
@@ -301,7 +338,7 @@ def test_leader_failover_and_index_convergence(etcd, tmp_path):
             wait_until(lambda: len(c.nodes()) == 3 and c.leader_id, 15, "three members, a leader")
             hashes = chain(7, 30)
             c.put_n(hashes, payload(hashes))
-            wait_until(lambda: all(c.contains_n(hashes)), 10, "index converged")
+            wait_until(lambda: indexed(c, hashes), 10, "index converged")
             old = c.leader_id
             survivors = {h for h, hs in zip(hashes, c.locate(hashes).holders) if old not in hs}
             load = Reader(pool.url, hashes)
@@ -310,7 +347,7 @@ def test_leader_failover_and_index_convergence(etcd, tmp_path):
             pool.nodes[old].kill()                         # the leader, under load
             wait_until(lambda: c.leader_id not in (None, old), 4 * TTL + 5, "a new leader")
             failover = time.monotonic() - t0
-            wait_until(lambda: all(c.contains_n(list(survivors))), 10,
+            wait_until(lambda: indexed(c, list(survivors)), 10,
                        "the new leader's index holds every surviving block")
             converged = time.monotonic() - t0
             print(f"leader failover {failover:.2f} s, index converged {converged:.2f} s "
@@ -419,7 +456,7 @@ def test_peers_and_clients_need_the_token(etcd, tmp_path):
         with ClusterClient(pool.url, token="s3cret", namespace=NS) as c:
             hashes = chain(9, 10)
             assert c.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 10
-            wait_until(lambda: all(c.contains_n(hashes)), 10, "the index works with auth on")
+            wait_until(lambda: indexed(c, hashes), 10, "the index works with auth on")
         with ClusterClient(pool.url, token="wrong", namespace=NS) as bad:
             # said, as by a one-node Client (every put had been NO_SPACE, every read a
             # miss, and the caller never told why)
