@@ -237,10 +237,11 @@ class StoreConnector:
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
 
-    def save(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
-        """Queue blocks for saving; returns at once (the copy out of the cache is done here)."""
+    def save(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> bool:
+        """Queue blocks for saving; returns at once (the copy out of the cache is done here):
+        whether they were queued (not when the queue is full or the connector closed)."""
         if not hashes or self._closed:
-            return
+            return False
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.shape != (len(hashes),):
             raise ValueError(f"save: {len(hashes)} hashes for {ids.size} block ids")
@@ -254,6 +255,8 @@ class StoreConnector:
             self._queue.put_nowait((list(hashes), staged))
         except queue.Full:
             self.stats.save_dropped_blocks += len(hashes)
+            return False
+        return True
 
     def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks copied out of the cache. On CPU one single-threaded numpy gather over

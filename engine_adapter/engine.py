@@ -133,9 +133,9 @@ class LLMEngine:
         found = [self.pool.cached.get(BlockHash(bytes(h))) if self.pool.enable_caching else None
                  for h in hashes]
         held = [(h, b) for h, b in zip(hashes, found) if b is not None]
-        if held:
-            self.connector.save([BlockHash(bytes(h)) for h, _ in held],
-                                [b.block_id for _, b in held])
+        if not held or not self.connector.save([BlockHash(bytes(h)) for h, _ in held],
+                                               [b.block_id for _, b in held]):
+            return [False] * len(hashes)  # (dropped: a full queue, a closed connector)
         return [b is not None for b in found]
 
     def abort(self, request_id: str) -> None:

@@ -132,9 +132,11 @@ def _check(a: argparse.Namespace) -> str | None:
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be 1 or more, not {value}"
     try:
-        parse_size(a.dram_size)
+        pool = parse_size(a.dram_size)
     except (ValueError, KVStoreError) as e:
         return f"--dram-size {a.dram_size!r}: {e}"
+    if pool <= 0 and set(a.configs) & set("bc"):  # (found when (b) started its store,
+        return "--dram-size must be more than 0: setups (b) and (c) share a pool"  # after (a))
     return None
 
 

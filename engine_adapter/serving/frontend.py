@@ -138,6 +138,7 @@ async def _listen(app: web.Application, sock: socket.socket,
         if not setup.done():
             setup.cancel()
             await asyncio.gather(setup, return_exceptions=True)
+            await app[ROUTER_KEY].close()  # (what its start opened: the cleanup never runs)
             return
         setup.result()
         server = await httpguard.serve_on(runner.server, sock, gate)

@@ -104,7 +104,8 @@ def test_odd_arguments_are_one_line_errors(capsys):
                        (["--dram-size", "abc"], "--dram-size"),
                        # (ClusterConfig's own checks: tracebacks before)
                        (["--chunk-tokens", "0"], "--chunk-tokens"),
-                       (["--max-num-seqs", "0"], "--max-num-seqs")):
+                       (["--max-num-seqs", "0"], "--max-num-seqs"),
+                       (["--dram-size", "0"], "--dram-size")):  # ((b) failed after (a) ran)
         assert main(["demo", *argv]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err
