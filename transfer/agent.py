@@ -6,14 +6,13 @@ import itertools
 import os
 import threading
 import uuid
-import weakref
 from collections import deque
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from . import backends
+from . import backends, forks
 from .descriptors import DescList, Prepared, as_index
 from .errors import Fault, TransferError
 from .handle import Transfer
@@ -26,7 +25,7 @@ from .backends.base import AgentContext, Backend, Grants, Job
 class Agent:
     """One endpoint of the transfer layer (a process may hold several). Thread-safe for
     posting from several threads; register/add_peer are control-path calls. An agent does
-    not cross os.fork(): in the child it is closed (`_forked`), the parent's untouched."""
+    not cross os.fork(): in the child it is closed (`_after_fork`), the parent's untouched."""
 
     def __init__(self, name: str, config: AgentConfig | None = None):
         if not name:
@@ -52,7 +51,7 @@ class Agent:
             self.close()
             raise
         self._wire_notifiers()
-        _live.add(self)
+        forks.track(self)
 
     def _wire_notifiers(self) -> None:
         shm, tcp = self._backends.get(BackendKind.SHM), self._backends.get(BackendKind.TCP)
@@ -298,7 +297,7 @@ class Agent:
         if self._closed:
             raise TransferError(Fault.CLOSED, f"agent {self.name!r} is closed")
 
-    def _forked(self) -> None:
+    def _after_fork(self) -> None:
         """In a child made by os.fork(): closed, without closing anything of the parent's.
         A child had held the parent's listening socket and connections (and could shut
         them down: `close` on its copy ended the parent's server), and its exit unlinked
@@ -325,17 +324,3 @@ class Agent:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-_live: "weakref.WeakSet[Agent]" = weakref.WeakSet()
-
-
-def _in_child() -> None:
-    for agent in list(_live):
-        try:
-            agent._forked()
-        except Exception:  # noqa: BLE001 - best effort: the child must go on starting
-            pass
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_in_child)

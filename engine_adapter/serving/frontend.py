@@ -417,13 +417,8 @@ async def _unary(request: web.Request, req: api.ApiRequest, rid: str,
         async for last in gen:
             if _gone(request):
                 return web.Response(status=499)  # (nobody reads it: the request ends here)
-    except WorkerRejectedError as e:
-        return _error(400, str(e), "invalid_request_error")
-    except WorkerDiedError as e:
-        return _error(503, str(e), "worker_failed")
     except Exception as e:
-        log.exception("request %s failed", rid)
-        return _error(500, f"internal error: {e}", "internal_error")
+        return _failed(rid, e)
     usage = api.Usage(last.num_prompt_tokens, last.num_tokens, last.cached_tokens)
     return web.json_response(api.response(req, rid, last.text, last.finish_reason, usage),
                              headers=headers)
@@ -438,13 +433,8 @@ async def _stream(request: web.Request, req: api.ApiRequest, rid: str,
         head = [await gen.__anext__()]
     except StopAsyncIteration:
         head = []
-    except WorkerRejectedError as e:
-        return _error(400, str(e), "invalid_request_error")
-    except WorkerDiedError as e:
-        return _error(503, str(e), "worker_failed")
     except Exception as e:
-        log.exception("request %s failed", rid)
-        return _error(500, f"internal error: {e}", "internal_error")
+        return _failed(rid, e)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", **headers})
     sent, last, first = "", None, True
@@ -470,6 +460,16 @@ async def _stream(request: web.Request, req: api.ApiRequest, rid: str,
         log.exception("request %s failed", rid)
         await _last_event(resp, api.error_body(f"internal error: {e}", "internal_error", 500))
     return resp
+
+
+def _failed(rid: str, e: Exception) -> web.Response:
+    """The answer to a request that failed before anything of it was sent."""
+    if isinstance(e, WorkerRejectedError):
+        return _error(400, str(e), "invalid_request_error")
+    if isinstance(e, WorkerDiedError):
+        return _error(503, str(e), "worker_failed")
+    log.error("request %s failed", rid, exc_info=e)
+    return _error(500, f"internal error: {e}", "internal_error")
 
 
 async def _chain(head: list[Progress], gen: AsyncIterator[Progress]) -> AsyncIterator[Progress]:

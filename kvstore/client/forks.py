@@ -8,24 +8,4 @@ FLUSH, no lock the parent's threads may have held), and connects afresh on its n
 """
 from __future__ import annotations
 
-import os
-import weakref
-
-_live: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def track(client) -> None:
-    """Have `client._after_fork()` called in every child this process forks from now on."""
-    _live.add(client)
-
-
-def _in_child() -> None:
-    for client in list(_live):
-        try:
-            client._after_fork()
-        except Exception:  # noqa: BLE001 - best effort: the child must go on starting
-            pass
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_in_child)
+from transfer.forks import track  # noqa: F401 - the clients' registry (transfer's own)
