@@ -138,7 +138,9 @@ async def _listen(app: web.Application, sock: socket.socket,
         if not setup.done():
             setup.cancel()
             await asyncio.gather(setup, return_exceptions=True)
+        if setup.cancelled() or setup.exception() is not None:
             await app[ROUTER_KEY].close()  # (what its start opened: the cleanup never runs)
+        if setup.cancelled():
             return
         setup.result()
         server = await httpguard.serve_on(runner.server, sock, gate)

@@ -10,6 +10,7 @@ into a miss (or a replica serves it): never an error for a read, never wrong byt
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -35,16 +36,29 @@ ASK_INDEX_AGAIN_S = 60.0  # a token the leader's index refused asks it again aft
 
 _RANK = {PutStatus.STORED: 0, PutStatus.EXISTS: 1, PutStatus.NO_SPACE: 2}
 NODE_ERRORS = (ClientError, RemoteError, ConnectionError, OSError)
-# refusals of the caller's own making, the same from every node: raised, not taken for a
-# node fault (a wrong token had made every put NO_SPACE and every read a miss, silently)
+# refusals that may be of the caller's own making (a wrong token, a namespace no node
+# takes): raised when no node answered at all, for a wrong token had made every put
+# NO_SPACE and every read a miss, silently; one node's alone (its own token file or block
+# size) is that node's fault, skipped like any other
 CALLER_ERRORS = (ErrorCode.AUTH, ErrorCode.FORBIDDEN, ErrorCode.NAMESPACE)
+RECENT_PUTS = 1 << 16  # hashes this client put lately, asked of their ring owners too
+RECENT_S = 5.0  # (the leader's index lags a put by tens of milliseconds)
 
 
-def _node_fault(e: Exception) -> None:
-    """A node's call failed with `e` (one of NODE_ERRORS): raise it again if the caller's
-    request is what is wrong, else return (the node is skipped)."""
-    if isinstance(e, RemoteError) and e.code in CALLER_ERRORS:
-        raise e
+class _Calls:
+    """What one pool call's node calls came to: whether any node answered, and the first
+    refusal that may be the caller's (`CALLER_ERRORS`), raised by `check` when none did."""
+
+    def __init__(self) -> None:
+        self.answered, self.refusal = False, None
+
+    def failed(self, e: Exception) -> None:
+        if isinstance(e, RemoteError) and e.code in CALLER_ERRORS and self.refusal is None:
+            self.refusal = e
+
+    def check(self) -> None:
+        if self.refusal is not None and not self.answered:
+            raise self.refusal
 
 
 class _LoopThread:
@@ -79,6 +93,7 @@ class ClusterClient:
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, str], object] = {}
         self._ring, self._ring_nodes = HashRing(), frozenset()
+        self._recent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._refused = LogEvery()  # the leader's refusals to locate (a token's, not a fault's)
         self.index_refused = False  # the leader's index is not this token's (a tenant's)
         self._no_route = False  # the last locate found no such route (an older leader)
@@ -105,11 +120,18 @@ class ClusterClient:
         events = self._member.subscribe()
         while True:
             event = await events.get()
-            if event.change is Change.LEFT and event.node_id:
-                with self._lock:
-                    clients = [c for k, c in self._clients.items() if k[0] == event.node_id]
-                for client in clients:
+            if event.change is not Change.LEFT or not event.node_id:
+                continue
+            with self._lock:  # (out of the pool: one that comes back gets a fresh client)
+                gone = [k for k in self._clients if k[0] == event.node_id]
+                clients = [self._clients.pop(k) for k in gone]
+            for client in clients:
+                try:
                     client.abort_calls()
+                except Exception:  # noqa: BLE001 - the next node that leaves is cut all the same
+                    log.exception("cutting the calls to node %s failed", event.node_id)
+                threading.Thread(target=client.close, daemon=True,  # (not on this loop:
+                                 name="kvtier-close").start()  # it may wait for a call)
 
     # ------------------------------------------------------------ membership
 
@@ -259,22 +281,43 @@ class ClusterClient:
         for i, h in enumerate(hashes):
             for node in self._owners(bytes(h)):
                 groups.setdefault(node, []).append(i)
+        calls = _Calls()
         for node, idx in groups.items():
             try:
                 got = self._node_client(node).put_n([hashes[i] for i in idx], [rows[i] for i in idx])
             except NODE_ERRORS as e:
-                _node_fault(e)
+                calls.failed(e)
                 self._forget(node)
                 continue
+            calls.answered = True
             for i, st in zip(idx, got):
                 status[i] = min(status[i], st, key=_RANK.__getitem__)
+        calls.check()
+        self._note_puts(hashes)
         return status
+
+    def _note_puts(self, hashes: Sequence[bytes]) -> None:
+        """Remember hashes just put (bounded): contains_n and match_prefix ask their ring
+        owners too while the leader's index may not list them yet."""
+        now = time.monotonic()
+        with self._lock:
+            for h in hashes:
+                self._recent[bytes(h)] = now
+                self._recent.move_to_end(bytes(h))
+            while len(self._recent) > RECENT_PUTS:
+                self._recent.popitem(last=False)
+
+    def _put_lately(self, h: bytes) -> bool:
+        with self._lock:
+            at = self._recent.get(bytes(h))
+        return at is not None and time.monotonic() - at < RECENT_S
 
     def get_n(self, hashes: Sequence[bytes], dsts) -> list[TierKind | None]:
         """Fetch each block from a node that holds it; None where no live node has it."""
         rows = byte_rows(dsts, len(hashes), self.ns.block_bytes, writable=True)
         out: list[TierKind | None] = [None] * len(hashes)
         todo = {i: c for i, c in enumerate(self._candidates(hashes))}
+        calls = _Calls()
         while todo:
             groups: dict[str, list[int]] = {}
             for i, cands in list(todo.items()):
@@ -283,19 +326,23 @@ class ClusterClient:
                 else:
                     groups.setdefault(cands.pop(0), []).append(i)
             for node, idx in groups.items():
-                for i, tier in zip(idx, self._get_from(node, hashes, rows, idx)):
+                for i, tier in zip(idx, self._get_from(node, hashes, rows, idx, calls)):
                     if tier is not None:
                         out[i] = tier
                         todo.pop(i, None)
+        calls.check()
         return out
 
-    def _get_from(self, node: str, hashes, rows, idx: list[int]) -> list[TierKind | None]:
+    def _get_from(self, node: str, hashes, rows, idx: list[int],
+                  calls: _Calls) -> list[TierKind | None]:
         try:
-            return self._node_client(node).get_n([hashes[i] for i in idx], [rows[i] for i in idx])
+            got = self._node_client(node).get_n([hashes[i] for i in idx], [rows[i] for i in idx])
         except NODE_ERRORS as e:
-            _node_fault(e)
+            calls.failed(e)
             self._forget(node)
             return [None] * len(idx)
+        calls.answered = True
+        return got
 
 
     def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
@@ -307,30 +354,32 @@ class ClusterClient:
             found = [bool(h) for h in located.holders]
             groups: dict[str, list[int]] = {}
             for i, h in enumerate(hashes):
-                if not found[i]:
+                if not found[i] and self._put_lately(h):
                     for node in self._owners(bytes(h)):
                         groups.setdefault(node, []).append(i)
             for node, idx in groups.items():
                 try:
                     got = self._node_client(node).contains_n([hashes[i] for i in idx])
-                except NODE_ERRORS as e:
-                    _node_fault(e)
+                except NODE_ERRORS:
                     self._forget(node)
                     continue
                 for i, ok in zip(idx, got):
                     found[i] = found[i] or ok
             return found
         found = [False] * len(hashes)
+        calls = _Calls()
         # no index answers: every member asked once, for the whole batch (the ring owners
         # of this reader's `replicas` missed what a writer put elsewhere)
         for node in sorted(self._member.members):
             try:
                 got = self._node_client(node).contains_n(hashes)
             except NODE_ERRORS as e:
-                _node_fault(e)
+                calls.failed(e)
                 self._forget(node)
                 continue
+            calls.answered = True
             found = [a or b for a, b in zip(found, got)]
+        calls.check()
         return found
 
 
@@ -340,19 +389,21 @@ class ClusterClient:
         located = self.locate(hashes)
         nodes = [n for n, _ in located.prefix[:2]] if located else sorted(self._member.members)
         whole = bool(located and located.prefix and located.prefix[0][1] >= len(hashes))
-        if located is not None and hashes and not whole:  # the index lags a put by tens of
-            # milliseconds: the first block's ring owners are asked too
+        if located is not None and hashes and not whole and self._put_lately(hashes[0]):
+            # (put lately: the index may lag it) the first block's ring owners asked too
             nodes += [n for n in self._owners(bytes(hashes[0])) if n not in nodes]
-        best = MatchResult(0, ())
+        best, calls = MatchResult(0, ()), _Calls()
         for node in nodes:
             try:
                 got = self._node_client(node).match_prefix(hashes)
             except NODE_ERRORS as e:
-                _node_fault(e)
+                calls.failed(e)
                 self._forget(node)
                 continue
+            calls.answered = True
             if got.num_blocks > best.num_blocks:
                 best = got
+        calls.check()
         return best
 
     def close(self) -> None:

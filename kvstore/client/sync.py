@@ -135,7 +135,8 @@ class Client:
         except BaseException:
             conn.close()
             raise
-        self._made.add(conn)
+        with self._lock:  # (abort_calls reads it from another thread)
+            self._made.add(conn)
         return conn
 
     def _connect(self, addr) -> Connection:
@@ -654,7 +655,9 @@ class Client:
         every call after (a retry had connected again and waited as long). (A pool client
         does this for a node that left the pool: one stopped had held its calls 30 s.)"""
         self._aborted = True
-        for conn in list(self._made):
+        with self._lock:
+            made = list(self._made)
+        for conn in made:
             try:
                 conn.sock.shutdown(socket.SHUT_RDWR)
             except OSError:

@@ -35,6 +35,8 @@ class NodeRecord(Record, tag="node/2"):
             raise ConfigError(f"node id {self.node_id!r} is not valid UTF-8 text") from None
         # (a record naming "127.0.0.1:notaport", or "[127.0.0.1:5555]:7481" from an
         # --advertise with a port, made every pool client's put_n and get_n raise)
+        if "://" in self.data_addr:  # (clients prefix their own: kvtier://kvtier://h:5)
+            raise ConfigError(f"data address {self.data_addr!r} is HOST:PORT, no scheme")
         check_host_port(self.data_addr, "data address", ("kvtier",))
         check_host_port(self.control_url, "control url", ("http", "https"))
 

@@ -134,6 +134,8 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.advertise == "":
+            object.__setattr__(self, "advertise", None)  # (an empty variable: the bind address)
         if self.advertise is not None:
             from kvstore.cluster.records import check_host_port
             from kvstore.wire import netloc

@@ -839,9 +839,11 @@ class Session:
                 # the transfer connections of its agent key (when it was the key's last
                 # holder) end before its slots go back: a write of theirs still arriving
                 # would land in slots handed to other blocks
-                self._drop_agent_key()
-                if store:
-                    self.close_ops()  # even if the channel's last drain failed
+                try:
+                    self._drop_agent_key()
+                finally:
+                    if store:
+                        self.close_ops()  # even if the channel's last drain failed
             finally:
                 self.close()
 

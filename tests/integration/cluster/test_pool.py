@@ -428,6 +428,30 @@ def test_a_block_just_stored_is_found_at_once(pool):
                 assert c.match_prefix(hashes).num_blocks == 8
 
 
+def test_one_node_that_refuses_the_namespace_leaves_the_others_serving(etcd, tmp_path):
+    """A node that refuses the namespace (its own --block-tokens here; its own token file
+    in a rotation) is that node's fault: its blocks are NO_SPACE and misses, the others'
+    are served. Raising on every refusal had taken the whole pool down for every client;
+    only a refusal from every node is raised (a wrong token: see below)."""
+    pool = Pool(etcd, tmp_path, 1)
+    odd = Daemon(str(tmp_path / "odd"), "--cluster", pool.url, "--node-id", "odd",
+                 "--cluster-ttl", str(TTL), "--block-tokens", str(2 * NS.block_tokens))
+    pool.nodes["odd"] = odd.start()
+    try:
+        with ClusterClient(pool.url, namespace=NS) as c:
+            wait_until(lambda: len(c.nodes()) == 2, 15, "two members")
+            hashes = chain(21, 40)
+            status = c.put_n(hashes, payload(hashes))
+            stored = [h for h, st in zip(hashes, status) if st is PutStatus.STORED]
+            assert stored and len(stored) < 40, status  # the ring gave both nodes some
+            out, tiers = read(c, hashes)
+            assert check_bytes(hashes, out, tiers) == len(stored)
+            assert sum(c.contains_n(hashes)) <= len(stored)
+            c.match_prefix(hashes)  # (answered, not raised)
+    finally:
+        pool.stop()
+
+
 def test_a_pool_client_leaves_no_descriptors_behind(pool):
     """Each ClusterClient had left its event loop's epoll descriptor and wake-up socketpair
     open after close(): a process opening one per job ran out of descriptors."""
@@ -510,9 +534,9 @@ def test_a_tenants_pool_client_finds_blocks_put_through_a_preferred_node(etcd, t
             asked: list[tuple[str, int]] = []
             real_get = reader._get_from
 
-            def counted(node, hs, rows, idx):  # (the real call, its node counted)
+            def counted(node, hs, rows, idx, calls):  # (the real call, its node counted)
                 asked.extend((node, i) for i in idx)
-                return real_get(node, hs, rows, idx)
+                return real_get(node, hs, rows, idx, calls)
             reader._get_from = counted
             missing = hash_blocks(alice, list(range(10**6, 10**6 + 8 * alice.block_tokens)))
             assert read(reader, missing)[1] == [None] * 8
