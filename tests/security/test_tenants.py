@@ -25,8 +25,8 @@ def ns_of(tenant: str, i: int, **kw) -> Namespace:
     return Namespace(f"model-{i}", num_layers=1, num_kv_heads=1, head_dim=64, tenant=tenant, **kw)
 
 
-def hello_code(d, ns: Namespace, token: str) -> int:
-    with raw_conn(d) as s:
+def hello_code(d, ns: Namespace, token: str, timeout: float = 5) -> int:
+    with raw_conn(d, timeout) as s:
         reply = call(s, hello_msg(ns, token))
         return reply.msg.code if reply.op is w.Op.ERROR else 0
 
@@ -125,8 +125,9 @@ def test_a_namespace_being_made_holds_up_no_other_tenants_requests(make_daemon, 
         assert call(s, w.Put(hashes=h), [b"\1" * ALICE.block_bytes]).msg.statuses == b"\0"
         base = _shmem_kib(d.pid)
         done = []
-        bob = threading.Thread(target=lambda: done.append(
-            hello_code(d, ns_of("bob", 9), "bob-secret")))
+        bob = threading.Thread(target=lambda: done.append(  # (a 2 GiB arena faulted in on a
+            hello_code(d, ns_of("bob", 9), "bob-secret", timeout=60)))  # loaded CI host
+        # took longer than the default 5 s)
         bob.start()
         try:
             deadline = time.monotonic() + 30

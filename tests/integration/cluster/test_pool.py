@@ -262,10 +262,10 @@ def test_a_stopped_nodes_calls_are_cut_once_it_leaves_the_pool(etcd, tmp_path):
     leaves the pool, not after the client's timeout_s (30 s here: it had waited all of it,
     and its retry as long again)."""
     import signal
-    pool = Pool(etcd, tmp_path, 3)
+    pool = Pool(etcd, tmp_path, 2)
     try:
         with ClusterClient(pool.url, namespace=NS, timeout_s=30.0, use_shm=False) as c:
-            wait_until(lambda: len(c.nodes()) == 3, 15, "three members")
+            wait_until(lambda: len(c.nodes()) == 2, 15, "two members")
             hashes = chain(8, 30)
             c.put_n(hashes, payload(hashes))
             wait_until(lambda: indexed(c, hashes), 10, "index converged")
