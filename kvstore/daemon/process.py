@@ -10,6 +10,7 @@ finish, memory tiers flush to SSD), then SIGKILL if it does not end in time.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -21,6 +22,32 @@ from typing import Callable, Sequence, TextIO
 
 from kvstore.lifetime import teardown
 from kvstore.wire import netloc
+
+def freeze(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP `pid` and return once every one of its threads is stopped. kill() returns
+    before they are: the stop waits for one thread to take the signal, and a thread busy
+    in user space (a connection polling for its next request) runs on meanwhile, long
+    enough on a loaded host to serve a request sent after kill() returned."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not _all_stopped(pid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} was sent SIGSTOP but is not stopped "
+                               f"after {timeout_s} s")
+        time.sleep(0.005)
+
+
+def _all_stopped(pid: int) -> bool:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        if state not in "Tt":
+            return False
+    return True
+
 
 _START = re.compile(r"data plane kvtier://\[?([^\s\]]+?)\]?:(\d+)\s+control http://\S+:(\d+)")
 

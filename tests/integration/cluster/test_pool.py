@@ -16,6 +16,7 @@ import pytest
 import kvstore
 from kvstore.client.cluster import ClusterClient
 from kvstore.cluster.messages import Located
+from kvstore.daemon.process import freeze
 from kvstore.wire import AuthError
 from kvstore.keys import hash_blocks
 from kvstore.store import PutStatus
@@ -272,7 +273,7 @@ def test_a_stopped_nodes_calls_are_cut_once_it_leaves_the_pool(etcd, tmp_path):
             victim = next(n for n in pool.nodes if n != c.leader_id)
             lost = [h for h, hs in zip(hashes, c.locate(hashes).holders) if hs == (victim,)]
             assert lost, "the victim holds some of the blocks"
-            os.kill(pool.nodes[victim].proc.pid, signal.SIGSTOP)
+            freeze(pool.nodes[victim].proc.pid)  # (every thread: see freeze)
             try:
                 t0 = time.monotonic()
                 out, tiers = read(c, hashes)

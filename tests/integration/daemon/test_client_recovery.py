@@ -15,6 +15,7 @@ import pytest
 from kvstore import AsyncClient, Client
 from kvstore import wire as w
 from kvstore.client import ConnectError, RequestTimeout
+from kvstore.daemon.process import freeze
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.slotdir import ALIVE_CHECK_S
 
@@ -42,16 +43,6 @@ def assert_visible_soon(get, out: np.ndarray, hs) -> None:
     assert np.array_equal(out, blocks(hs))
 
 
-def stopped(pid: int) -> None:
-    """SIGSTOP, returning once the kernel shows the process stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    for _ in range(200):
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-
-
 def test_a_cancelled_flush_leaves_the_async_put_channel_no_reply_behind(make_daemon):
     """A call cancelled while its FLUSH waited kept the put channel with that reply unread:
     every later FLUSH read the one before's, returning before the daemon had committed
@@ -63,7 +54,7 @@ def test_a_cancelled_flush_leaves_the_async_put_channel_no_reply_behind(make_dae
         async with AsyncClient(d.url, namespace=NS) as c:
             await c.put_n(hs[:1], blocks(hs[:1]))
             assert c.uses_shm
-            stopped(d.pid)
+            freeze(d.pid)
             try:
                 await c.put_n(hs[1:2], blocks(hs[1:2]))  # published in the ring, no request
                 task = asyncio.ensure_future(c.get_n(hs[:2], np.zeros((2, BB), np.uint8)))
@@ -147,7 +138,7 @@ def test_a_stalled_daemon_times_a_read_out_once(make_daemon, kind):
     if kind == "sync":
         with Client(d.url, namespace=NS, timeout_s=timeout_s) as c:
             c.put_n(hs[:2], blocks(hs[:2]))
-            stopped(d.pid)
+            freeze(d.pid)
             try:
                 c.put_n(hs[2:], blocks(hs[2:]))  # published in the ring, no request
                 t0 = time.monotonic()
@@ -161,7 +152,7 @@ def test_a_stalled_daemon_times_a_read_out_once(make_daemon, kind):
         async def main() -> float:
             async with AsyncClient(d.url, namespace=NS, timeout_s=timeout_s) as c:
                 await c.put_n(hs[:2], blocks(hs[:2]))
-                stopped(d.pid)
+                freeze(d.pid)
                 try:
                     await c.put_n(hs[2:], blocks(hs[2:]))
                     t0 = time.monotonic()
@@ -305,7 +296,7 @@ def test_close_waits_for_one_touch_at_most_while_the_daemon_hangs(make_daemon, k
     async def reads_then_close(c) -> float:
         await c.put_n(hs, blocks(hs))
         await c.stats()
-        stopped(d.pid)
+        freeze(d.pid)
         out = np.zeros((len(hs), BB), np.uint8)
         for _ in range(12):
             assert None not in await c.get_n(hs, out)  # straight from shared memory
@@ -321,7 +312,7 @@ def test_close_waits_for_one_touch_at_most_while_the_daemon_hangs(make_daemon, k
             c = Client(d.url, namespace=NS, timeout_s=tmo)
             c.put_n(hs, blocks(hs))
             c.stats()
-            stopped(d.pid)
+            freeze(d.pid)
             out = np.zeros((len(hs), BB), np.uint8)
             for _ in range(12):
                 assert None not in c.get_n(hs, out)
@@ -385,7 +376,7 @@ def test_an_async_client_on_a_new_loop_waits_for_its_puts_on_that_loop(make_daem
         await c.put_n(hs[:4], blocks(hs[:4]))
         await c.contains_n(hs[:1])
         assert c.uses_shm and c._puts is not None
-        stopped(d.pid)
+        freeze(d.pid)
         await c.put_n(hs[4:], blocks(hs[4:]))  # into the ring, nobody drains it
 
     async def second() -> float:

@@ -15,6 +15,7 @@ from engine_adapter.engine import LLMEngine
 from engine_adapter.loader import random_model
 from engine_adapter.sampling import SamplingParams
 from kvstore.client import Client
+from kvstore.daemon.process import freeze
 
 from ..daemon.conftest import make_daemon  # noqa: F401  (the fixture)
 
@@ -34,7 +35,7 @@ def test_a_stalled_store_costs_one_timeout_not_one_per_request(make_daemon):  # 
     store = Client(d.url, namespace=LLMEngine(model, cfg).ns, use_shm=False, timeout_s=1.0)
     engine = LLMEngine(model, cfg, store=store)
     took = []
-    os.kill(d.pid, signal.SIGSTOP)
+    freeze(d.pid)
     try:
         for i in range(4):
             t0 = time.monotonic()

@@ -14,6 +14,8 @@ import urllib.request
 
 import pytest
 
+from kvstore.daemon.process import freeze
+
 from .cluster_proc import SYSTEM, sse_events
 
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -250,7 +252,7 @@ def test_a_stopped_worker_is_taken_out_of_service_and_comes_back(cluster):
     victim = headers["X-Kvtier-Decode-Worker"]
     next(doomed), next(doomed)  # decoding is under way on the victim
     pid = next(w["pid"] for w in cluster.get_json("/cluster")["workers"] if w["name"] == victim)
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         t0 = time.monotonic()
         rest = list(doomed)
