@@ -1,18 +1,44 @@
-"""Turn caller buffers (tensors, numpy arrays, bytes-like) into uint8 torch views, no copies."""
+"""Turn caller buffers (tensors, numpy arrays, bytes-like) into uint8 views, no copies.
+
+Host bytes become numpy arrays (a CPU tensor's own memory, viewed); only a device tensor
+stays a torch tensor. torch is never imported here: a tensor can exist only in a program
+that imported it (`_torch`), so the daemon, which stores host bytes alone, runs without it
+(importing torch cost the daemon ~2 s of every start, and its thread pools)."""
 from __future__ import annotations
 
+import sys
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from kvstore.errors import BlockSizeError
 
 
-def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
-    """A flat uint8 tensor sharing memory with `buf`."""
-    if isinstance(buf, torch.Tensor):
+class _NoTensor:
+    """Stands in for torch.Tensor while torch is not loaded: nothing is an instance."""
+
+
+def _torch():
+    """torch if the program imported it, else None (never imports it)."""
+    return sys.modules.get("torch")
+
+
+def tensor_type() -> type:
+    """torch.Tensor, or a class nothing is an instance of while torch is not loaded."""
+    torch = _torch()
+    return torch.Tensor if torch is not None else _NoTensor
+
+
+def is_tensor(buf: Any) -> bool:
+    return isinstance(buf, tensor_type())
+
+
+def as_bytes(buf, *, writable: bool = False):
+    """A flat uint8 view sharing memory with `buf`: a numpy array for host memory (numpy,
+    bytes-like, a CPU tensor), a torch tensor for a device tensor."""
+    if is_tensor(buf):
+        torch = _torch()
         if buf.is_meta:  # no storage: a get "into" it would report hits with nothing copied
             raise BlockSizeError("a meta tensor holds no bytes: pass a tensor on a real device")
         if not buf.is_contiguous():
@@ -21,13 +47,14 @@ def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
             # torch refuses an in-place write into a leaf that requires grad)
             raise TypeError("destination tensor requires grad: read into its .detach(), "
                             "or a tensor made without requires_grad")
-        return buf.reshape(-1).view(torch.uint8)
+        flat = buf.detach().reshape(-1).view(torch.uint8)
+        return flat.numpy() if flat.device.type == "cpu" else flat
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise BlockSizeError("block arrays must be C-contiguous")
         if writable and not buf.flags.writeable:
             raise TypeError("destination array is read-only")
-        buf = buf.reshape(-1).view(np.uint8)
+        return buf.reshape(-1).view(np.uint8)
     try:
         view = memoryview(buf)
     except TypeError:
@@ -38,11 +65,13 @@ def as_byte_tensor(buf, *, writable: bool = False) -> torch.Tensor:
         raise TypeError(f"destination buffer ({type(buf).__name__}) is read-only; pass a "
                         "bytearray, numpy array or tensor")
     if view.nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return np.empty(0, np.uint8)
+    if not view.c_contiguous:
+        raise BlockSizeError("block buffers must be contiguous")
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only sources are only ever read
-        return torch.frombuffer(view, dtype=torch.uint8)
+        return np.frombuffer(view, np.uint8)
 
 
 def cpu_array(buf) -> np.ndarray | None:
@@ -51,7 +80,7 @@ def cpu_array(buf) -> np.ndarray | None:
     gives one), None for anything else."""
     if isinstance(buf, np.ndarray):
         return buf
-    return buf.numpy() if isinstance(buf, torch.Tensor) and buf.is_cpu else None
+    return buf.numpy() if is_tensor(buf) and buf.is_cpu else None
 
 
 _U8 = np.dtype(np.uint8)
@@ -64,7 +93,7 @@ def host_rows(buf, n: int, nbytes: int, writable: bool = True) -> np.ndarray | N
     and says what is wrong). Reads copy straight into it, puts send or copy straight from
     it: one conversion, no torch view ops (a numpy source made a torch view and back cost
     ~20 us of a 256 KiB TCP put, measured in the loop)."""
-    if type(buf) is torch.Tensor:
+    if type(buf) is tensor_type():
         try:
             a = buf.numpy()  # refuses device tensors and ones that need grad
         except (TypeError, RuntimeError):
@@ -86,7 +115,7 @@ def host_address(buf, nbytes: int) -> int | None:
     address: a tensor's `.numpy()` alone cost ~2 us of a ~45 us 1 MiB read, its address
     ~0.2 us. (A numpy array's address costs as much as its view: arrays keep `host_rows`.)
     The caller keeps `buf` alive for as long as it uses the address."""
-    if (type(buf) is torch.Tensor and buf.is_cpu and not buf.requires_grad
+    if (type(buf) is tensor_type() and buf.is_cpu and not buf.requires_grad
             and buf.is_contiguous() and not buf.is_complex() and buf.nbytes == nbytes):
         return buf.data_ptr()
     return None
@@ -96,7 +125,7 @@ def read_rows(dsts, n: int, nbytes: int, same_host: bool, max_by_address: int):
     """A read's destination rows: on the daemon's host, up to `max_by_address` blocks in
     one CPU tensor as its address (`host_address`: direct reads memmove into it), else host
     rows as one numpy `[n, bytes]` view where they allow it (`host_rows`: a TCP read
-    receives into it), else `byte_rows`' tensors (which check the sizes and say what is
+    receives into it), else `byte_rows`' rows (which check the sizes and say what is
     wrong)."""
     if same_host and n <= max_by_address and (at := host_address(dsts, n * nbytes)):
         return at
@@ -112,31 +141,35 @@ def request_rows(rows, dsts, n: int, nbytes: int):
     return rows
 
 
-def byte_rows(bufs, n: int, nbytes: int, *, writable: bool = False) -> torch.Tensor | list[torch.Tensor]:
+def byte_rows(bufs, n: int, nbytes: int, *, writable: bool = False):
     """n blocks of `nbytes`: one buffer holding all n back to back -> `[n, nbytes]`, or a
-    sequence of n buffers -> a list of n flat tensors. Sizes are checked here, once."""
+    sequence of n buffers -> a list of n flat rows. Host rows are numpy arrays, a device
+    tensor's are torch tensors (`as_bytes`). Sizes are checked here, once."""
     if isinstance(bufs, (list, tuple)):
         if len(bufs) != n:
             raise BlockSizeError(f"got {len(bufs)} buffers for {n} blocks")
-        rows = [as_byte_tensor(b, writable=writable) for b in bufs]
+        rows = [as_bytes(b, writable=writable) for b in bufs]
         for i, row in enumerate(rows):
-            if row.numel() != nbytes:
-                raise BlockSizeError(f"buffer {i} is {row.numel()} bytes; blocks are {nbytes} bytes")
+            if _size(row) != nbytes:
+                raise BlockSizeError(f"buffer {i} is {_size(row)} bytes; blocks are {nbytes} bytes")
         return rows
-    if (isinstance(bufs, torch.Tensor) and bufs.dtype is torch.uint8 and bufs.dim() == 2
-            and bufs.shape[0] == n and bufs.shape[1] == nbytes and bufs.is_contiguous()
-            and not bufs.is_meta):
+    if (type(bufs) is np.ndarray and bufs.dtype == _U8 and bufs.shape == (n, nbytes)
+            and bufs.flags.c_contiguous and (bufs.flags.writeable or not writable)):
         return bufs  # already [n, nbytes] bytes (the daemon's scratch rows): no view ops
-    flat = as_byte_tensor(bufs, writable=writable)
-    if flat.numel() != n * nbytes:
-        raise BlockSizeError(f"buffer is {flat.numel()} bytes; {n} blocks need {n * nbytes} bytes")
-    return flat.view(n, nbytes)
+    flat = as_bytes(bufs, writable=writable)
+    if _size(flat) != n * nbytes:
+        raise BlockSizeError(f"buffer is {_size(flat)} bytes; {n} blocks need {n * nbytes} bytes")
+    return flat.reshape(n, nbytes) if isinstance(flat, np.ndarray) else flat.view(n, nbytes)
+
+
+def _size(row) -> int:
+    return row.size if isinstance(row, np.ndarray) else row.numel()
 
 
 def select_rows(rows, idx: Sequence[int]):
     """The rows at `idx` (of a `[n, bytes]` tensor or array, or a sequence of rows), keeping
     the single-buffer form when all rows are taken in order."""
-    if (isinstance(rows, (torch.Tensor, np.ndarray)) and len(idx) == rows.shape[0]
+    if (isinstance(rows, (tensor_type(), np.ndarray)) and len(idx) == rows.shape[0]
             and list(idx) == list(range(len(idx)))):
         return rows
     return [rows[i] for i in idx]

@@ -17,7 +17,6 @@ import os
 from typing import NamedTuple
 
 import numpy as np
-import torch
 from rocksdict import AccessType, Rdict
 
 from kvstore.errors import ConfigError
@@ -200,7 +199,7 @@ def _repair(path: str, ns: Namespace) -> None:
     tier = SsdTier(ns, path, _grown_slots(path, ns))
     try:
         found = tier.recover()
-        row = torch.empty((1, ns.block_bytes), dtype=torch.uint8)
+        row = np.empty((1, ns.block_bytes), np.uint8)
         bad = [(h, s) for h, s in found if not tier.read_n([s], [h], row)[0]]
         if bad:
             tier.free_n([s for _, s in bad], [h for h, _ in bad])

@@ -26,9 +26,9 @@ caller's buffer (no copy).
 from __future__ import annotations
 
 import struct
+import sys
 from typing import NamedTuple
 
-import torch
 import xxhash
 
 from kvstore.errors import BlockFormatError, BlockSizeError, ChecksumError, NamespaceMismatchError
@@ -44,11 +44,6 @@ assert HEADER_BYTES == 64
 DTYPE_CODES = {
     "float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5,
     "int8": 6, "uint8": 7,
-}
-TORCH_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8, "uint8": torch.uint8,
 }
 CODEC_CODES = {name: code for code, name in enumerate(CODECS)}  # raw = 0: the old reserved field
 
@@ -72,7 +67,8 @@ def checksum(payload) -> int:
 
 def as_memoryview(buf) -> memoryview:
     """A flat byte view of a buffer or a contiguous CPU tensor, without copying."""
-    if isinstance(buf, torch.Tensor):
+    torch = sys.modules.get("torch")  # (a tensor exists only where torch is loaded)
+    if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise BlockSizeError("expected a contiguous CPU tensor")
         return memoryview(buf.view(torch.uint8).reshape(-1).numpy())
@@ -172,13 +168,14 @@ def check_payload_size(ns: Namespace, nbytes: int) -> None:
                              f"codec {ns.codec})")
 
 
-def payload_tensor(ns: Namespace, payload) -> torch.Tensor:
+def payload_tensor(ns: Namespace, payload):
     """View a raw payload buffer as a `[num_layers, 2, block_tokens, num_kv_heads, head_dim]`
     tensor (a compressed block is only bytes to the store: the engine decodes it)."""
     if ns.codec != "raw":
         raise BlockSizeError(f"a {ns.codec} block is not a tensor of the model's dtype; "
                              "decode it with kernels.decode_blocks")
+    import torch  # (the caller wants a tensor)
     view = as_memoryview(payload)
     check_payload_size(ns, len(view))
     flat = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
-    return flat.view(TORCH_DTYPES[ns.dtype]).view(ns.block_shape)
+    return flat.view(getattr(torch, ns.dtype)).view(ns.block_shape)

@@ -21,7 +21,6 @@ import uuid
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from kvstore import wire as w
 from transfer import Agent, AgentConfig, BackendKind, DescList, Op, TransferError
@@ -105,7 +104,7 @@ class AgentPath:
             self.agent.deregister(region)
         return True
 
-    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor],
+    def read(self, slots: Sequence[int], dsts: Sequence,
              host: np.ndarray | None = None, idx: Sequence[int] | None = None) -> None:
         """Copy the (leased) arena slots into the destination rows `dsts` (which are rows
         `idx` of `host`, when the caller has them as one host array: see `_direct`)."""
@@ -117,7 +116,7 @@ class AgentPath:
             for i, dst in enumerate(dsts):
                 copy_bytes(dst, staging[i])
 
-    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor],
+    def write(self, slots: Sequence[int], srcs: Sequence,
               host: np.ndarray | None = None, idx: Sequence[int] | None = None) -> None:
         """Copy the source rows `srcs` (rows `idx` of `host`, see `read`) into the
         (reserved) arena slots."""

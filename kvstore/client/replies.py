@@ -6,10 +6,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
-import torch
 
 from kvstore import wire as w
 from kvstore.buffers import cpu_array
@@ -254,18 +253,18 @@ def stage(staging: np.ndarray, rows, n: int, block_bytes: int) -> None:
 copy_row = copy_bytes  # one block between the arena and a caller buffer
 
 
-def row_view(rows, host, i: int) -> tuple[memoryview, torch.Tensor | None]:
+def row_view(rows, host, i: int) -> tuple[memoryview, Any]:
     """`host_view` of rows[i], or its part of `host` (`host_rows` of all the rows, made
     once): a GET over TCP received row by row converted each (~3 us and more a row)."""
     return (memoryview(host[i]), None) if host is not None else host_view(rows[i])
 
 
-def host_view(row) -> tuple[memoryview, torch.Tensor | None]:
+def host_view(row) -> tuple[memoryview, Any]:
     """Where to receive a row's bytes: the row itself (host memory), or a host staging
-    tensor to copy to the device row afterwards (returned second)."""
+    array to copy to the device row afterwards (returned second)."""
     if type(row) is np.ndarray:
         return memoryview(row), None
     if row.device.type == "cpu":
         return memoryview(row.numpy()), None
-    staging = torch.empty(row.numel(), dtype=torch.uint8)
-    return memoryview(staging.numpy()), staging
+    staging = np.empty(row.numel(), np.uint8)
+    return memoryview(staging), staging

@@ -16,7 +16,6 @@ import logging
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from kvstore import wire as w
 from kvstore.buffers import cpu_array
@@ -55,7 +54,7 @@ class ArenaMap:
         nbytes = num_slots * block_bytes
         self.array = self._seg.array[META_BYTES:META_BYTES + nbytes].reshape(num_slots,
                                                                             block_bytes)
-        self.rows = torch.from_numpy(self.array)
+        self.rows = self.array  # (rows of host memory: numpy, as every host buffer here)
         self.block_bytes = block_bytes
         self._base = self.array.ctypes.data  # slot i at _base + i * block_bytes
         self.directory: SlotDirectoryReader | None = None

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import glob
 import logging
+import os
 import signal
 import socket
 import sys
@@ -77,14 +79,19 @@ def build_config(args: argparse.Namespace) -> DaemonConfig:
 
 
 def _own_threads() -> None:
-    """The daemon computes nothing: one torch/OpenMP thread, so no thread pool spins on
-    the cores the engines need (its copies are single-threaded memcpy anyway)."""
-    import torch
-    torch.set_num_threads(1)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass  # already fixed by an earlier parallel op in this process
+    """The daemon computes nothing: one OpenMP / torch thread, so no thread pool spins on
+    the cores the engines need (its copies are single-threaded memcpy anyway). torch is
+    loaded only for a GPU tier (host tiers are numpy): set before it loads, these hold
+    for it too."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = "1"
+    torch = sys.modules.get("torch")
+    if torch is not None:  # (loaded already: in-process callers of main())
+        torch.set_num_threads(1)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass  # already fixed by an earlier parallel op in this process
 
 
 def _not_dumpable() -> None:
@@ -99,6 +106,10 @@ def _not_dumpable() -> None:
 
 
 def _default_gpu_bytes() -> int:
+    """1 GiB of GPU tier where a CUDA device is usable, else none. torch (seconds to load)
+    is asked only on a host with an NVIDIA driver."""
+    if not (os.path.exists("/proc/driver/nvidia/version") or glob.glob("/dev/nvidia[0-9]*")):
+        return 0
     import torch
     return (1 << 30) if torch.cuda.is_available() else 0
 

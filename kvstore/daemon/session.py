@@ -25,7 +25,6 @@ import time
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from kvstore import wire as w
 from kvstore.daemon.config import DaemonConfig
@@ -52,7 +51,7 @@ _scratch_kept = 0  # bytes of scratch all sessions hold (`_count_scratch`)
 _scratch_lock = threading.Lock()
 
 
-_NO_SCRATCH = torch.empty(0, dtype=torch.uint8)
+_NO_SCRATCH = np.empty(0, np.uint8)
 
 
 def _count_scratch(delta: int) -> None:
@@ -117,10 +116,10 @@ class Session:
         # open on this connection: id -> (reservation, when the store reclaims it)
         self.reservations: dict[int, tuple[Reservation, float]] = {}
         self.leases: set[int] = set()
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch = _NO_SCRATCH
         self._scratch_bytes = 0  # its size: trim_scratch runs after every request, and a
         # torch call there cost ~5 us once a megabyte's copy had evicted torch from cache
-        self._rows = self._scratch.view(0, 0)
+        self._rows = _NO_SCRATCH.reshape(0, 0)
         # (store, its DRAM rows, the same bytes as one flat memoryview)
         self._arena: tuple[object, np.ndarray | None, memoryview | None] = (None, None, None)
         self.staging: ShmSegment | None = None
@@ -132,7 +131,7 @@ class Session:
 
     # ------------------------------------------------------------ plumbing
 
-    def scratch(self, want: int, least: int | None = None, unit: int = 1) -> torch.Tensor:
+    def scratch(self, want: int, least: int | None = None, unit: int = 1) -> np.ndarray:
         """`want` bytes of scratch (this connection's, kept between requests: see
         trim_scratch). With `least`: fewer where all connections' scratch together would
         pass --scratch-memory, in whole `unit`s, `least` at any rate (every connection moves
@@ -150,12 +149,12 @@ class Session:
             if grow:
                 _scratch_kept += want - self._scratch_bytes
         if grow:
-            self._scratch, self._rows = _NO_SCRATCH, _NO_SCRATCH.view(0, 0)
+            self._scratch, self._rows = _NO_SCRATCH, _NO_SCRATCH.reshape(0, 0)
             try:
                 # in a mapping of its own, so that letting it go gives it back to the OS:
                 # from the heap it stayed there (glibc keeps what a thread's arena freed, and
                 # the daemon raises its trim threshold: tune_malloc_for_large_blocks)
-                self._scratch = torch.frombuffer(mmap.mmap(-1, want), dtype=torch.uint8)
+                self._scratch = np.frombuffer(mmap.mmap(-1, want), np.uint8)
             except BaseException:
                 _count_scratch(-want)
                 self._scratch_bytes = 0
@@ -177,20 +176,20 @@ class Session:
         if self._scratch_bytes:
             _count_scratch(-self._scratch_bytes)
             self._scratch, self._scratch_bytes = _NO_SCRATCH, 0
-            self._rows = self._scratch.view(0, 0)
+            self._rows = _NO_SCRATCH.reshape(0, 0)
 
-    def window_rows(self, n: int, least: int, block_bytes: int) -> torch.Tensor:
+    def window_rows(self, n: int, least: int, block_bytes: int) -> np.ndarray:
         """`[n, block_bytes]` of scratch for a request's window: fewer rows to stay within
         --scratch-memory, `least` at any rate (see `scratch`). The view is kept for the next
         request of the same shape."""
         if self._rows.shape == (n, block_bytes):  # (held already: the common case, a GET
             return self._rows  # of one block that missed, with no lock or view op)
         flat = self.scratch(n * block_bytes, least * block_bytes, block_bytes)
-        self._rows = flat.view(flat.numel() // block_bytes, block_bytes)
+        self._rows = flat.reshape(flat.size // block_bytes, block_bytes)
         return self._rows
 
-    def recv_into(self, buf: torch.Tensor | np.ndarray) -> None:
-        view = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
+    def recv_into(self, buf: np.ndarray) -> None:
+        view = memoryview(buf)
         self.reader.recv_into(view)
         self.tally.bytes_in += view.nbytes
 
@@ -207,7 +206,7 @@ class Session:
         try:
             bound = self._bound_payload(nbytes)
             while nbytes:
-                k = min(nbytes, chunk.numel())
+                k = min(nbytes, chunk.size)
                 self.recv_into(chunk[:k])
                 nbytes -= k
         finally:
@@ -232,7 +231,7 @@ class Session:
             return None
         store = self.store
         if self._arena[0] is not store:
-            rows = (store.tier(TierKind.DRAM).arena.numpy() if TierKind.DRAM in store.tier_kinds
+            rows = (store.tier(TierKind.DRAM).arena if TierKind.DRAM in store.tier_kinds
                     else None)
             self._arena = (store, rows, None if rows is None else memoryview(rows).cast("B"))
         return self._arena[1]
@@ -609,7 +608,7 @@ class Session:
         return time.monotonic() + 2 * self.cfg.reservation_timeout_s + nbytes / MIN_PAYLOAD_RATE
 
     def _stream(self, msg: w.GetOk, lease, hashes: list[bytes], order: list[int],
-                slots: list[int], scratch: torch.Tensor, k: int,
+                slots: list[int], scratch: np.ndarray, k: int,
                 arena: np.ndarray | None) -> None:
         """Send a GET reply: `msg`, then the bytes of the blocks `order` names, in order:
         leased DRAM slots (a TCP client's) from the arena, copied blocks from the first k
@@ -636,7 +635,7 @@ class Session:
                     deferred.append((i, len(bufs)))
                     bufs.append(None)
                 else:
-                    bufs.append(memoryview(arena[slot] if slot >= 0 else rows[lease.rows[i]].numpy()))
+                    bufs.append(memoryview(arena[slot] if slot >= 0 else rows[lease.rows[i]]))
             self._send_part(lease.lease_id, hashes, bufs, deferred, window, deadline)
             self.tally.bytes_out += (len(bufs) - (bufs[0] is header)) * bb
         except StreamAborted:
@@ -645,7 +644,7 @@ class Session:
             raise StreamAborted(f"a GET reply could not be finished: {e}") from e
 
     def _send_part(self, lease_id: int, hashes: list[bytes], bufs: list,
-                   deferred: list[tuple[int, int]], window: torch.Tensor,
+                   deferred: list[tuple[int, int]], window: np.ndarray,
                    deadline: float) -> None:
         """Read the deferred blocks of one part of a GET reply into the window, then send
         the part."""
@@ -657,7 +656,7 @@ class Session:
                             "it: connection closed (the client retries; it is a miss now)")
                 raise StreamAborted("a block of the reply was found corrupted")
             for j, (_, at) in enumerate(deferred):
-                bufs[at] = memoryview(window[j].numpy())
+                bufs[at] = memoryview(window[j])
         self._send_before([b.cast("B") for b in bufs], deadline)
 
     def reserve(self, msg: w.Reserve, payload_bytes: int) -> None:

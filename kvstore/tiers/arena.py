@@ -1,11 +1,12 @@
-"""A fixed-slot arena in one torch tensor: the shared body of the GPU and DRAM tiers."""
+"""A fixed-slot arena in one array: the shared body of the GPU and DRAM tiers (a numpy
+array in host memory, a torch tensor on a device)."""
 from __future__ import annotations
 
 from typing import Sequence
 
-import torch
+import numpy as np
 
-from kvstore.buffers import cpu_array
+from kvstore.buffers import cpu_array, tensor_type
 from kvstore.errors import StoreClosedError
 from kvstore.events import TierKind
 from kvstore.tiers.base import ByteBatch, FreeSlots
@@ -13,18 +14,22 @@ from transfer.copy import copy_bytes
 
 
 class ArenaTier:
-    """Slots are rows of a `[num_slots, slot_bytes]` uint8 tensor; the free list is a stack."""
+    """Slots are rows of a `[num_slots, slot_bytes]` uint8 array (numpy in host memory, a
+    torch tensor on a device); the free list is a stack."""
 
     persistent = False
 
-    def __init__(self, kind: TierKind, arena: torch.Tensor) -> None:
-        assert arena.dtype == torch.uint8 and arena.dim() == 2 and arena.is_contiguous()
+    def __init__(self, kind: TierKind, arena) -> None:
+        if isinstance(arena, np.ndarray):
+            assert arena.dtype == np.uint8 and arena.ndim == 2 and arena.flags.c_contiguous
+        else:
+            assert arena.dim() == 2 and arena.is_contiguous() and arena.element_size() == 1
         self.kind = kind
         self.arena = arena  # [num_slots, slot_bytes]
         # its rows as numpy where it lives in host memory: the copies go through numpy
         # anyway, and a numpy row costs ~0.2 us against ~1.5 us for a torch slice and its
         # .numpy() (two of each were ~5 us of a ~30 us in-process DRAM put)
-        self._host = arena.numpy() if arena.device.type == "cpu" else None
+        self._host = cpu_array(arena)
         self.num_slots, self.slot_bytes = arena.shape
         self._free = FreeSlots(self.num_slots)
         self._closed = False
@@ -60,7 +65,7 @@ class ArenaTier:
                 copy_bytes(host[slot:slot + n], src[i:i + n], cold=True)
             return
         for slot, i, n in _runs(slots):
-            if isinstance(srcs, torch.Tensor):
+            if isinstance(srcs, (np.ndarray, tensor_type())):
                 copy_bytes(self.arena[slot:slot + n], srcs[i:i + n])
             else:
                 for k in range(n):
@@ -75,7 +80,7 @@ class ArenaTier:
                 copy_bytes(dst[i:i + n], host[slot:slot + n])
             return [True] * len(slots)
         for slot, i, n in _runs(slots):
-            if isinstance(dsts, torch.Tensor):
+            if isinstance(dsts, (np.ndarray, tensor_type())):
                 copy_bytes(dsts[i:i + n], self.arena[slot:slot + n])
             else:
                 for k in range(n):
@@ -84,13 +89,14 @@ class ArenaTier:
         return [True] * len(slots)
 
     def _sync(self) -> None:
-        if self.arena.device.type == "cuda":
+        if self._host is None and self.arena.device.type == "cuda":
+            import torch  # (a device arena: torch made it)
             torch.cuda.current_stream(self.arena.device).synchronize()
 
     def recover(self) -> list[tuple[bytes, int]]:
         return []
 
-    def slot_view(self, slot: int) -> torch.Tensor:
+    def slot_view(self, slot: int):
         """The slot's bytes in place (zero copy); valid while the caller holds a lease."""
         return self.arena[slot]
 

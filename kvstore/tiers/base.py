@@ -13,18 +13,22 @@ hash may each write a slot of the same tier at once (kvstore.tiermap.claim): the
 `publish_n` names becomes the hash's, the other's slot is freed, and a tier that keeps
 per-hash state (the SSD tier's index) must let neither undo the other's.
 
-Byte arguments are uint8 torch tensors: either one 2-D tensor `[n, slot_bytes]` (one indexed
-copy for the whole batch) or a sequence of n 1-D tensors of `slot_bytes` each.
+Byte arguments are uint8 arrays (`kvstore.buffers.byte_rows`: numpy in host memory, torch
+tensors on a device): either one 2-D array `[n, slot_bytes]` (one indexed copy for the
+whole batch) or a sequence of n 1-D arrays of `slot_bytes` each.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, Union, runtime_checkable
 
-import torch
+import numpy as np
 
 from kvstore.events import TierKind
 
-ByteBatch = torch.Tensor | Sequence[torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+ByteBatch = Union[np.ndarray, "torch.Tensor", Sequence[Union[np.ndarray, "torch.Tensor"]]]
 
 
 @runtime_checkable
@@ -70,8 +74,8 @@ class Tier(Protocol):
         verification (corrupted on disk, unreadable): its destination is left unspecified.
         Only StoreClosedError is raised; an I/O failure is a False (TierIOError at most)."""
 
-    def slot_view(self, slot: int) -> torch.Tensor:
-        """The slot's bytes as a uint8 tensor: in place for memory tiers (the source of a
+    def slot_view(self, slot: int):
+        """The slot's bytes as a uint8 array: in place for memory tiers (the source of a
         demotion, read outside the lock while the slot is held), a fresh copy otherwise."""
 
     def recover(self) -> list[tuple[bytes, int]]:

@@ -5,15 +5,16 @@ clients share: `kvstore.arena_layout`). It has no name anywhere: another process
 when the store's owner hands it a descriptor (`share_fds`, sent over a Unix-domain socket
 by the daemon to an authenticated client of this namespace), and then copies slots with no
 socket in between. The arena is pre-faulted at creation (first-touch faults on shared
-memory cost ~10x a warm copy) and, where a GPU exists, registered with CUDA as pinned
-memory so device copies run at full speed. Nothing outlives the last process mapping it.
+memory cost ~10x a warm copy) and, where the process uses a GPU, registered with CUDA as
+pinned memory so device copies run at full speed. Nothing outlives the last process mapping it.
 """
 from __future__ import annotations
 
 import os
 import secrets
+import sys
 
-import torch
+import numpy as np
 
 from kvstore.arena_layout import ARENA_ID_BYTES, META_BYTES, write_meta
 from kvstore.events import TierKind
@@ -27,8 +28,8 @@ class DramTier(ArenaTier):
         self._seg = ShmSegment.anonymous(META_BYTES + num_slots * slot_bytes, "kvtier-arena")
         self.arena_id = secrets.token_bytes(ARENA_ID_BYTES)
         write_meta(self._seg._mm, num_slots, slot_bytes, self.arena_id)
-        arena = torch.frombuffer(self._seg._mm, dtype=torch.uint8)[META_BYTES:]
-        super().__init__(TierKind.DRAM, arena.view(num_slots, slot_bytes))
+        arena = np.frombuffer(self._seg._mm, np.uint8)[META_BYTES:]
+        super().__init__(TierKind.DRAM, arena.reshape(num_slots, slot_bytes))
         try:
             self.directory = SlotDirectory(num_slots)
         except BaseException:  # out of descriptors, say: the arena goes too
@@ -61,13 +62,17 @@ class DramTier(ArenaTier):
         super().close()
         self.directory.close()
         if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
-        self.arena = torch.empty((0, self.slot_bytes), dtype=torch.uint8)
+            sys.modules["torch"].cuda.cudart().cudaHostUnregister(self.arena.ctypes.data)
+        self.arena = np.empty((0, self.slot_bytes), np.uint8)
         self._seg.close()
 
 
-def _cuda_pin(arena: torch.Tensor) -> bool:
-    if not torch.cuda.is_available() or arena.numel() == 0:
+def _cuda_pin(arena: np.ndarray) -> bool:
+    """Register the arena with CUDA as pinned memory where this process uses a GPU (it
+    imported torch: a GPU tier, an engine); a daemon with host tiers only never loads
+    torch for it."""
+    torch = sys.modules.get("torch")
+    if torch is None or arena.size == 0 or not torch.cuda.is_available():
         return False
-    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+    err = torch.cuda.cudart().cudaHostRegister(arena.ctypes.data, arena.size, 0)
     return int(err) == 0

@@ -37,7 +37,6 @@ import time
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from kvstore.buffers import cpu_array
 from kvstore.errors import StoreClosedError, TierIOError
@@ -196,11 +195,12 @@ class SsdTier:
         through a host buffer."""
         self._check_open()
         sums = self._sums(slots, hashes)
-        if isinstance(dsts, torch.Tensor) and dsts.is_cpu:
+        if cpu_array(dsts) is not None:  # one [n, bytes] host array
             return self.slabs.read_n(slots, sums, _host_views(dsts, self.slot_bytes))
-        on_host = [d.device.type == "cpu" for d in dsts]
-        views = [memoryview(d.numpy()) if host else memoryview(np.empty(self.slot_bytes, np.uint8))
-                 for d, host in zip(dsts, on_host)]
+        rows = [cpu_array(d) for d in dsts]
+        on_host = [r is not None for r in rows]
+        views = [memoryview(r) if r is not None else memoryview(np.empty(self.slot_bytes, np.uint8))
+                 for r in rows]
         ok = self.slabs.read_n(slots, sums, views)
         for d, v, host, good in zip(dsts, views, on_host, ok):
             if good and not host:
@@ -334,7 +334,7 @@ class SsdTier:
     def _table(self):
         return [(h, slot, c) for h, (slot, c) in list(self._held.items())]
 
-    def slot_view(self, slot: int) -> torch.Tensor:
+    def slot_view(self, slot: int) -> np.ndarray:
         """A copy of the block in `slot` (read and verified: an SSD slot has no in-memory
         view; the store never demotes from its last tier)."""
         self._check_open()
@@ -342,7 +342,7 @@ class SsdTier:
         out = np.empty(self.slot_bytes, np.uint8)
         if block_hash is None or not self.slabs.read_n([slot], [c], [memoryview(out)])[0]:
             raise TierIOError(f"SSD slot {slot} of {self.path} holds no intact block")
-        return torch.from_numpy(out)
+        return out
 
     def locate(self, block_hash: bytes) -> tuple[str, int] | None:
         """Where a stored block's payload lies on disk: (slab file, byte offset), or None."""
@@ -371,13 +371,13 @@ def damaged_copy(h: bytes, other: bytes) -> bool:
 
 
 def _host_views(srcs: ByteBatch, nbytes: int) -> list[memoryview]:
-    """Flat byte views of a batch's rows: a CPU `[n, nbytes]` tensor is viewed once and
+    """Flat byte views of a batch's rows: a host `[n, nbytes]` array is viewed once and
     sliced (a torch row and its .numpy() cost ~3 us each); device rows are copied to host."""
     whole = cpu_array(srcs)
     if whole is not None:
         flat = memoryview(whole).cast("B")
         return [flat[i:i + nbytes] for i in range(0, len(flat), nbytes)]
-    return [memoryview(src.numpy() if src.is_cpu else src.cpu().numpy()).cast("B")
+    return [memoryview(row if (row := cpu_array(src)) is not None else src.cpu().numpy()).cast("B")
             for src in srcs]
 
 

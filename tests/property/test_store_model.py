@@ -110,7 +110,7 @@ class StoreMachine(RuleBasedStateMachine):
                     continue
                 assert hit[1] != NO_SLOT or copied, "a hit neither leased nor copied"
                 if hit[1] != NO_SLOT:
-                    assert np.array_equal(arena[hit[1]].numpy(), CONTENT[h])
+                    assert np.array_equal(arena[hit[1]], CONTENT[h])
                 if copied:
                     assert np.array_equal(row.numpy(), CONTENT[h])
         finally:
@@ -149,7 +149,7 @@ class StoreMachine(RuleBasedStateMachine):
                 stop = prefix and kind is None
             assert [e.hash for e in held] == [h for h, k in zip(hashes, kinds) if k is not None]
             for e in held:
-                assert np.array_equal(arena[e.slot].numpy(), CONTENT[e.hash])
+                assert np.array_equal(arena[e.slot], CONTENT[e.hash])
             assert self.store.stats().hits == hits0 + n_hits
             assert self.store.stats().misses == misses0 + n_misses
         finally:

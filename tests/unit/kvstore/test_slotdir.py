@@ -142,7 +142,7 @@ def _visible_in_directory(store: TieredStore, reader: SlotDirectoryReader) -> di
         f = reader.find(key)
         if f is not None:
             out[key] = f[0]
-            assert np.array_equal(arena[f[0]].numpy(), BLOCKS[key]), "the directory points at "\
+            assert np.array_equal(arena[f[0]], BLOCKS[key]), "the directory points at "\
                 "a slot holding other bytes"
     return out
 

@@ -763,12 +763,12 @@ def test_lease_n_leases_a_dram_batch_in_one_visit_and_leaves_any_other_alone(tmp
         assert lease is not None and lease.lease_id and lease.hits[1] is None
         dram = s.tier(TierKind.DRAM)
         for i, h in ((a, lease.hits[0]), (b, lease.hits[2])):
-            assert h[0] is TierKind.DRAM and torch.equal(dram.slot_view(h[1]), data[i])
+            assert h[0] is TierKind.DRAM and torch.equal(torch.from_numpy(dram.slot_view(h[1])), data[i])
         st = s.stats()
         assert st.tier(TierKind.DRAM).counters.hits == after.tier(TierKind.DRAM).counters.hits + 2
         assert st.misses == after.misses + 1 and st.open_leases == 1
         s.put_n(OTHER[1:5], blocks(4, seed=7))  # pressure: leased blocks stay put
-        assert torch.equal(dram.slot_view(lease.hits[0][1]), data[a])
+        assert torch.equal(torch.from_numpy(dram.slot_view(lease.hits[0][1])), data[a])
         s.release(lease.lease_id)
         assert s.stats().open_leases == 0
         assert s.lease_n([OTHER[9]]).lease_id == 0  # only misses: nothing to lease

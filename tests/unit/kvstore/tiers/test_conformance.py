@@ -70,7 +70,8 @@ def test_slot_view_holds_the_block(tier):
     slots = tier.alloc_n(2)
     data = _blocks(2)
     tier.write_n(slots, HASHES[:2], data)
-    assert torch.equal(tier.slot_view(slots[1]).reshape(-1), data[1])
+    view = tier.slot_view(slots[1])  # (numpy in host memory, torch on a device)
+    assert torch.equal(torch.as_tensor(view).reshape(-1), data[1])
 
 
 def test_overwrite_after_free(tier):
