@@ -54,7 +54,8 @@ def as_bytes(buf, *, writable: bool = False):
             raise BlockSizeError("block arrays must be C-contiguous")
         if writable and not buf.flags.writeable:
             raise TypeError("destination array is read-only")
-        return buf.reshape(-1).view(np.uint8)
+        return np.asarray(buf).reshape(-1).view(np.uint8)  # (a subclass, np.memmap
+        # say, as a plain array: the paths below test for exactly np.ndarray)
     try:
         view = memoryview(buf)
     except TypeError:

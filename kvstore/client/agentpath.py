@@ -88,8 +88,9 @@ class AgentPath:
                 idx: Sequence[int] | None) -> bool:
         """`op` straight between the slots and rows `idx` of `host` (the caller's rows as
         one `[n, block_bytes]` host array), when it is a tcp transfer of DIRECT_BYTES or
-        more; False: it goes through staging."""
-        if (host is None or idx is None or not self.over_tcp
+        more; False: it goes through staging (so does a read-only source, bytes say: the
+        agent registers no read-only array)."""
+        if (host is None or idx is None or not self.over_tcp or not host.flags.writeable
                 or len(slots) * self.block_bytes < DIRECT_BYTES):
             return False
         try:

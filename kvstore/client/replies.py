@@ -234,7 +234,7 @@ def payload_views(rows) -> list:
 
 
 def as_numpy(row) -> np.ndarray:
-    if type(row) is np.ndarray:
+    if isinstance(row, np.ndarray):
         return row
     return row.numpy() if row.device.type == "cpu" else row.cpu().numpy()
 
@@ -262,7 +262,7 @@ def row_view(rows, host, i: int) -> tuple[memoryview, Any]:
 def host_view(row) -> tuple[memoryview, Any]:
     """Where to receive a row's bytes: the row itself (host memory), or a host staging
     array to copy to the device row afterwards (returned second)."""
-    if type(row) is np.ndarray:
+    if isinstance(row, np.ndarray):
         return memoryview(row), None
     if row.device.type == "cpu":
         return memoryview(row.numpy()), None

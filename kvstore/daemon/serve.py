@@ -107,8 +107,9 @@ def _not_dumpable() -> None:
 
 def _default_gpu_bytes() -> int:
     """1 GiB of GPU tier where a CUDA device is usable, else none. torch (seconds to load)
-    is asked only on a host with an NVIDIA driver."""
-    if not (os.path.exists("/proc/driver/nvidia/version") or glob.glob("/dev/nvidia[0-9]*")):
+    is asked only on a host with a GPU driver (NVIDIA's, WSL2's /dev/dxg, ROCm's /dev/kfd)."""
+    if not (os.path.exists("/proc/driver/nvidia/version") or glob.glob("/dev/nvidia[0-9]*")
+            or os.path.exists("/dev/dxg") or os.path.exists("/dev/kfd")):
         return 0
     import torch
     return (1 << 30) if torch.cuda.is_available() else 0

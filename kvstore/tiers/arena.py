@@ -89,7 +89,7 @@ class ArenaTier:
         return [True] * len(slots)
 
     def _sync(self) -> None:
-        if self._host is None and self.arena.device.type == "cuda":
+        if not isinstance(self.arena, np.ndarray) and self.arena.device.type == "cuda":
             import torch  # (a device arena: torch made it)
             torch.cuda.current_stream(self.arena.device).synchronize()
 

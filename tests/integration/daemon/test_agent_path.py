@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvstore import wire as w
+from kvstore.api import PutStatus
 from kvstore.client import Client
 from kvstore.client.conn import Connection, parse_url
 from kvstore.events import TierKind
@@ -273,3 +274,18 @@ def test_a_write_stalled_past_its_reservation_never_lands_in_another_block(make_
             if tier is not None:
                 assert (row == block_of(h, BB)).all(), "another block's bytes"
         assert not any(writer.get_n(late, got[:1]))
+
+
+def test_a_put_of_read_only_bytes_big_enough_to_go_direct_is_staged(make_daemon):
+    """A put from `bytes` (read-only) of DIRECT_BYTES or more: the agent registers no
+    read-only array, and the put had failed (ConnectionError, the agent marked broken)
+    where staging it works."""
+    from kvstore.client.agentpath import DIRECT_BYTES
+    d = make_daemon(dram_size="4MiB")
+    n = DIRECT_BYTES // BB + 2
+    hs = hash_blocks(NS, list(range(n * NS.block_tokens)))
+    data = blocks(hs)
+    with agent_client(d.url) as c:
+        assert c.put_n(hs, data.tobytes()) == [PutStatus.STORED] * n
+        out = np.zeros_like(data)
+        assert c.get_n(hs, out) == [TierKind.DRAM] * n and np.array_equal(out, data)

@@ -225,3 +225,20 @@ def test_a_hash_that_is_not_bytes_is_refused_saying_so(client, bad):
             call()
     h = hash_blocks(NS, np.arange(16) + 8080)
     assert client.put_n(h, [block_of(h[0], BB)]) in ([PutStatus.STORED], [PutStatus.EXISTS])
+
+
+def test_numpy_subclasses_are_plain_host_buffers(daemon, tmp_path):
+    """np.memmap rows (a subclass of np.ndarray) as sources and destinations over TCP:
+    the inline paths tested for exactly np.ndarray and took them for tensors."""
+    hs = hash_blocks(NS, list(range(1000 * NS.block_tokens, 1003 * NS.block_tokens)))
+    src = np.memmap(tmp_path / "src", np.uint8, "w+", shape=(3, NS.block_bytes))
+    src[:] = np.stack([block_of(h, NS.block_bytes) for h in hs])
+    dst = np.memmap(tmp_path / "dst", np.uint8, "w+", shape=(3, NS.block_bytes))
+    with Client(daemon.url, namespace=NS, use_shm=False) as c:
+        assert c.put_n(hs, [src[0], src[1], src[2]]) == [PutStatus.STORED] * 3
+        assert None not in c.get_n(hs, dst)
+        assert np.array_equal(dst, src)
+        rows = [np.memmap(tmp_path / f"r{i}", np.uint8, "w+", shape=(NS.block_bytes,))
+                for i in range(3)]
+        assert None not in c.get_n(hs, rows)
+        assert all(np.array_equal(r, s) for r, s in zip(rows, src))
