@@ -215,12 +215,10 @@ async def _pool_holds_local_hits(request: web.Request, result: PrefillResult) ->
     (10 s) for them per request before computing them itself."""
     engine = request.app[LOOP_KEY].engine
     hits = result.block_hashes[:result.num_local_hit_tokens // request.app[INFO_KEY].block_tokens]
-    if not hits or result.finished or engine.connector is None or engine.connector.store_down:
+    if not hits or result.finished or engine.connector is None:
         return result
-    loop = asyncio.get_running_loop()
-    try:
-        held = await loop.run_in_executor(None, engine.connector.store.contains_n, list(hits))
-    except Exception:  # a store outage: the decode worker does not wait on a store seen down
+    held = await _pool_holds(engine.connector, hits)
+    if held is None:  # the store is down: the decode worker does not wait on one seen down
         return result
     missing = [h for h, ok in zip(hits, held) if not ok]
     if not missing:
@@ -282,18 +280,28 @@ async def _blocks_committed(engine, hashes: tuple[bytes, ...]) -> None:
     """Wait until the pool holds every block of a handoff: the prefill answered as soon as
     it sampled, while its last chunk's blocks were still being saved. Gives up after
     BLOCK_WAIT_S (the engine then recomputes what is missing: slower, never wrong)."""
-    store, loop = engine.connector.store, asyncio.get_running_loop()
+    loop = asyncio.get_running_loop()
     deadline = loop.time() + BLOCK_WAIT_S
-    while hashes and loop.time() < deadline and not engine.connector.store_down:  # (a store
-        # seen down: not a client timeout per handoff)
-        try:
-            held = await loop.run_in_executor(None, store.contains_n, list(hashes))
-        except Exception:  # a store outage: the engine falls back to recompute
+    while hashes and loop.time() < deadline:
+        held = await _pool_holds(engine.connector, hashes)
+        if held is None:  # a store outage: the engine falls back to recompute
             return
         missing = held.index(False) if False in held else len(held)
         hashes = hashes[missing:]  # a committed prefix stays committed: ask for the rest
         if hashes:
             await asyncio.sleep(BLOCK_POLL_S)
+
+
+async def _pool_holds(connector, hashes) -> list[bool] | None:
+    """Which of `hashes` the pool holds (contains_n, off the event loop), or None while its
+    store is down or seen down: no client timeout is waited for per request then."""
+    if connector.store_down:
+        return None
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, connector.store.contains_n, list(hashes))
+    except Exception:  # noqa: BLE001 - any failure of the store is an outage here
+        return None
 
 
 def _first_with_stats(request: web.Request):

@@ -43,6 +43,7 @@ NODE_ERRORS = (ClientError, RemoteError, ConnectionError, OSError)
 CALLER_ERRORS = (ErrorCode.AUTH, ErrorCode.FORBIDDEN, ErrorCode.NAMESPACE)
 RECENT_PUTS = 1 << 16  # hashes this client put lately, asked of their ring owners too
 RECENT_S = 5.0  # (the leader's index lags a put by tens of milliseconds)
+_FAILED = object()  # what `ClusterClient._ask` returns for a node that could not answer
 
 
 class _Calls:
@@ -283,13 +284,10 @@ class ClusterClient:
                 groups.setdefault(node, []).append(i)
         calls = _Calls()
         for node, idx in groups.items():
-            try:
-                got = self._node_client(node).put_n([hashes[i] for i in idx], [rows[i] for i in idx])
-            except NODE_ERRORS as e:
-                calls.failed(e)
-                self._forget(node)
+            got = self._ask(node, calls, lambda c: c.put_n([hashes[i] for i in idx],
+                                                         [rows[i] for i in idx]))
+            if got is _FAILED:
                 continue
-            calls.answered = True
             for i, st in zip(idx, got):
                 status[i] = min(status[i], st, key=_RANK.__getitem__)
         calls.check()
@@ -335,15 +333,22 @@ class ClusterClient:
 
     def _get_from(self, node: str, hashes, rows, idx: list[int],
                   calls: _Calls) -> list[TierKind | None]:
+        got = self._ask(node, calls, lambda c: c.get_n([hashes[i] for i in idx],
+                                                     [rows[i] for i in idx]))
+        return [None] * len(idx) if got is _FAILED else got
+
+    def _ask(self, node: str, calls: _Calls, call):
+        """`call(node's client)`, or _FAILED where the node could not answer: it is
+        forgotten (the next call connects afresh), and a refusal that may be the caller's
+        is noted in `calls`."""
         try:
-            got = self._node_client(node).get_n([hashes[i] for i in idx], [rows[i] for i in idx])
+            got = call(self._node_client(node))
         except NODE_ERRORS as e:
             calls.failed(e)
             self._forget(node)
-            return [None] * len(idx)
+            return _FAILED
         calls.answered = True
         return got
-
 
     def contains_n(self, hashes: Sequence[bytes]) -> list[bool]:
         """Whether the pool holds each block: the index's holders, and for a block it
@@ -357,11 +362,9 @@ class ClusterClient:
                 if not found[i] and self._put_lately(h):
                     for node in self._owners(bytes(h)):
                         groups.setdefault(node, []).append(i)
-            for node, idx in groups.items():
-                try:
-                    got = self._node_client(node).contains_n([hashes[i] for i in idx])
-                except NODE_ERRORS:
-                    self._forget(node)
+            for node, idx in groups.items():  # (what they refuse, the index answered)
+                got = self._ask(node, _Calls(), lambda c: c.contains_n([hashes[i] for i in idx]))
+                if got is _FAILED:
                     continue
                 for i, ok in zip(idx, got):
                     found[i] = found[i] or ok
@@ -371,14 +374,9 @@ class ClusterClient:
         # no index answers: every member asked once, for the whole batch (the ring owners
         # of this reader's `replicas` missed what a writer put elsewhere)
         for node in sorted(self._member.members):
-            try:
-                got = self._node_client(node).contains_n(hashes)
-            except NODE_ERRORS as e:
-                calls.failed(e)
-                self._forget(node)
-                continue
-            calls.answered = True
-            found = [a or b for a, b in zip(found, got)]
+            got = self._ask(node, calls, lambda c: c.contains_n(hashes))
+            if got is not _FAILED:
+                found = [a or b for a, b in zip(found, got)]
         calls.check()
         return found
 
@@ -394,14 +392,8 @@ class ClusterClient:
             nodes += [n for n in self._owners(bytes(hashes[0])) if n not in nodes]
         best, calls = MatchResult(0, ()), _Calls()
         for node in nodes:
-            try:
-                got = self._node_client(node).match_prefix(hashes)
-            except NODE_ERRORS as e:
-                calls.failed(e)
-                self._forget(node)
-                continue
-            calls.answered = True
-            if got.num_blocks > best.num_blocks:
+            got = self._ask(node, calls, lambda c: c.match_prefix(hashes))
+            if got is not _FAILED and got.num_blocks > best.num_blocks:
                 best = got
         calls.check()
         return best
