@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from kvstore import Client
+from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
 
 from .conftest import NS, ROOT, block_of
@@ -39,6 +40,7 @@ CLIENT = """
 import sys
 import numpy as np
 from kvstore import Client
+from kvstore.events import TierKind
 from kvstore.keys import Namespace, hash_blocks
 ns = Namespace("test-model", num_layers=1, num_kv_heads=1, head_dim=64)
 hs = hash_blocks(ns, list(range(4 * ns.block_tokens)))
@@ -59,3 +61,21 @@ def test_a_client_of_numpy_buffers_does_not_load_torch(make_daemon):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "False", f"a {how} client loaded torch"
+
+
+def test_a_gpu_tier_loads_torch_and_moves_blocks_through_every_tier(make_daemon):
+    """The GPU tier is a torch arena (a CPU tensor here): the one tier that loads torch,
+    its blocks demoted to the numpy DRAM arena and the SSD slabs and read back exact."""
+    d = make_daemon("--gpu-size", "64KiB", dram_size="64KiB", ssd_size="4MiB")
+    hs = hash_blocks(NS, list(range(50 * NS.block_tokens, 90 * NS.block_tokens)))
+    data = np.stack([block_of(h, NS.block_bytes) for h in hs])
+    for use_shm in (False, True):
+        with Client(d.url, namespace=NS, use_shm=use_shm) as c:
+            c.put_n(hs, data)
+            out = np.zeros_like(data)
+            tiers = c.get_n(hs, out)
+            assert all(t is not None for t in tiers)
+            assert np.array_equal(out, data)
+            used = {t.kind: t.used_blocks for t in c.stats().tiers}
+            assert all(used[k] for k in (TierKind.GPU, TierKind.DRAM, TierKind.SSD)), used
+    assert "libtorch" in _maps(d.pid)
