@@ -20,17 +20,24 @@ def _maps(pid: int) -> str:
         return f.read()
 
 
-def test_a_daemon_that_served_every_tier_has_not_loaded_torch(make_daemon):
-    d = make_daemon(dram_size="64KiB", ssd_size="4MiB")  # 16 DRAM slots: the rest on SSD
-    hs = hash_blocks(NS, list(range(40 * NS.block_tokens)))
+def put_and_read_back(d, hs) -> dict:
+    """Put the blocks and read them back exact, over TCP and the same-host path; the
+    blocks each tier holds then."""
     data = np.stack([block_of(h, NS.block_bytes) for h in hs])
-    for use_shm in (True, False):
+    for use_shm in (False, True):
         with Client(d.url, namespace=NS, use_shm=use_shm) as c:
             c.put_n(hs, data)
             out = np.zeros_like(data)
             tiers = c.get_n(hs, out)
             assert all(t is not None for t in tiers)
             assert np.array_equal(out, data)
+            used = {t.kind: t.used_blocks for t in c.stats().tiers}
+    return used
+
+
+def test_a_daemon_that_served_every_tier_has_not_loaded_torch(make_daemon):
+    d = make_daemon(dram_size="64KiB", ssd_size="4MiB")  # 16 DRAM slots: the rest on SSD
+    put_and_read_back(d, hash_blocks(NS, list(range(40 * NS.block_tokens))))
     maps = _maps(d.pid)
     assert "libc" in maps  # (the check below can see a shared library)
     assert "libtorch" not in maps, "the daemon loaded torch"
@@ -67,15 +74,7 @@ def test_a_gpu_tier_loads_torch_and_moves_blocks_through_every_tier(make_daemon)
     """The GPU tier is a torch arena (a CPU tensor here): the one tier that loads torch,
     its blocks demoted to the numpy DRAM arena and the SSD slabs and read back exact."""
     d = make_daemon("--gpu-size", "64KiB", dram_size="64KiB", ssd_size="4MiB")
-    hs = hash_blocks(NS, list(range(50 * NS.block_tokens, 90 * NS.block_tokens)))
-    data = np.stack([block_of(h, NS.block_bytes) for h in hs])
-    for use_shm in (False, True):
-        with Client(d.url, namespace=NS, use_shm=use_shm) as c:
-            c.put_n(hs, data)
-            out = np.zeros_like(data)
-            tiers = c.get_n(hs, out)
-            assert all(t is not None for t in tiers)
-            assert np.array_equal(out, data)
-            used = {t.kind: t.used_blocks for t in c.stats().tiers}
-            assert all(used[k] for k in (TierKind.GPU, TierKind.DRAM, TierKind.SSD)), used
+    used = put_and_read_back(d, hash_blocks(NS, list(range(50 * NS.block_tokens,
+                                                           90 * NS.block_tokens))))
+    assert all(used[k] for k in (TierKind.GPU, TierKind.DRAM, TierKind.SSD)), used
     assert "libtorch" in _maps(d.pid)
