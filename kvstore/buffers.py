@@ -2,31 +2,26 @@
 
 Host bytes become numpy arrays (a CPU tensor's own memory, viewed); only a device tensor
 stays a torch tensor. torch is never imported here: a tensor can exist only in a program
-that imported it (`_torch`), so the daemon, which stores host bytes alone, runs without it
+that imported it (`loaded_torch`), so the daemon, which stores host bytes alone, runs without it
 (importing torch cost the daemon ~2 s of every start, and its thread pools)."""
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any, Sequence
 
 import numpy as np
 
 from kvstore.errors import BlockSizeError
+from transfer.copy import loaded_torch
 
 
 class _NoTensor:
     """Stands in for torch.Tensor while torch is not loaded: nothing is an instance."""
 
 
-def _torch():
-    """torch if the program imported it, else None (never imports it)."""
-    return sys.modules.get("torch")
-
-
 def tensor_type() -> type:
     """torch.Tensor, or a class nothing is an instance of while torch is not loaded."""
-    torch = _torch()
+    torch = loaded_torch()
     return torch.Tensor if torch is not None else _NoTensor
 
 
@@ -38,7 +33,7 @@ def as_bytes(buf, *, writable: bool = False):
     """A flat uint8 view sharing memory with `buf`: a numpy array for host memory (numpy,
     bytes-like, a CPU tensor), a torch tensor for a device tensor."""
     if is_tensor(buf):
-        torch = _torch()
+        torch = loaded_torch()
         if buf.is_meta:  # no storage: a get "into" it would report hits with nothing copied
             raise BlockSizeError("a meta tensor holds no bytes: pass a tensor on a real device")
         if not buf.is_contiguous():

@@ -26,13 +26,13 @@ caller's buffer (no copy).
 from __future__ import annotations
 
 import struct
-import sys
 from typing import NamedTuple
 
 import xxhash
 
 from kvstore.errors import BlockFormatError, BlockSizeError, ChecksumError, NamespaceMismatchError
 from kvstore.keys import CODECS, DTYPE_BYTES, HASH_BYTES, Namespace, encoded_block_bytes
+from transfer.copy import loaded_torch
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
@@ -67,7 +67,7 @@ def checksum(payload) -> int:
 
 def as_memoryview(buf) -> memoryview:
     """A flat byte view of a buffer or a contiguous CPU tensor, without copying."""
-    torch = sys.modules.get("torch")  # (a tensor exists only where torch is loaded)
+    torch = loaded_torch()  # (a tensor exists only where torch is loaded)
     if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise BlockSizeError("expected a contiguous CPU tensor")

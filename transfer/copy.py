@@ -33,8 +33,9 @@ two host addresses, for callers that hold both as ints (no view of either side m
 caller keeps both buffers alive and in bounds."""
 
 
-def _torch():
-    """torch if the program imported it (a tensor can only exist then); never imports it."""
+def loaded_torch():
+    """torch if the program imported it (a tensor can only exist then); never imports it
+    (the daemon and the SDK run without it: seconds of start-up and its thread pools)."""
     return sys.modules.get("torch")
 
 
@@ -88,12 +89,12 @@ def copy_arrays(d: np.ndarray, s: np.ndarray, cold: bool = False) -> None:
 
 
 def _is_cpu_tensor(buf: Any) -> bool:
-    torch = _torch()
+    torch = loaded_torch()
     return torch is not None and isinstance(buf, torch.Tensor) and buf.device.type == "cpu"
 
 
 def _torch_view(buf: Any) -> Any:
-    return _torch().from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+    return loaded_torch().from_numpy(buf) if isinstance(buf, np.ndarray) else buf
 
 
 def copy_runs(dst: Sequence[Any], dst_offs: np.ndarray, src: Sequence[Any],

@@ -13,17 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .copy import copy_bytes
+from .copy import copy_bytes, loaded_torch
 from .errors import Fault, TransferError
 from .shm import ShmSegment, map_path
 from .types import MemKind
-
-import sys
-
-
-def _torch():
-    """torch if the program imported it (a tensor can only exist then); never imports it."""
-    return sys.modules.get("torch")
 
 
 @dataclass(frozen=True)
@@ -67,7 +60,7 @@ def _flat_numpy(arr: np.ndarray) -> np.ndarray:
 def _flat_torch(t) -> Any:
     if not t.is_contiguous():
         raise TransferError(Fault.INVALID, "tensor must be contiguous to register")
-    return t.reshape(-1).view(_torch().uint8)
+    return t.reshape(-1).view(loaded_torch().uint8)
 
 
 def make_region(region_id: int, memory: Any, exported: bool) -> Region:
@@ -87,7 +80,7 @@ def make_region(region_id: int, memory: Any, exported: bool) -> Region:
             raise TransferError(Fault.INVALID, "read-only arrays cannot be registered")
         flat = _flat_numpy(memory)
         return Region(region_id, MemKind.HOST, flat.nbytes, exported, host=flat, _keep=memory)
-    torch = _torch()
+    torch = loaded_torch()
     if torch is not None and isinstance(memory, torch.Tensor):
         flat = _flat_torch(memory)
         if flat.device.type == "cpu":

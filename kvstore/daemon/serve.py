@@ -85,7 +85,8 @@ def _own_threads() -> None:
     for it too."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = "1"
-    torch = sys.modules.get("torch")
+    from transfer.copy import loaded_torch
+    torch = loaded_torch()
     if torch is not None:  # (loaded already: in-process callers of main())
         torch.set_num_threads(1)
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from kvstore.arena_layout import ARENA_ID_BYTES, META_BYTES, write_meta
 from kvstore.events import TierKind
 from kvstore.slotdir import SlotDirectory
 from kvstore.tiers.arena import ArenaTier
+from transfer.copy import loaded_torch
 from transfer.shm import ShmSegment
 
 
@@ -62,7 +62,7 @@ class DramTier(ArenaTier):
         super().close()
         self.directory.close()
         if self._pinned:
-            sys.modules["torch"].cuda.cudart().cudaHostUnregister(self.arena.ctypes.data)
+            loaded_torch().cuda.cudart().cudaHostUnregister(self.arena.ctypes.data)
         self.arena = np.empty((0, self.slot_bytes), np.uint8)
         self._seg.close()
 
@@ -71,7 +71,7 @@ def _cuda_pin(arena: np.ndarray) -> bool:
     """Register the arena with CUDA as pinned memory where this process uses a GPU (it
     imported torch: a GPU tier, an engine); a daemon with host tiers only never loads
     torch for it."""
-    torch = sys.modules.get("torch")
+    torch = loaded_torch()
     if torch is None or arena.size == 0 or not torch.cuda.is_available():
         return False
     err = torch.cuda.cudart().cudaHostRegister(arena.ctypes.data, arena.size, 0)
