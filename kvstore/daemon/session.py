@@ -52,6 +52,7 @@ _scratch_lock = threading.Lock()
 
 
 _NO_SCRATCH = np.empty(0, np.uint8)
+_NO_ROWS = _NO_SCRATCH.reshape(0, 0)
 
 
 def _count_scratch(delta: int) -> None:
@@ -119,7 +120,7 @@ class Session:
         self._scratch = _NO_SCRATCH
         self._scratch_bytes = 0  # its size: trim_scratch runs after every request, and a
         # torch call there cost ~5 us once a megabyte's copy had evicted torch from cache
-        self._rows = _NO_SCRATCH.reshape(0, 0)
+        self._rows = _NO_ROWS
         # (store, its DRAM rows, the same bytes as one flat memoryview)
         self._arena: tuple[object, np.ndarray | None, memoryview | None] = (None, None, None)
         self.staging: ShmSegment | None = None
@@ -149,7 +150,7 @@ class Session:
             if grow:
                 _scratch_kept += want - self._scratch_bytes
         if grow:
-            self._scratch, self._rows = _NO_SCRATCH, _NO_SCRATCH.reshape(0, 0)
+            self._scratch, self._rows = _NO_SCRATCH, _NO_ROWS
             try:
                 # in a mapping of its own, so that letting it go gives it back to the OS:
                 # from the heap it stayed there (glibc keeps what a thread's arena freed, and
@@ -176,7 +177,7 @@ class Session:
         if self._scratch_bytes:
             _count_scratch(-self._scratch_bytes)
             self._scratch, self._scratch_bytes = _NO_SCRATCH, 0
-            self._rows = _NO_SCRATCH.reshape(0, 0)
+            self._rows = _NO_ROWS
 
     def window_rows(self, n: int, least: int, block_bytes: int) -> np.ndarray:
         """`[n, block_bytes]` of scratch for a request's window: fewer rows to stay within

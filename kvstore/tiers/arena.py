@@ -10,7 +10,7 @@ from kvstore.buffers import cpu_array, tensor_type
 from kvstore.errors import StoreClosedError
 from kvstore.events import TierKind
 from kvstore.tiers.base import ByteBatch, FreeSlots
-from transfer.copy import copy_bytes
+from transfer.copy import copy_bytes, loaded_torch
 
 
 class ArenaTier:
@@ -90,8 +90,7 @@ class ArenaTier:
 
     def _sync(self) -> None:
         if not isinstance(self.arena, np.ndarray) and self.arena.device.type == "cuda":
-            import torch  # (a device arena: torch made it)
-            torch.cuda.current_stream(self.arena.device).synchronize()
+            loaded_torch().cuda.current_stream(self.arena.device).synchronize()
 
     def recover(self) -> list[tuple[bytes, int]]:
         return []
