@@ -169,7 +169,8 @@ class AsyncConnection:
     async def _frame(self) -> w.Frame:
         op_code, reply, header_len, payload_len = w.decode_prefix(
             await self._take(w.PREFIX.size), 1 << 62)
-        msg = w.decode_header(op_code, reply, await self._take(header_len))
+        msg = w.decode_header(op_code, reply, w.unpadded(
+            await self._take(header_len + w.header_pad(header_len, payload_len)), header_len))
         return w.Frame(w.Op(op_code), reply, msg, payload_len)
 
     async def _take(self, n: int) -> bytes:

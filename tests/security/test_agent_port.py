@@ -12,7 +12,7 @@ import pytest
 from kvstore import Client
 from kvstore.keys import hash_blocks
 from transfer import AgentMetadata
-from transfer.backends.tcp_wire import HEAD, MAGIC, Kind, frame
+from transfer.backends.tcp_wire import HEAD, MAGIC, WIRE_VERSION, Kind, frame
 
 from kvstore import wire as w
 
@@ -106,7 +106,7 @@ def test_the_agent_path_works_for_the_rightful_client(secured):
 def test_the_agent_port_refuses_an_oversized_hello(secured):
     meta, _ = alice_agent(secured)
     with socket.create_connection(meta.tcp_addr, timeout=5) as s:
-        s.sendall(HEAD.pack(MAGIC, 1, Kind.HELLO, 0, 1 << 20, 0))
+        s.sendall(HEAD.pack(MAGIC, WIRE_VERSION, Kind.HELLO, 0, 1 << 20, 0))
         head = s.recv(HEAD.size, socket.MSG_WAITALL)
         assert len(head) == HEAD.size and HEAD.unpack(head)[2] == Kind.ERROR
 

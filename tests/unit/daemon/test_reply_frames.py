@@ -9,7 +9,7 @@ from kvstore.daemon import session
 def _decoded(frame: bytes) -> tuple[int, bool, w.Message, int]:
     code, reply, header_len, payload_len = w.decode_prefix(frame[:w.PREFIX.size], 1 << 40)
     msg = w.decode_header(code, reply, frame[w.PREFIX.size:w.PREFIX.size + header_len])
-    assert len(frame) == w.PREFIX.size + header_len
+    assert len(frame) == w.PREFIX.size + header_len + w.header_pad(header_len, payload_len)
     return code, reply, msg, payload_len
 
 

@@ -8,13 +8,15 @@ import struct
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
 from transfer import (Agent, AgentConfig, AgentMetadata, BackendKind, DescList, Fault, MemKind,
                       Op, RegionInfo, TransferError)
 from transfer.types import State
-from transfer.backends.tcp_wire import HEAD, MAGIC, Kind, frame
+from transfer.backends.tcp_wire import (HEAD, MAGIC, PAYLOAD_ALIGN, WIRE_VERSION, Kind, frame,
+                                         header_pad)
 
 TCP = AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=0.6, connect_timeout_s=1.0)
 
@@ -200,16 +202,34 @@ def _reply_kind(s: socket.socket) -> int | None:
     head = s.recv(HEAD.size, socket.MSG_WAITALL)
     if len(head) != HEAD.size:
         return None
-    s.recv(HEAD.unpack(head)[4], socket.MSG_WAITALL)  # the reply's header
+    *_, header_len, payload_len = HEAD.unpack(head)
+    s.recv(header_len + header_pad(header_len, payload_len), socket.MSG_WAITALL)  # its header
     return HEAD.unpack(head)[2]
+
+
+def _unpadded_write() -> bytes:
+    """A WRITE framed as version 1 did (no pad before the payload), with version 2's number."""
+    body = msgpack.packb([7, struct.pack("<q", 0), struct.pack("<q", 0), struct.pack("<q", 4),
+                          None], use_bin_type=True)
+    assert header_pad(len(body), 4) >= 4  # (the payload falls inside the pad)
+    return HEAD.pack(MAGIC, WIRE_VERSION, Kind.WRITE, 0, len(body), 4) + body + b"abcd"
+
+
+def test_a_payload_starts_64_byte_aligned_in_its_frame():
+    for header in ([1], [7, b"x" * 40, None], [2, b"y" * 100]):
+        bare = frame(Kind.WRITE, header)
+        padded = frame(Kind.WRITE, header, 8)
+        assert len(padded) % PAYLOAD_ALIGN == 0 and len(padded) - len(bare) < PAYLOAD_ALIGN
+        assert padded.startswith(bare[:4]) and padded[len(bare):] == bytes(len(padded) - len(bare))
 
 
 @pytest.mark.parametrize("junk", [
     b"\xff" * HEAD.size,  # bad magic
-    HEAD.pack(MAGIC, 1, 99, 0, 0, 0),  # unknown kind
-    HEAD.pack(MAGIC, 1, Kind.WRITE, 0, 3, 0) + b"\xc1\xc1\xc1",  # undecodable msgpack
-    HEAD.pack(MAGIC, 1, Kind.WRITE, 0, 0, 1 << 62),  # absurd payload length
+    HEAD.pack(MAGIC, WIRE_VERSION, 99, 0, 0, 0),  # unknown kind
+    HEAD.pack(MAGIC, WIRE_VERSION, Kind.WRITE, 0, 3, 0) + b"\xc1\xc1\xc1",  # undecodable msgpack
+    HEAD.pack(MAGIC, WIRE_VERSION, Kind.WRITE, 0, 0, 1 << 62),  # absurd payload length
     frame(Kind.WRITE, [1, b"\x01" * 8, b"", b"", None]),  # ragged descriptor arrays
+    _unpadded_write(),  # a payload right after its header: its first bytes taken for the pad
 ])
 def test_server_rejects_malformed_frames_and_keeps_serving(target, junk):
     b, region, mem = target
