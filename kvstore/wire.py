@@ -4,8 +4,8 @@ A frame is a fixed 20-byte prefix, a msgpack header, then raw payload bytes:
 
     magic "KVTW" | version u16 | op u16 | header_len u32 | payload_len u64
     header: msgpack array of the message's fields (in declaration order; msgspec Structs)
-    pad: a frame with a payload only, zero bytes up to a multiple of PAYLOAD_ALIGN (64)
-         from the frame's start (`header_pad`; the receiver skips them unread)
+    pad: a frame with a payload only, zero bytes up to a multiple of 64 from the frame's
+         start (`header_pad`, transfer.sockio.PAYLOAD_ALIGN; the receiver checks and drops them)
     payload: block bytes, back to back (never inside msgpack: ~1 GB/s vs ~4 GB/s raw)
 
 Every request gets exactly one reply frame: the same op with the REPLY bit, or ERROR. Block
@@ -49,18 +49,6 @@ PREFIX = struct.Struct("<4sHHIQ")
 MAX_HEADER_BYTES = 1 << 20
 MAX_HELLO_HEADER_BYTES = 16 << 10  # everything a connection may send before it authenticates
 MAX_FDS = 4  # descriptors one reply frame may carry
-# A payload begins this many bytes into its frame, or a multiple of it. On loopback the
-# receiving kernel copies a payload out of the pages the sending kernel copied it into,
-# filled from the frame's first byte on, and that copy ran at well under half speed where
-# the payload's place in those pages and its destination differ modulo 64: measured here, a
-# 64 MiB stream received into memory 16 bytes past a 64-byte boundary, 1.8 GB/s against
-# 4.2-4.8 into an aligned one (three runs alike). Arena slots and tensors are aligned; a
-# header of any other length put every payload after it out of step with them (GET
-# replies' 42 bytes before 16 blocks). Paired in one process the gain here was small
-# (16 x 4 MiB gets 0.90-1.00 -> 0.92-1.04 of a raw socket): with 1 MiB socket buffers the
-# bytes are still in cache when copied out, where the step costs little.
-PAYLOAD_ALIGN = 64
-_PAD = bytes(PAYLOAD_ALIGN)
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 REPLY = 0x8000
 MISS = 255  # tier byte of a block that was not found
@@ -465,14 +453,14 @@ def encode(msg: Message, op: Op, reply: bool, payload_bytes: int = 0) -> bytes:
     code = int(op) | (REPLY if reply else 0)
     head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, code, len(header), payload_bytes) + header
     if payload_bytes:
-        head += _PAD[:header_pad(len(header), payload_bytes)]
+        head += sockio.PAD[:header_pad(len(header), payload_bytes)]
     return head
 
 
 def header_pad(header_len: int, payload_len: int) -> int:
-    """The zero bytes between a frame's header and its payload: up to the next multiple of
-    PAYLOAD_ALIGN from the frame's start (none for a frame without a payload)."""
-    return (-(PREFIX.size + header_len)) % PAYLOAD_ALIGN if payload_len else 0
+    """The zero bytes between a frame's header and its payload (none without a payload):
+    see transfer.sockio.PAYLOAD_ALIGN."""
+    return sockio.payload_pad(PREFIX.size + header_len) if payload_len else 0
 
 
 def decode_prefix(raw: bytes, max_payload: int,
@@ -503,10 +491,10 @@ def unpadded(header: bytes, header_len: int) -> bytes:
     payload would otherwise be stored shifted by the pad's length)."""
     if len(header) == header_len:
         return header
-    if header.count(0, header_len) != len(header) - header_len:
+    if not sockio.pad_is_zero(header, header_len):
         raise ProtocolError(f"the {len(header) - header_len} bytes between a frame's header "
                             f"and its payload must be zero (protocol {PROTOCOL_VERSION} starts "
-                            f"a payload {PAYLOAD_ALIGN}-byte aligned in its frame)")
+                            f"a payload {sockio.PAYLOAD_ALIGN}-byte aligned in its frame)")
     return header[:header_len]
 
 

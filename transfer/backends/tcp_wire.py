@@ -2,8 +2,8 @@
 
 A frame is a fixed 20-byte head, a msgpack header, then `payload_len` raw bytes:
     head = magic "KVTX" | version u8 | kind u8 | reserved u16 | header_len u32 | payload_len u64
-A frame with a payload pads its header with zero bytes to a multiple of PAYLOAD_ALIGN from
-the frame's start (`header_pad`), for the reason kvstore.wire.PAYLOAD_ALIGN gives.
+A frame with a payload pads its header with zero bytes to a multiple of 64 from the frame's
+start (`header_pad`: see sockio.PAYLOAD_ALIGN).
 Payload bytes never pass through msgpack: they are sent with `sendmsg` from, and received with
 `recvmsg_into` straight into, the registered buffers. Descriptor arrays travel as raw int64
 bytes inside the header, so a batch of any size is decoded without a Python loop.
@@ -37,8 +37,6 @@ POLL_S = 0.2
 IOV_MAX = 512
 RECV_CHUNK = 64 << 10  # a big buffer is received this much a call (as kvstore.wire does)
 TIMED_OUT = (socket.timeout, BlockingIOError)  # a kernel timeout raises the second
-PAYLOAD_ALIGN = 64  # as kvstore.wire.PAYLOAD_ALIGN (the same loopback copy)
-_PAD = bytes(PAYLOAD_ALIGN)
 
 
 class Kind(enum.IntEnum):
@@ -63,13 +61,12 @@ class Progress:
 def frame(kind: Kind, header: list, payload_len: int = 0) -> bytes:
     body = msgpack.packb(header, use_bin_type=True)
     head = HEAD.pack(MAGIC, WIRE_VERSION, int(kind), 0, len(body), payload_len) + body
-    return head + _PAD[:header_pad(len(body), payload_len)] if payload_len else head
+    return head + sockio.PAD[:header_pad(len(body), payload_len)] if payload_len else head
 
 
 def header_pad(header_len: int, payload_len: int) -> int:
-    """Zero bytes between a frame's header and its payload, up to the next multiple of
-    PAYLOAD_ALIGN from the frame's start; none without a payload."""
-    return (-(HEAD.size + header_len)) % PAYLOAD_ALIGN if payload_len else 0
+    """Zero bytes between a frame's header and its payload (none without a payload)."""
+    return sockio.payload_pad(HEAD.size + header_len) if payload_len else 0
 
 
 def protocol_error(msg: str) -> TransferError:
@@ -201,7 +198,7 @@ def recv_frame(sock: socket.socket, progress: Progress, timeout_s: float,
     kind, hlen, plen = parse_head(bytes(head), max_payload, max_header)
     body = bytearray(hlen + header_pad(hlen, plen))
     recv_views(sock, [body], progress, timeout_s, stopped)
-    if body.count(0, hlen) != len(body) - hlen:  # a sender that did not pad: its payload
+    if not sockio.pad_is_zero(body, hlen):  # a sender that did not pad: its payload
         raise protocol_error(f"{kind.name}: the bytes between header and payload must be "
                              "zero (the frame's payload starts 64-byte aligned)")
     return kind, parse_header(bytes(body[:hlen]), kind), plen

@@ -82,11 +82,12 @@ def test_send_frame_gathers_payload():
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_a_payload_starts_64_byte_aligned_in_its_frame(msg):
     """Whatever its header's length, a frame with a payload is padded with zero bytes to a
-    multiple of PAYLOAD_ALIGN (the receiving kernel's copy of a payload at another offset
+    multiple of sockio.PAYLOAD_ALIGN (the receiving kernel's copy of a payload at another offset
     than its aligned destination ran at about half speed); one without is not padded."""
     bare = w.encode(msg, msg.OP, False)
     padded = w.encode(msg, msg.OP, False, 4096)
-    assert len(padded) % w.PAYLOAD_ALIGN == 0 and len(padded) - len(bare) < w.PAYLOAD_ALIGN
+    align = sockio.PAYLOAD_ALIGN
+    assert len(padded) % align == 0 and len(padded) - len(bare) < align
     assert padded[len(bare):] == bytes(len(padded) - len(bare))
     assert padded[w.PREFIX.size:len(bare)] == bare[w.PREFIX.size:]  # the same header
     a, b = socket.socketpair()

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from transfer import (Agent, AgentConfig, AgentMetadata, BackendKind, DescList, Fault, MemKind,
-                      Op, RegionInfo, TransferError)
+                      Op, RegionInfo, TransferError, sockio)
 from transfer.types import State
-from transfer.backends.tcp_wire import (HEAD, MAGIC, PAYLOAD_ALIGN, WIRE_VERSION, Kind, frame,
+from transfer.backends.tcp_wire import (HEAD, MAGIC, WIRE_VERSION, Kind, frame,
                                          header_pad)
 
 TCP = AgentConfig(backends=(BackendKind.TCP,), io_timeout_s=0.6, connect_timeout_s=1.0)
@@ -219,7 +219,8 @@ def test_a_payload_starts_64_byte_aligned_in_its_frame():
     for header in ([1], [7, b"x" * 40, None], [2, b"y" * 100]):
         bare = frame(Kind.WRITE, header)
         padded = frame(Kind.WRITE, header, 8)
-        assert len(padded) % PAYLOAD_ALIGN == 0 and len(padded) - len(bare) < PAYLOAD_ALIGN
+        align = sockio.PAYLOAD_ALIGN
+        assert len(padded) % align == 0 and len(padded) - len(bare) < align
         assert padded.startswith(bare[:4]) and padded[len(bare):] == bytes(len(padded) - len(bare))
 
 
