@@ -28,6 +28,21 @@ def test_wraps_around():
         daemon.consume(1)
 
 
+def test_a_few_records_and_many_read_alike_across_the_wrap():
+    """`peek` reads a few records from the bytes and more through numpy: the same records,
+    in order, whichever way, wrapped round the ring's end or not."""
+    from kvstore.putring import FEW_RECORDS
+    cap = 3 * FEW_RECORDS
+    daemon, client = ring(cap=cap)
+    for n in (1, FEW_RECORDS, FEW_RECORDS + 1, cap, 2, FEW_RECORDS + 3):
+        for _ in range(2):  # the second time round starts elsewhere, often across the end
+            hashes = [bytes([n, k]) * 8 for k in range(n)]
+            slots = [(-1) ** k * (1 << 40) + k for k in range(n)]  # negative and wide too
+            client.push(hashes, slots)
+            assert daemon.peek() == (hashes, slots)
+            daemon.consume(n)
+
+
 def test_a_lying_write_index_reads_at_most_capacity():
     daemon, client = ring(cap=4)
     client.head[CW] = 1 << 40

@@ -35,8 +35,9 @@ def blocks(hs):
 
 
 def drained(c: Client, grants: int) -> None:
-    """Wait until the daemon's drainer committed c's puts and granted its channel
-    `grants` slots (it does both after each put, on its own thread)."""
+    """Wait until the daemon's drainer committed c's puts and its channel holds `grants`
+    granted slots (it commits after each put, on its own thread, and tops the stock up
+    once it has gone down a step: putchannel.TOP_UP_STEP)."""
     t0 = time.monotonic()
     while c._puts.pending() or len(c._puts.grants) + len(c._puts.ring.unclaimed_grants()) \
             < grants:
@@ -123,7 +124,7 @@ def test_a_writer_that_came_second_puts_directly_while_the_first_sits_idle(make_
     first, second = chain(21, 1), chain(22, 40)
     with Client(d.url, namespace=NS) as idle, Client(d.url, namespace=NS) as c:
         idle.put_n(first, blocks(first))  # opens its channel: stocked with 256
-        drained(idle, 256)
+        drained(idle, 255)  # (one put since: no top-up for one slot)
         c.put_n(second[:1], blocks(second[:1]))  # opens the second channel
         puts_before = op_count(d, "put")
         for i in range(1, len(second)):

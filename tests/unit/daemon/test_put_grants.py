@@ -110,3 +110,23 @@ def test_granting_evicts_no_more_than_the_share_lets_it_grant(tmp_path):
         store.put_n(hs, np.zeros((40, NS.block_bytes), np.uint8))
         assert len(store.grant_n(40, share=2)) == 32  # half of 64: 24 free, 8 evicted
         assert sum(store.contains_n(hs)) == 32
+
+
+def test_a_stock_is_topped_up_once_it_has_gone_down_a_step_not_after_every_put(tmp_path):
+    """Each top-up is a make-room pass of the store (~44 us of CPU for one slot, cold): the
+    drainer grants again once an eighth of the stock is used, all of it at once; a FLUSH
+    asking for slots is answered in full whatever the stock."""
+    with hosted_ns(tmp_path, 192 << 20) as hosted:
+        a = PutChannel(hosted)
+        target, step = a.target(), a.target() // putchannel.TOP_UP_STEP  # 192, 24
+        assert len(a.granted) == target
+        slots = a.ring.take_grants(GRANT_CAPACITY)
+        for i in range(step):  # single puts, each drained: the stock goes down, then back
+            a.ring.push([bytes([5, i]) * 8], [slots[i]])
+            assert a.drain() == 1
+            assert len(a.granted) == (target - i - 1 if i + 1 < step else target)
+        a.ring.push([bytes([6, 0]) * 8], [slots[step]])
+        a.drain(want=target)  # a FLUSH naming a batch as big as the stock: granted in full
+        assert len(a.granted) == target
+        assert hosted.store.contains_n([bytes([5, i]) * 8 for i in range(step)]) == [True] * step
+        a.close()
