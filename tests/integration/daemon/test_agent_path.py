@@ -217,6 +217,10 @@ def test_the_agents_connection_setup_keeps_to_the_clients_connect_timeout(make_d
         os.kill(d.pid, signal.SIGSTOP)  # its agent never answers the HELLO
         return real(self, *a, **kw)
 
+    with agent_client(d.url) as first:  # the namespace and its agent set up (arena made,
+        first.contains_n([])  # exported) before the client with 0.5 s timeouts says HELLO:
+        # on a loaded CI host that first HELLO outlasted 0.5 s, failing before the agent
+        # was tried
     monkeypatch.setattr(agent_mod.Agent, "transfer", stop_then_transfer)
     hs = hash_blocks(NS, np.arange(16 * 16) + 77)
     with agent_client(d.url, timeout_s=0.5, connect_timeout_s=0.5) as c:
