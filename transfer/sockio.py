@@ -25,10 +25,12 @@ call comes back short (see transfer/_stream.c). None without the extension."""
 # copy ran at well under half speed where the payload's place in those pages and its
 # destination differ modulo 64: measured here, a 64 MiB stream received into memory 16
 # bytes past a 64-byte boundary, 1.8 GB/s against 4.2-4.8 into an aligned one (three runs
-# alike). Arena slots and tensors are aligned; a header of any other length put every
-# payload after it out of step with them (GET replies' 42 bytes before 16 blocks). Paired in
-# one process the gain for the daemon's gets was small (16 x 4 MiB 0.90-1.00 -> 0.92-1.04 of
-# a raw socket): with 1 MiB socket buffers the bytes are still in cache when copied out.
+# alike). Arena slots and tensors are aligned; a header of any other length puts every
+# payload after it out of step with them, as we read it (GET replies' 42 bytes before 16
+# blocks), though a sweep of header lengths into aligned memory varied from run to run.
+# Paired in one process the gain for the daemon's gets was within noise (16 x 4 MiB
+# 0.90-1.00 -> 0.92-1.04 of a raw socket), and gets into memory 16 bytes off measured as
+# fast as aligned ones: with 1 MiB socket buffers the bytes are still in cache when copied.
 PAYLOAD_ALIGN = 64
 PAD = bytes(PAYLOAD_ALIGN)
 
