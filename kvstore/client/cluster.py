@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import threading
 import time
 import urllib.error
@@ -62,23 +63,25 @@ class _Calls:
             raise self.refusal
 
 
-class _LoopThread:
-    """An asyncio loop on a daemon thread, for the etcd watch of a blocking client."""
+class _EtcdLoop:
+    """The one asyncio loop, on a daemon thread, that every blocking ClusterClient of a
+    process talks to etcd from. gRPC's asyncio engine is process-wide and stays bound to
+    the loop it started on: with a loop per client, a client whose gRPC channel outlived
+    its loop a moment (a busy host) left the engine's poller thread, epoll, eventfd and
+    socketpair behind, and its callbacks raising "Event loop is closed"."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvtier-etcd",
-                                        daemon=True)
-        self._thread.start()
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+    _pid = 0
 
-    def run(self, coro, timeout_s: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        if not self._thread.is_alive():  # (its epoll descriptor and wake-up socketpair:
-            self.loop.close()  # three descriptors leaked per client)
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or cls._pid != os.getpid():  # (a forked child has no thread)
+                cls._loop, cls._pid = asyncio.new_event_loop(), os.getpid()
+                threading.Thread(target=cls._loop.run_forever, name="kvtier-etcd",
+                                 daemon=True).start()
+            return cls._loop
 
 
 class ClusterClient:
@@ -104,14 +107,25 @@ class ClusterClient:
         # by id straight away until ASK_INDEX_AGAIN_S on (it may be upgraded meanwhile)
         self._by_id_at: tuple[str, str] | None = None
         self._by_id_until = 0.0
-        self._loop = _LoopThread()
+        self._loop = _EtcdLoop.get()
         self._member = ClusterMember(parse_etcd_url(url), None)
         try:
-            self._loop.run(self._member.start())
+            self._on_loop(self._member.start())
         except BaseException:
-            self._loop.close()
+            try:  # (its etcd channel, if it got one)
+                self._on_loop(self._member.stop(graceful=False), timeout_s=10)
+            except Exception:  # noqa: BLE001 - the start's own error is the one to raise
+                pass
             raise
-        self._leaves = asyncio.run_coroutine_threadsafe(self._cut_leavers(), self._loop.loop)
+        self._leaves = asyncio.run_coroutine_threadsafe(self._cut_leavers(), self._loop)
+
+    def _on_loop(self, coro, timeout_s: float = 30.0):
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout_s)
+        except BaseException:
+            future.cancel()  # (the loop is shared: nothing left running on it)
+            raise
 
     async def _cut_leavers(self) -> None:
         """A node that leaves the pool (its lease lapsed: killed, stopped, cut off) has
@@ -404,10 +418,7 @@ class ClusterClient:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
-        try:
-            self._loop.run(self._member.stop(), timeout_s=10)
-        finally:
-            self._loop.close()
+        self._on_loop(self._member.stop(), timeout_s=10)
 
     def __enter__(self) -> "ClusterClient":
         return self
