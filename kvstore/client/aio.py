@@ -192,6 +192,11 @@ class AsyncClient:
                 reply = None
             if reply is not None:
                 arena = open_arena(reply, arena_fd, dir_fd, self.block_bytes)
+        if self._closed:  # closed while this task connected: mapped again, the arena had let
+            # every read after close() go on from it, never told the client is closed
+            if arena is not None:
+                arena.close()
+            raise ConnectError("this AsyncClient is closed (by another task, during this call)")
         old, self._arena = self._arena, arena
         if old is not None:
             old.close()

@@ -171,7 +171,14 @@ class Client:
             return
         arena = map_arena(conn, self.block_bytes) if conn.local else None
         with self._lock:
-            old, self._arena = self._arena, arena
+            closed = self._closed
+            if not closed:
+                old, self._arena = self._arena, arena
+        if closed:  # a call that began before close(): mapping the arena again had let every
+            # read after close() go on from it with no request, never told the client is closed
+            if arena is not None:
+                arena.close()
+            raise ConnectError("this Client is closed (by another thread, during this call)")
         if old is not None:
             old.close()
         if arena is None and self.use_agent and info.agent_meta:
@@ -200,7 +207,12 @@ class Client:
             raise ConnectError(f"cannot reach the daemon's transfer agent through "
                                f"{[b.value for b in self.agent_backends]}: {e}") from e
         with self._lock:
-            self._agent = path
+            closed = self._closed
+            if not closed:
+                self._agent = path
+        if closed:  # (as _check_arena's)
+            path.close()
+            raise ConnectError("this Client is closed (by another thread, during this call)")
 
     @contextmanager
     def _conn(self) -> Iterator[Connection]:
@@ -671,16 +683,17 @@ class Client:
         sent = self._touch_sent
         if sent is None or sent.exception() is not None or sent.result():
             self._send_all_touches()  # (not after one that went unanswered)
-        self._closed = True
-        with self._puts_opening:  # (no thread opens one after this)
+        with self._lock:  # (no thread maps the arena or opens the agent after this)
+            self._closed = True
+        with self._puts_opening:  # (no thread opens a put channel after this)
             self._drop_puts()
         self._drop_idle()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
-        if self._agent is not None:
-            self._agent.close()
-            self._agent = None
+        with self._lock:
+            arena, self._arena, agent, self._agent = self._arena, None, self._agent, None
+        if arena is not None:
+            arena.close()
+        if agent is not None:
+            agent.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -207,6 +207,34 @@ def test_a_cancelled_call_leaves_no_broken_connection(make_daemon, run):
     run(main())
 
 
+def test_a_call_connecting_while_another_task_closes_the_client_does_not_revive_it(make_daemon,
+                                                                                   run):
+    """close() by another task while a call was connecting (awaiting its HELLO): the call
+    mapped the arena again after close() had let it go, and reads after it went on from
+    that mapping with no request, never told the client was closed."""
+    d = make_daemon()
+    hs = chain(55, 4)
+
+    async def main():
+        c = await AsyncClient(d.url, namespace=NS).connect()
+        await c.put_n(hs, blocks(hs))
+        assert c.uses_shm
+        open_ = c._open
+
+        async def closed_meanwhile(addr):
+            await c.close()  # (another task's close(), at this moment)
+            return await open_(addr)
+        c._open = closed_meanwhile
+        async with c._conn():  # (the pooled connection busy: the call below connects anew)
+            with pytest.raises(ConnectError):
+                await c.contains_n(hs)
+        assert not c.uses_shm
+        with pytest.raises(ConnectError):
+            await c.get_n(hs, np.zeros((len(hs), BB), np.uint8))
+
+    run(main())
+
+
 def test_a_restarted_daemon_is_reached_on_a_fresh_connection(make_daemon, run):
     d = make_daemon()
     async def main():
