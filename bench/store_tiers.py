@@ -37,7 +37,7 @@ from kvstore.events import TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.tiers.gpu import default_device
-from kvstore.tiers.slabfile import CHUNK_BYTES, CHUNKED_BLOCK_BYTES
+from kvstore.tiers.slabfile import CHUNK_BYTES, CHUNKED_BLOCK_BYTES, WRITE_RUN_BYTES
 from kvstore.tuning import freeze_gc_heap, tune_malloc_for_large_blocks
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -184,9 +184,9 @@ class PlainFile:
     bytes in `chunk`-sized calls, in the same directory; with `checksum`, also an xxh3_64
     of each chunk (what the tier must add to keep its promise that corruption is a miss),
     the way that costs least here: each chunk hashed right after its write or read, while
-    the kernel's copy has left it in cache, a big one (CHUNKED_BLOCK_BYTES) in CHUNK_BYTES
-    pieces (kvstore.tiers.slabfile says why). Hashed before its write instead, a 4 MiB
-    chunk ran at 0.71 of the plain write, in pieces after it 0.89."""
+    the kernel's copy has left it in cache, as the tier does it: a write bigger than
+    WRITE_RUN_BYTES in pieces of that, a read of CHUNKED_BLOCK_BYTES or more in CHUNK_BYTES
+    pieces (kvstore.tiers.slabfile's write_n says why)."""
 
     def __init__(self, nbytes: int, chunk: int, workdir: str, checksum: bool = False) -> None:
         self.path = os.path.join(workdir, f"plain-file-{checksum}.bin")
@@ -197,12 +197,12 @@ class PlainFile:
             f.write(self.data)
 
     def write(self) -> None:
-        self._pass("r+b", self.data, lambda f: f.write)
+        self._pass("r+b", self.data, lambda f: f.write, WRITE_RUN_BYTES + 1, WRITE_RUN_BYTES)
 
     def read(self) -> None:
-        self._pass("rb", self.out, lambda f: f.readinto)
+        self._pass("rb", self.out, lambda f: f.readinto, CHUNKED_BLOCK_BYTES, CHUNK_BYTES)
 
-    def _pass(self, mode: str, buf: memoryview, io_of) -> None:
+    def _pass(self, mode: str, buf: memoryview, io_of, split_from: int, piece: int) -> None:
         """One pass over the file, chunk by chunk: `io_of(file)` writes or reads a piece."""
         with open(self.path, mode, buffering=0) as f:
             io = io_of(f)
@@ -212,15 +212,12 @@ class PlainFile:
                     io(block)
                     continue
                 h = xxhash.xxh3_64()
-                for piece in self._pieces(block):
-                    io(piece)
-                    h.update(piece)
+                pieces = ([block] if len(block) < split_from else
+                          [block[at:at + piece] for at in range(0, len(block), piece)])
+                for p in pieces:
+                    io(p)
+                    h.update(p)
                 h.intdigest()
-
-    def _pieces(self, block: memoryview) -> list[memoryview]:
-        if len(block) < CHUNKED_BLOCK_BYTES:
-            return [block]
-        return [block[at:at + CHUNK_BYTES] for at in range(0, len(block), CHUNK_BYTES)]
 
     def drop_cache(self) -> None:
         drop_page_cache(self.path)

@@ -73,8 +73,10 @@ HASHED_RUN_BYTES = 256 << 10  # reads and writes go in runs of about a cache's w
 # of a plain file's: 256 KiB x16 gets 0.59 -> 0.70, puts 0.60 -> 0.65; 1 MiB x16 puts
 # 0.74 -> 0.76; 16 KiB rows unchanged (a x16 batch of them is one run either way)
 HEADER_WINDOW = 4096  # headers read at once when scanning (256 KiB)
-CHUNKED_BLOCK_BYTES = 2 * HASHED_RUN_BYTES  # blocks this big or bigger are written and read
-CHUNK_BYTES = HASHED_RUN_BYTES  # in chunks, each hashed right after its own pwritev / preadv
+CHUNKED_BLOCK_BYTES = 2 * HASHED_RUN_BYTES  # blocks this big or bigger are read in chunks,
+CHUNK_BYTES = HASHED_RUN_BYTES  # each hashed right after its own preadv
+WRITE_RUN_BYTES = 1 << 20  # writes go in runs of blocks, or pieces of a bigger block, of
+# this, each hashed right after its pwritev (see write_n: 256 KiB had been the reads')
 
 
 def stride_of(block_bytes: int) -> int:
@@ -176,6 +178,7 @@ class SlabFile:
         self._pad_view = memoryview(bytes(pad)) if pad else None
         self._scratch_view = memoryview(bytearray(pad)) if pad else None
         self._run_blocks = max(1, HASHED_RUN_BYTES // self.block_bytes)
+        self._write_run_blocks = max(1, WRITE_RUN_BYTES // self.block_bytes)
         self._header = HeaderEncoder(ns)
         # payload writes and reads in flight: close() waits for them, so none of them ever
         # reaches a descriptor number closed under it and reused by another file (the C
@@ -216,21 +219,29 @@ class SlabFile:
     def write_n(self, slots: Sequence[int], hashes: Sequence[bytes],
                 payloads: Sequence[memoryview]) -> list[int]:
         """Write blocks (flat byte views) and their headers; returns each payload's
-        checksum. Each pwritev of small blocks is of at most HASHED_RUN_BYTES, and its
-        blocks are hashed right after it, while the kernel's copy has left them in cache;
-        a big block (CHUNKED_BLOCK_BYTES or more) goes in CHUNK_BYTES pieces, each hashed
-        right after its own pwritev. Headers go after the payloads they vouch for (a run's
-        after the run; a batch of big blocks' after all of the batch), so a crash between
-        the two leaves a header that does not match the payload beside it (a miss), never
-        one that vouches for bytes not there.
+        checksum. Blocks go in pwritevs of at most WRITE_RUN_BYTES, a run of consecutive
+        slots or a piece of a bigger block, each hashed right after its pwritev, while the
+        kernel's copy has left it in cache. Headers go after the payloads they vouch for (a
+        run's after the run; a batch of big blocks' after all of the batch), so a crash
+        between the two leaves a header that does not match the payload beside it (a
+        miss), never one that vouches for bytes not there.
 
-        Raw loops of 640 MiB on a Xeon VM (2 MiB L2 per core), of a plain file's writes:
-        4 MiB blocks hashed whole then written whole 0.71, written whole then hashed 0.70,
-        in 256 KiB pieces each hashed before its pwritev 0.84, each hashed after it 0.89;
-        1 MiB blocks 0.80, 0.83, 0.81, 0.85 (64 and 128 KiB pieces no better). Hashing from
-        memory ran at 8 GB/s there, from cache at 42. (An EPYC VM had favoured 4 MiB blocks
-        hashed whole, then written: 0.78-0.81 against 0.71-0.74 in 512 KiB pieces hashed
-        before each write; pieces hashed after their write were not tried there.)
+        The run's size is the host's cache hierarchy's call, measured against a plain
+        file's writes of the same bytes:
+        - an EPYC VM (512 KiB L2), through _slabio, 64 MiB a pass: 4 MiB blocks in 64 /
+          256 KiB / 1 MiB pieces 0.54-0.62 / 0.72-0.74 / 0.82-0.83, whole 0.76, hashed
+          whole then written 0.75-0.79; 1 MiB blocks in 256 KiB pieces 0.73, whole 0.84-
+          0.85; 256 KiB blocks x16 in runs of 1 / 4 / 16 blocks 0.89 / 0.96 / 0.89. Its
+          pwritev costs enough a call that fewer, bigger ones win, and the bytes hashed
+          after one are still in its L3. Through this tier's write_n (its Python and
+          headers included; 12 passes taking turns, medians), 256 KiB -> 1 MiB runs:
+          4 MiB x16 0.76 -> 0.80 and 0.83 -> 0.85, 1 MiB x16 0.76 -> 0.79 and 0.68 ->
+          0.73, 256 KiB x16 0.77 -> 0.80, single 4 and 1 MiB puts +1-3%.
+        - a Xeon VM (2 MiB L2), raw Python loops: 4 MiB blocks hashed whole then written
+          0.71, written whole then hashed 0.70, in 256 KiB pieces each hashed after its
+          write 0.89; 1 MiB blocks whole 0.83, in 256 KiB pieces 0.85. 256 KiB pieces were
+          used from there until the EPYC figures above; 1 MiB costs that host little
+          (1 MiB blocks) and gains the other a tenth.
 
         All in the calling thread. A helper thread hashing beside the I/O was tried: on one
         host (Xeon, hashing ~2x slower than the kernel's copy) it took 4 MiB x16 puts from
@@ -246,7 +257,7 @@ class SlabFile:
         try:
             if NATIVE:
                 return self._write_native(slots, hashes, payloads)
-            if self.block_bytes >= CHUNKED_BLOCK_BYTES:
+            if self.block_bytes > WRITE_RUN_BYTES:
                 return self._write_chunked(slots, hashes, payloads)
             return self._write_runs(slots, hashes, payloads)
         finally:
@@ -268,10 +279,10 @@ class SlabFile:
 
     def _write_runs(self, slots: Sequence[int], hashes: Sequence[bytes],
                     payloads: Sequence[memoryview]) -> list[int]:
-        """write_n of small blocks in Python: a pwritev per run of HASHED_RUN_BYTES, its
-        blocks hashed right after it, then their headers."""
+        """write_n of blocks in Python: a pwritev per run of WRITE_RUN_BYTES, its blocks
+        hashed right after it, then their headers."""
         sums = [0] * len(payloads)
-        for first, idx in _runs(slots, self._run_blocks):
+        for first, idx in _runs(slots, self._write_run_blocks):
             self._io(os.pwritev, self.fd, first * self.stride,
                      _padded([payloads[i] for i in idx], self._pad_view))
             heads = []
@@ -283,15 +294,15 @@ class SlabFile:
 
     def _write_chunked(self, slots: Sequence[int], hashes: Sequence[bytes],
                        payloads: Sequence[memoryview]) -> list[int]:
-        """write_n of big blocks: each in CHUNK_BYTES pieces (the last one with the slot's
-        pad), each hashed right after its pwritev; the headers after all the payloads,
-        one pwritev per run of consecutive slots."""
-        sums = []
+        """write_n of blocks bigger than WRITE_RUN_BYTES: each in pieces of that (the last
+        one with the slot's pad), each hashed right after its pwritev; the headers after
+        all the payloads, one pwritev per run of consecutive slots."""
+        sums, step = [], WRITE_RUN_BYTES
         for slot, payload in zip(slots, payloads):
             h, base = xxhash.xxh3_64(), slot * self.stride
-            for at in range(0, self.block_bytes, CHUNK_BYTES):
-                piece = payload[at:at + CHUNK_BYTES]
-                last = at + CHUNK_BYTES >= self.block_bytes and self._pad_view is not None
+            for at in range(0, self.block_bytes, step):
+                piece = payload[at:at + step]
+                last = at + step >= self.block_bytes and self._pad_view is not None
                 self._io(os.pwritev, self.fd, base + at, [piece, self._pad_view] if last else [piece])
                 h.update(piece)
             sums.append(h.intdigest())
@@ -303,13 +314,13 @@ class SlabFile:
         """write_n through _slabio: a run of consecutive slots per call, then its headers
         (big blocks': after every payload of the batch, as _write_chunked)."""
         sums = [0] * len(payloads)
-        piece = CHUNK_BYTES if self.block_bytes >= CHUNKED_BLOCK_BYTES else 0
+        piece = WRITE_RUN_BYTES if self.block_bytes > WRITE_RUN_BYTES else 0
         runs, heads = _runs(slots), []
         for first, idx in runs:
             try:
                 got = _slabio.write_blocks(self.fd, first * self.stride,
                                            [payloads[i] for i in idx], self.stride,
-                                           self._run_blocks, piece)
+                                           self._write_run_blocks, piece)
             except OSError as e:
                 raise TierIOError(f"SSD tier I/O on {self.path} failed: {e}") from e
             for i, c in zip(idx, got):

@@ -114,10 +114,11 @@ def test_the_slab_file_grows_from_a_small_extent_doubling_up_to_the_largest(tmp_
 
 
 def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatch):
-    """A write is split into pwritevs of HASHED_RUN_BYTES (each hashed right after it):
-    every block of a batch, across the splits and around a gap in its slots, is on disk
-    with its own header and reads back intact."""
-    monkeypatch.setattr(slabfile, "HASHED_RUN_BYTES", 3 * NS.block_bytes)
+    """A write is split into pwritevs of WRITE_RUN_BYTES (each hashed right after it), a
+    read into preadvs of HASHED_RUN_BYTES: every block of a batch, across the splits and
+    around a gap in its slots, is on disk with its own header and reads back intact."""
+    monkeypatch.setattr(slabfile, "WRITE_RUN_BYTES", 3 * NS.block_bytes)
+    monkeypatch.setattr(slabfile, "HASHED_RUN_BYTES", 2 * NS.block_bytes)
     tier = SsdTier(NS, str(tmp_path), 16)
     slots = tier.alloc_n(10)
     slots = slots[:4] + slots[5:]  # a gap: two runs of consecutive slots, split further
@@ -133,11 +134,12 @@ def test_a_batch_written_in_several_hashed_runs_lands_whole(tmp_path, monkeypatc
 
 @pytest.fixture
 def chunked(monkeypatch):
-    """Blocks of NS go the way big ones do (CHUNKED_BLOCK_BYTES): written and read in
-    pieces of 300 bytes, the last one short, each hashed right after its own pwritev /
-    preadv."""
+    """Blocks of NS go the way big ones do (bigger than WRITE_RUN_BYTES, as big as
+    CHUNKED_BLOCK_BYTES): written and read in pieces of 300 bytes, the last one short,
+    each hashed right after its own pwritev / preadv."""
     monkeypatch.setattr(slabfile, "CHUNKED_BLOCK_BYTES", NS.block_bytes)
     monkeypatch.setattr(slabfile, "CHUNK_BYTES", 300)
+    monkeypatch.setattr(slabfile, "WRITE_RUN_BYTES", 300)
 
 
 def test_big_blocks_move_in_hashed_chunks_and_a_damaged_chunk_is_a_miss(tmp_path, chunked,
