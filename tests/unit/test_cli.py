@@ -161,3 +161,24 @@ def test_demo_and_sched_bench_refuse_bad_traces_in_one_line(tmp_path, capsys):
     demo.configure(parser)
     args = parser.parse_args(["--workers", "1", "--configs", "ab"])
     assert [s.key for s in demo.setups(args)] == ["a", "b"]
+
+
+def test_commands_that_need_what_a_store_only_install_leaves_out_name_the_extra():
+    """`pip install kvtier` has no torch (nor the model loaders): the engine's commands said
+    so in a traceback from deep in an import; each now names the pip extra to add, and a
+    GPU tier asked for without torch is a config error. The store's own commands work."""
+    # (torch made unimportable in a fresh interpreter, as on a store-only install)
+    no_torch = "import sys; sys.modules['torch'] = None; from kvtier.cli import main; " \
+               "sys.exit(main(sys.argv[1:]))"
+    for argv, extra in ((["demo", "--help"], "hf"), (["cluster", "--model", "x"], "hf"),
+                        (["bench", "store", "--quick"], "engine"),
+                        (["serve", "--gpu-size", "1GiB", "--port", "0"], "engine")):
+        got = subprocess.run([sys.executable, "-c", no_torch, *argv], capture_output=True,
+                             text=True, timeout=120)
+        assert got.returncode == 2, (argv, got.stderr)
+        assert f"pip install 'kvtier[{extra}]'" in got.stderr and "Traceback" not in got.stderr
+    ok = subprocess.run([sys.executable, "-c", no_torch, "hash", "--model", "m", "--num-layers",
+                         "1", "--num-kv-heads", "1", "--head-dim", "64", "--block-tokens", "2",
+                         "1", "2"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "block 0:" in ok.stdout, ok.stderr
