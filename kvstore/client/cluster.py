@@ -87,7 +87,7 @@ class _EtcdLoop:
 class ClusterClient:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  replicas: int = 1, prefer_node: str | None = None, timeout_s: float = 30.0,
-                 use_shm: bool = True) -> None:
+                 use_shm: bool = True, etcd_credentials_file: str | None = None) -> None:
         if namespace is None:
             raise ValueError("ClusterClient needs namespace=Namespace(...)")
         if replicas < 1:
@@ -108,7 +108,8 @@ class ClusterClient:
         self._by_id_at: tuple[str, str] | None = None
         self._by_id_until = 0.0
         self._loop = _EtcdLoop.get()
-        self._member = ClusterMember(parse_etcd_url(url), None)
+        # (read here, before any thread or channel: a bad file is the caller's ConfigError)
+        self._member = ClusterMember(parse_etcd_url(url, etcd_credentials_file), None)
         try:
             self._on_loop(self._member.start())
         except BaseException:

@@ -70,15 +70,43 @@ async def connect_from(address: EtcdAddress, first: int,
     for k in range(n):
         i = (first + k) % n
         host, port = address.endpoints[i]
-        client = aetcd.Client(host=host, port=port, timeout=timeout_s)
+        user, password = address.credentials or (None, None)
+        client = aetcd.Client(host=host, port=port, username=user, password=password,
+                              timeout=timeout_s)
         try:
-            await asyncio.wait_for(client.status(), timeout_s)
+            # (a key read under the prefix, not Status: on an etcd with auth on, Status is
+            # the root user's, and a node's user may read and write its prefix alone)
+            await asyncio.wait_for(client.get(f"{address.prefix}/".encode()), timeout_s)
             return client, i
         except (*ETCD_ERRORS, asyncio.TimeoutError, OSError) as e:
-            failures.append(f"{host}:{port}: {type(e).__name__}")
             await client.close()
+            if _is_refusal(e):
+                raise ClusterError(_refused(address, host, port, e)) from None
+            failures.append(f"{host}:{port}: {type(e).__name__}")
     raise ClusterError(f"no etcd endpoint answered ({'; '.join(failures)}); is etcd running "
                        "and the address right?")
+
+
+def _is_refusal(e: BaseException) -> bool:
+    """Did etcd refuse who we are (no user, a wrong password, no permission on the
+    prefix), rather than fail to answer? (aetcd raises gRPC's UNAUTHENTICATED as
+    UnauthenticatedError, a failed login as InvalidArgumentError, PERMISSION_DENIED as a
+    bare ClientError: told apart by etcd's own words.)"""
+    text = str(e).lower()
+    return isinstance(e, aetcd.exceptions.UnauthenticatedError) or (
+        isinstance(e, aetcd.ClientError) and any(
+            w in text for w in ("authentication failed", "permission denied", "user name is empty",
+                                "invalid auth token", "user name not found")))
+
+
+def _refused(address: EtcdAddress, host: str, port: int, e: Exception) -> str:
+    """What to say of an etcd that refused this node's credentials (or their lack)."""
+    if address.credentials is None:
+        return (f"etcd at {host}:{port} requires a user ({type(e).__name__}): pass "
+                "--etcd-credentials-file (etcd_credentials_file= for a pool client)")
+    return (f"etcd at {host}:{port} refused user {address.credentials[0]!r} "
+            f"({type(e).__name__}: {e}); check the credentials file and that the user's "
+            f"role may read and write {address.prefix}/")
 
 
 class ClusterMember:

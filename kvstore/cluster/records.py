@@ -1,6 +1,7 @@
 """What a node publishes about itself, and how a cluster address is written."""
 from __future__ import annotations
 
+import os
 import time
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -60,13 +61,23 @@ def check_host_port(addr: str, what: str, schemes: tuple[str, ...]) -> None:
 class EtcdAddress(NamedTuple):
     endpoints: tuple[tuple[str, int], ...]
     prefix: str
+    credentials: tuple[str, str] | None = None  # (user, password) where etcd's auth is on
+
+    def __repr__(self) -> str:  # (never the password, in a log line or a traceback)
+        user = f", user={self.credentials[0]!r}" if self.credentials else ""
+        return f"EtcdAddress(endpoints={self.endpoints!r}, prefix={self.prefix!r}{user})"
 
 
-def parse_etcd_url(url: str) -> EtcdAddress:
-    """'etcd://h1:2379,h2:2379/prefix' -> endpoints and key prefix (default '/kvtier')."""
+def parse_etcd_url(url: str, credentials_file: str | None = None) -> EtcdAddress:
+    """'etcd://h1:2379,h2:2379/prefix' -> endpoints and key prefix (default '/kvtier'), with
+    the user and password of `credentials_file` (`read_etcd_credentials`), if given."""
     parts = urlsplit(url)
     if parts.scheme != "etcd" or not parts.netloc:
         raise ConfigError(f"cluster address {url!r} must look like etcd://HOST:PORT[,HOST:PORT]/PREFIX")
+    if "@" in parts.netloc:  # (a password in a URL shows in ps, logs and shell history)
+        raise ConfigError("etcd credentials do not go in the cluster address: put USER:PASSWORD "
+                          "in a file and pass it (--etcd-credentials-file, or "
+                          "etcd_credentials_file= for a pool client)")
     if parts.query or parts.fragment or "?" in url or "#" in url:
         # (urlsplit took them off the prefix, silently: two pools met under one)
         raise ConfigError(f"the prefix of cluster address {url!r} may not hold '?' or '#'")
@@ -77,4 +88,26 @@ def parse_etcd_url(url: str) -> EtcdAddress:
             raise ConfigError(f"etcd endpoint {hostport!r} in {url!r} needs HOST:PORT")
         endpoints.append((host.strip("[]"), int(port)))
     prefix = parts.path.rstrip("/") or "/kvtier"
-    return EtcdAddress(tuple(endpoints), prefix)
+    creds = read_etcd_credentials(credentials_file) if credentials_file else None
+    return EtcdAddress(tuple(endpoints), prefix, creds)
+
+
+def read_etcd_credentials(path: str) -> tuple[str, str]:
+    """(user, password) from a file whose first line that is not blank or a `#` comment
+    is USER:PASSWORD (the password may hold ':'). Refused if other users may read it."""
+    try:
+        with open(path) as f:
+            lines = [ln.strip() for ln in f]
+            mode = os.fstat(f.fileno()).st_mode
+    except OSError as e:
+        raise ConfigError(f"cannot read etcd credentials file {path}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"etcd credentials file {path} is not UTF-8 text ({e})") from e
+    if mode & 0o077:
+        raise ConfigError(f"etcd credentials file {path} can be read by other users (mode "
+                          f"{mode & 0o777:o}): chmod 600 it")
+    line = next((ln for ln in lines if ln and not ln.startswith("#")), "")
+    user, colon, password = line.partition(":")
+    if not colon or not user or not password:
+        raise ConfigError(f"etcd credentials file {path}: its line is USER:PASSWORD")
+    return user, password

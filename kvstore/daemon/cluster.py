@@ -178,7 +178,8 @@ class ClusterAgent:
         self.cfg, self.registry = cfg, registry
         record = NodeRecord(cfg.node_id, netloc(host, data_port),
                             f"http://{netloc(host, http_port)}")
-        self.member = ClusterMember(parse_etcd_url(cfg.cluster), record, ttl_s=cfg.cluster_ttl_s)
+        self.member = ClusterMember(parse_etcd_url(cfg.cluster, cfg.etcd_credentials_file),
+                                    record, ttl_s=cfg.cluster_ttl_s)
         self.service = MetadataService(self.member.members)
         self._reported_to: tuple | None = None  # the leader term reported to
         self._known: set[int] = set()   # namespaces the current leader has a snapshot of

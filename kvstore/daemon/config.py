@@ -122,6 +122,9 @@ class DaemonConfig:
                               "pool coordinated by etcd")
     advertise: str | None = opt(None, "address peers and clients use to reach this node "
                                 "(default: the bind address)")
+    etcd_credentials_file: str | None = opt(
+        None, "file holding USER:PASSWORD for etcd (when its auth is on: `etcdctl auth "
+        "enable`); without it anyone who reaches etcd can rewrite the pool's membership")
     cluster_ttl_s: int = opt(5, "seconds of silence after which etcd drops a node",
                              flag="--cluster-ttl")
     event_interval_s: float = 0.05   # how often KV events are shipped to the leader
@@ -168,6 +171,8 @@ class DaemonConfig:
                 raise ConfigError(f"port {port} out of range")
         if self.cluster is not None and not self.cluster.startswith("etcd://"):
             raise ConfigError(f"--cluster {self.cluster!r} must be etcd://HOST:PORT[,...]/PREFIX")
+        if self.etcd_credentials_file is not None and self.cluster is None:
+            raise ConfigError("--etcd-credentials-file is etcd's: it goes with --cluster")
         for b in self.agent_backends:
             if b not in ("tcp", "nixl", "ucx"):
                 raise ConfigError(f"agent backend {b!r} is not one of tcp, nixl, ucx")

@@ -670,3 +670,66 @@ def test_a_namespace_of_many_blocks_reaches_the_leaders_index_after_a_restart(et
         assert "answered 413" not in d.output()
     finally:
         d.close()
+
+
+def test_a_pool_on_an_etcd_with_auth_on(tmp_path):
+    """Without etcd's auth anyone who reaches it can rewrite the pool's membership (send
+    clients to a node of theirs). With it on, nodes and pool clients log in with a user
+    whose role may read and write the pool's prefix alone (`--etcd-credentials-file`,
+    `etcd_credentials_file=`): the pool forms and serves. A node with no credentials or a
+    wrong password is refused at start with a clear error, and so is a pool client; a
+    credentials file others may read, and a password in the URL, are refused outright."""
+    import subprocess
+
+    from kvstore.cluster.etcdproc import EtcdProcess
+    from kvstore.cluster.records import ClusterError
+    from kvstore.errors import ConfigError
+
+    with EtcdProcess(str(tmp_path / "etcd"), name="kvtier-auth") as etcd:
+        def ctl(*args: str) -> None:
+            subprocess.run(["etcdctl", "--endpoints", etcd.endpoint, *args], check=True,
+                           capture_output=True, timeout=30)
+        ctl("user", "add", "root", "--new-user-password=rootpw")
+        ctl("role", "add", "pool")  # (Pool names its prefixes /kvtier-test-poolN)
+        ctl("role", "grant-permission", "pool", "readwrite", "/kvtier-test-pool", "--prefix=true")
+        ctl("user", "add", "node", "--new-user-password=nodepw")
+        ctl("user", "grant-role", "node", "pool")
+        ctl("auth", "enable")
+        creds, wrong = tmp_path / "etcd-creds", tmp_path / "etcd-wrong"
+        for path, line in ((creds, "node:nodepw\n"), (wrong, "# the pool's\nnode:nope\n")):
+            path.write_text(line)
+            path.chmod(0o600)
+
+        pool = Pool(etcd, tmp_path / "pool", 2, "--etcd-credentials-file", str(creds))
+        try:
+            wait_until(lambda: all(len(pool.view(n).get("members", ())) == 2 for n in pool.nodes),
+                       30, "two members, logged in to etcd")
+            with ClusterClient(pool.url, namespace=NS, etcd_credentials_file=str(creds)) as c:
+                hashes = chain(31, 6)
+                assert c.put_n(hashes, payload(hashes)) == [PutStatus.STORED] * 6
+                out, tiers = read(c, hashes)
+                assert check_bytes(hashes, out, tiers) == 6
+            for file in (None, wrong):
+                with pytest.raises(ClusterError, match="requires a user" if file is None
+                                   else "refused user 'node'"):
+                    ClusterClient(pool.url, namespace=NS,
+                                  etcd_credentials_file=None if file is None else str(file))
+                extra = () if file is None else ("--etcd-credentials-file", str(file))
+                stranger = Daemon(str(tmp_path / "stranger"), "--cluster", pool.url,
+                                  "--node-id", "x", *extra)
+                try:  # (it may answer /healthz a moment before it tries etcd)
+                    stranger.start(timeout_s=30)
+                except RuntimeError:
+                    pass
+                assert stranger.proc.wait(30) != 0
+                assert ("requires a user" if file is None else "refused user 'node'") \
+                    in stranger.output(), stranger.output()
+                stranger.close()
+            assert len(pool.view("n0").get("members", ())) == 2  # (neither got in)
+        finally:
+            pool.stop()
+    creds.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        ClusterClient("etcd://127.0.0.1:1/x", namespace=NS, etcd_credentials_file=str(creds))
+    with pytest.raises(ConfigError, match="do not go in the cluster address"):
+        ClusterClient("etcd://node:nodepw@127.0.0.1:1/x", namespace=NS)
