@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+import os
 import re
 from dataclasses import dataclass
 
@@ -10,6 +11,18 @@ from kvstore.events import TierKind
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def read_text_file(path: str, what: str) -> tuple[list[str], int]:
+    """The lines of a small UTF-8 file that holds secrets (`what` names it in the errors),
+    and its mode: the caller decides what a mode others may read calls for."""
+    try:
+        with open(path) as f:
+            return list(f), os.fstat(f.fileno()).st_mode
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text ({e})") from e
 
 
 def parse_size(text: str | int) -> int:

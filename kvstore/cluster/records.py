@@ -1,13 +1,13 @@
 """What a node publishes about itself, and how a cluster address is written."""
 from __future__ import annotations
 
-import os
 import time
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import msgspec
 
+from kvstore.config import read_text_file
 from kvstore.errors import ConfigError, KVStoreError
 from transfer.codec import Record
 
@@ -95,14 +95,8 @@ def parse_etcd_url(url: str, credentials_file: str | None = None) -> EtcdAddress
 def read_etcd_credentials(path: str) -> tuple[str, str]:
     """(user, password) from a file whose first line that is not blank or a `#` comment
     is USER:PASSWORD (the password may hold ':'). Refused if other users may read it."""
-    try:
-        with open(path) as f:
-            lines = [ln.strip() for ln in f]
-            mode = os.fstat(f.fileno()).st_mode
-    except OSError as e:
-        raise ConfigError(f"cannot read etcd credentials file {path}: {e}") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"etcd credentials file {path} is not UTF-8 text ({e})") from e
+    text, mode = read_text_file(path, "etcd credentials file")
+    lines = [ln.strip() for ln in text]
     if mode & 0o077:
         raise ConfigError(f"etcd credentials file {path} can be read by other users (mode "
                           f"{mode & 0o777:o}): chmod 600 it")

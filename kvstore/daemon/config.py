@@ -18,7 +18,7 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Iterator, NamedTuple
 
-from kvstore.config import parse_size
+from kvstore.config import parse_size, read_text_file
 from kvstore.errors import ConfigError
 
 log = logging.getLogger("kvtier.serve")
@@ -302,14 +302,8 @@ def read_token_file(path: str) -> tuple[tuple[str, str], ...]:
     the start of a line or after a space starts a comment (one inside a token is part of
     it: cut there, `Xy7#kP2q alice` was the admin token `Xy7`). A token named twice is
     refused (the last line won: a tenant's token became an admin's)."""
-    try:
-        with open(path) as f:
-            lines = [_COMMENT.split(ln, 1)[0].split() for ln in f]
-            mode = os.fstat(f.fileno()).st_mode
-    except OSError as e:
-        raise ConfigError(f"cannot read token file {path}: {e}") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"token file {path} is not UTF-8 text ({e})") from e
+    text, mode = read_text_file(path, "token file")
+    lines = [_COMMENT.split(ln, 1)[0].split() for ln in text]
     out: list[tuple[str, str]] = []
     for parts in filter(None, lines):
         if len(parts) > 2:
