@@ -89,6 +89,7 @@ class StreamAborted(ConnectionError):
 
 
 TIER_CODES = {None: w.MISS, **{t: int(t) for t in TierKind}}  # a reply's byte per block
+_DRAM_CODE = bytes((TIER_CODES[TierKind.DRAM],))
 
 
 def _unread(sock: socket.socket) -> int:
@@ -129,6 +130,10 @@ class Session:
         self.agent_key = b""
         self._rcvtimeo: bytes | None = None  # the socket's receive timeout, once read
         self._rcvtimeo_s = 0.0  # the same in seconds (0: none)
+        # the config's figures a GET reply's send reads, worked out once (each a property
+        # or an attribute chain run cold after the last megabyte's copy, per request)
+        self._send_period = cfg.timeout_periods[0]
+        self._reply_slack_s = 2 * cfg.reservation_timeout_s
 
     # ------------------------------------------------------------ plumbing
 
@@ -536,7 +541,9 @@ class Session:
             if held is not None:
                 kinds, entries = held
                 self.hosted.count_lease_hits(len(entries))
-                tiers, nbytes = tier_bytes(kinds), len(entries) * bb
+                nbytes = len(entries) * bb
+                # (all hits, the common case: one byte repeated, not a lookup per block)
+                tiers = _DRAM_CODE * len(kinds) if len(entries) == len(kinds) else tier_bytes(kinds)
                 # (every line here runs with cold caches, the megabyte the last request
                 # moved having evicted them: a generator unpacked into the views was ~15 us
                 # of a 1 MiB GET's ~170 us of Python, by py-spy)
@@ -594,7 +601,7 @@ class Session:
     def _send_before(self, views: list[memoryview], deadline: float) -> None:
         """Send views whole by `deadline` (TimeoutError past it; see wire.send_views), then
         put the connection's send timeout back if the deadline took its place."""
-        period = self.cfg.timeout_periods[0]
+        period = self._send_period
         changed = True
         try:
             changed = w.send_views(self.sock, views, deadline, period)
@@ -606,7 +613,7 @@ class Session:
         """By when a reply of `nbytes` must be out: as a put's payload must come in (see
         _bound_payload), so a client that reads a byte now and then cannot hold the blocks
         its reply pins, nor this thread, for as long as it likes."""
-        return time.monotonic() + 2 * self.cfg.reservation_timeout_s + nbytes / MIN_PAYLOAD_RATE
+        return time.monotonic() + self._reply_slack_s + nbytes / MIN_PAYLOAD_RATE
 
     def _stream(self, msg: w.GetOk, lease, hashes: list[bytes], order: list[int],
                 slots: list[int], scratch: np.ndarray, k: int,
