@@ -149,9 +149,10 @@ def byte_rows(bufs, n: int, nbytes: int, *, writable: bool = False):
             if _size(row) != nbytes:
                 raise BlockSizeError(f"buffer {i} is {_size(row)} bytes; blocks are {nbytes} bytes")
         return rows
-    if (type(bufs) is np.ndarray and bufs.dtype == _U8 and bufs.shape == (n, nbytes)
-            and bufs.flags.c_contiguous and (bufs.flags.writeable or not writable)):
-        return bufs  # already [n, nbytes] bytes (the daemon's scratch rows): no view ops
+    host = host_rows(bufs, n, nbytes, writable)
+    if host is not None:  # n host blocks back to back (the daemon's scratch rows, a CPU
+        return host  # uint8 tensor): one conversion, no torch view ops (as_bytes' detach,
+        # reshape and view: 9.7 us against 3.6 warm, ~8% of a 1 MiB SSD-tier put cold)
     flat = as_bytes(bufs, writable=writable)
     if _size(flat) != n * nbytes:
         raise BlockSizeError(f"buffer is {_size(flat)} bytes; {n} blocks need {n * nbytes} bytes")
