@@ -171,8 +171,12 @@ class DaemonConfig:
                 raise ConfigError(f"port {port} out of range")
         if self.cluster is not None and not self.cluster.startswith("etcd://"):
             raise ConfigError(f"--cluster {self.cluster!r} must be etcd://HOST:PORT[,...]/PREFIX")
-        if self.etcd_credentials_file is not None and self.cluster is None:
-            raise ConfigError("--etcd-credentials-file is etcd's: it goes with --cluster")
+        if self.etcd_credentials_file is not None:
+            if self.cluster is None:
+                raise ConfigError("--etcd-credentials-file is etcd's: it goes with --cluster")
+            from kvstore.cluster.records import read_etcd_credentials
+            read_etcd_credentials(self.etcd_credentials_file)  # (refused now, not once the
+            # node has opened its ports and tries etcd)
         for b in self.agent_backends:
             if b not in ("tcp", "nixl", "ucx"):
                 raise ConfigError(f"agent backend {b!r} is not one of tcp, nixl, ucx")

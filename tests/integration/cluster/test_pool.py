@@ -731,5 +731,10 @@ def test_a_pool_on_an_etcd_with_auth_on(tmp_path):
     creds.chmod(0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
         ClusterClient("etcd://127.0.0.1:1/x", namespace=NS, etcd_credentials_file=str(creds))
+    loose = Daemon(str(tmp_path / "loose"), "--cluster", "etcd://127.0.0.1:1/x",
+                   "--etcd-credentials-file", str(creds))
+    with pytest.raises(RuntimeError, match="chmod 600"):  # (before it opens a port)
+        loose.start(timeout_s=30)
+    loose.close()
     with pytest.raises(ConfigError, match="do not go in the cluster address"):
         ClusterClient("etcd://node:nodepw@127.0.0.1:1/x", namespace=NS)
