@@ -130,8 +130,9 @@ class Session:
         self.agent_key = b""
         self._rcvtimeo: bytes | None = None  # the socket's receive timeout, once read
         self._rcvtimeo_s = 0.0  # the same in seconds (0: none)
-        # the config's figures a GET reply's send reads, worked out once (each a property
-        # or an attribute chain run cold after the last megabyte's copy, per request)
+        # the config's figures a request reads, worked out once (each a property or an
+        # attribute chain run cold after the last megabyte's copy): the connection's socket
+        # timeout, and the slack a payload or a reply has past its bytes at MIN_PAYLOAD_RATE
         self._send_period = cfg.timeout_periods[0]
         self._reply_slack_s = 2 * cfg.reservation_timeout_s
 
@@ -386,7 +387,7 @@ class Session:
                 self._rcvtimeo, self._rcvtimeo_s = None, 0.0
                 try:
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                         w.timeval(self.cfg.timeout_periods[0]))
+                                         w.timeval(self._send_period))
                 except OSError:
                     pass  # (the connection is closing)
 
@@ -452,7 +453,7 @@ class Session:
         one to change it later: `puts`)."""
         if not payload_bytes:
             return None
-        allowed = 2 * self.cfg.reservation_timeout_s + payload_bytes / MIN_PAYLOAD_RATE
+        allowed = self._reply_slack_s + payload_bytes / MIN_PAYLOAD_RATE
         self.reader.payload_deadline = time.monotonic() + allowed
         before = self._rcvtimeo
         if before is None:
