@@ -11,7 +11,8 @@ from kvstore.errors import ConfigError
 from kvstore.events import TierKind
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
-from kvstore.slotdir import ALIVE_CHECK_S, PROBES, SlotDirectory, SlotDirectoryReader
+from kvstore.slotdir import (ALIVE_CHECK_S, PROBES, SlotDirectory, SlotDirectoryReader,
+                             entry)
 
 NS = Namespace("slotdir-test", num_layers=1, num_kv_heads=1, head_dim=16)  # 1 KiB blocks
 
@@ -75,14 +76,54 @@ def test_a_crowded_bucket_only_loses_hints(pair):
 def test_a_garbage_table_entry_is_never_trusted(pair):
     writer, reader = pair
     writer.publish([9], [h(9)])
-    # point every bucket at slot 9 (what a torn or stale table could show)
+    # point every bucket at slot 9 (what a torn or stale table could show), under the tag
+    # of the hash looked up: the tag lets a reader look, the slot's owner decides
     table = writer._v.table
-    for i in range(len(table)):
-        table[i] = 10
-    assert reader.find(h(9))[0] == 9
-    assert reader.find(h(10)) is None, "slot 9 holds another hash"
-    table[0] = 10 ** 6  # out of range
+    for key in (h(9), h(10)):
+        for i in range(len(table)):
+            table[i] = entry(9, key)
+        assert reader.find(h(9)) is None or key == h(9)
+        assert reader.find(h(10)) is None, "slot 9 holds another hash"
+        got, _ = reader.find_n(h(9) + h(10))
+        assert got.tolist() == ([9, -1] if key == h(9) else [-1, -1])
+    table[0] = entry(10 ** 6, h(0, bucket=0))  # out of range
     assert reader.find(h(0, bucket=0)) is None
+    table[0] = -1  # not an entry at all
+    assert reader.find(h(0, bucket=0)) is None
+    assert reader.find_n(h(0, bucket=0))[0].tolist() == [-1]
+
+
+def test_only_entries_with_the_hash_tag_are_looked_into(pair):
+    """A miss looks no further than the tags of the entries in its probes; a hit is
+    found among entries of other hashes in the same buckets."""
+    writer, reader = pair
+    keys = [h(i, bucket=3) for i in range(PROBES - 1)]
+    writer.publish(list(range(len(keys))), keys)
+    assert [reader.find(k)[0] for k in keys] == list(range(len(keys)))
+    assert reader.find_n(b"".join(keys))[0].tolist() == list(range(len(keys)))
+    # an entry for slot 0 under another hash's tag: slot 0's owner is never compared
+    gen = writer._v.gen
+    owner_checked = []
+    class Spy(bytes):
+        def __eq__(self, other):
+            owner_checked.append(other)
+            return bytes.__eq__(self, other)
+        __hash__ = bytes.__hash__
+    assert reader.find(Spy(h(99, bucket=3))) is None
+    assert owner_checked == [], "a miss compared owners of entries with other tags"
+    assert gen[0] % 2 == 0
+
+
+def test_wrapping_probes_are_found(pair):
+    """Buckets at the end of the table probe on from its start."""
+    writer, reader = pair
+    last = writer._v.table_size - 1
+    keys = [h(i, bucket=last) for i in range(4)]
+    writer.publish([1, 2, 3, 4], keys)
+    assert [reader.find(k)[0] for k in keys] == [1, 2, 3, 4]
+    assert reader.find_n(b"".join(keys))[0].tolist() == [1, 2, 3, 4]
+    writer.unpublish([2], [keys[1]])
+    assert reader.find(keys[1]) is None and reader.find(keys[3])[0] == 4
 
 
 def test_closed_directory_finds_nothing(pair):
