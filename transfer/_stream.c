@@ -91,6 +91,27 @@ static PyObject *copy(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* copy_at(dst_address, src_address, nbytes): copy as `copy` does, between two host
+ * addresses the caller holds as ints and vouches for (both mapped for nbytes, and kept so
+ * while this runs). A same-host put of one CPU tensor copies into its slot this way: the
+ * tensor's .numpy(), the slot's row and the two buffer exports cost ~5 us of a ~40 us
+ * 256 KiB put, its address ~0.3. */
+static PyObject *copy_at(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, src;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "KKn:copy_at", &dst, &src, &n))
+        return NULL;
+    if (n < 0 || (n && (!dst || !src))) {
+        PyErr_SetString(PyExc_ValueError, "copy_at needs two addresses and a size >= 0");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    stream_copy((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* recv_into(fd, buffer, chunk): fill `buffer` from a blocking stream socket in calls of
  * at most `chunk` bytes (MSG_WAITALL), with the GIL released once for the whole loop, not
  * once per call with Python running in between (4 MiB payloads to 4 threads of one client
@@ -249,6 +270,9 @@ static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
      "copy(dst, src): src's bytes into dst (two contiguous buffers of one size), stored "
      "around the caches."},
+    {"copy_at", copy_at, METH_VARARGS,
+     "copy_at(dst_address, src_address, nbytes): copy between two host addresses the "
+     "caller vouches for, stored around the caches."},
     {"recv_into", recv_into, METH_VARARGS,
      "recv_into(fd, buffer, chunk) -> int: fill buffer from a blocking stream socket, "
      "chunk bytes a call, the GIL released once; the bytes received (fewer: the peer "

@@ -32,6 +32,17 @@ memmove = ctypes.memmove
 two host addresses, for callers that hold both as ints (no view of either side made); the
 caller keeps both buffers alive and in bounds."""
 
+_copy_at = getattr(_stream, "copy_at", None)
+
+
+def copy_at(dst_address: int, src_address: int, nbytes: int, cold: bool = False) -> None:
+    """`memmove` for two buffers that do not overlap, stored around the caches when `cold`
+    and big (as copy_arrays); the caller keeps both alive and in bounds."""
+    if cold and nbytes >= STREAM_COLD_BYTES and _copy_at is not None:
+        _copy_at(dst_address, src_address, nbytes)
+    else:
+        memmove(dst_address, src_address, nbytes)
+
 
 def loaded_torch():
     """torch if the program imported it (a tensor can only exist then); never imports it

@@ -27,7 +27,7 @@ from kvstore.client.conn import Connection
 from kvstore.client.shm import ArenaMap
 from kvstore.keys import HASH_BYTES
 from kvstore.putring import PutRing
-from transfer.copy import copy_bytes
+from transfer.copy import copy_at, copy_bytes
 from transfer.shm import ShmSegment
 
 REFUSED_RETRY_S = 1.0  # after a FLUSH that could not get a batch its slots, puts as big go
@@ -84,15 +84,12 @@ class DirectPuts:
         granted slots or ring room for this batch: use a request then. Blocks are copied into
         the slots granted so far while the drainer grants more; with a `conn`, one FLUSH asks
         for the slots still missing when none are left."""
-        directory = self.arena.directory
-        if directory.closed or not directory.writer_alive():
-            return None  # the daemon (or this namespace's store) is gone: ask it anew
+        directory = self._directory()
+        if directory is None:
+            return None
         with self.lock:
-            if self.closed or self._ended():
-                return None  # another thread ended the channel (its FLUSH failed), or the
-                # daemon did (it is stopping): by request
-            if not self.ring.pending():
-                self.unseen.clear()  # all committed: the slot directory shows them now
+            if not self._open():
+                return None
             if len(hashes) == 1 and self.grants and self.ring.room():
                 return self._put_one(hashes[0], rows, directory)
             new, seen, unseen = [], set(), self.unseen
@@ -137,19 +134,59 @@ class DirectPuts:
         return [PutStatus.STORED if i in stored else PutStatus.EXISTS
                 for i in range(len(hashes))]
 
+    def put_one_at(self, block_hash: bytes, address: int) -> list[PutStatus] | None:
+        """`put_n` of one block at `address` (a CPU tensor's: `host_address`; the caller
+        keeps it alive) while a granted slot and ring room are in hand; None, and nothing
+        published, when not: the caller puts it with rows then (`put_n` may ask for
+        slots, or say to go by request)."""
+        directory = self._directory()
+        if directory is None:
+            return None
+        with self.lock:
+            if self._open() and self.grants and self.ring.room():
+                return self._put_one(block_hash, address, directory)
+        return None
+
+    def _directory(self):
+        """The slot directory, or None once the daemon (or this namespace's store) is gone
+        (then ask it anew, by request)."""
+        directory = self.arena.directory
+        if directory is None or directory.closed or not directory.writer_alive():
+            return None
+        return directory
+
+    def _open(self) -> bool:
+        """(Under the lock.) May a put publish into this channel? False once another
+        thread ended it (its FLUSH failed), or the daemon did (it is stopping): by request
+        then. Forgets the puts committed since the last look."""
+        if self.closed or self._ended():
+            return False
+        if not self.ring.pending():
+            self.unseen.clear()  # all committed: the slot directory shows them now
+        return True
+
     def _put_one(self, block_hash: bytes, rows, directory) -> list[PutStatus]:
         """`put_n` of one block with a granted slot in hand and ring room (under the lock):
         the common same-host put, in as few steps as it takes (the general path's sets,
-        lists and refill checks were ~5 us of a ~30 us 256 KiB put)."""
+        lists and refill checks were ~5 us of a ~30 us 256 KiB put). `rows`: the block's
+        host rows, or its address (`put_one_at`)."""
         h = block_hash if type(block_hash) is bytes else w.hash_bytes(block_hash)
         if len(h) != HASH_BYTES:
             raise ValueError(f"block hashes are {HASH_BYTES} bytes each, not {len(h)}")
         if h in self.unseen or directory.find(h) is not None:
             return [PutStatus.EXISTS]
-        src = cpu_array(rows)
         slot = self.grants.pop()
         try:
-            copy_bytes(self.arena.array[slot], (rows if src is None else src)[0], cold=True)
+            arena = self.arena
+            if type(rows) is int:
+                held = arena.array  # (held while copying: close() unmaps no viewed mapping)
+                if held is None:
+                    raise ConnectionError("the arena was unmapped (the client is closing)")
+                copy_at(arena.base + slot * arena.block_bytes, rows, arena.block_bytes,
+                        cold=True)
+            else:
+                src = cpu_array(rows)
+                copy_bytes(arena.array[slot], (rows if src is None else src)[0], cold=True)
             self.ring.push_one(h, slot)
         except BaseException:
             self.grants.append(slot)  # never published: still ours

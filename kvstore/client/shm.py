@@ -56,7 +56,7 @@ class ArenaMap:
                                                                             block_bytes)
         self.rows = self.array  # (rows of host memory: numpy, as every host buffer here)
         self.block_bytes = block_bytes
-        self._base = self.array.ctypes.data  # slot i at _base + i * block_bytes
+        self.base = self.array.ctypes.data  # slot i at base + i * block_bytes
         self.directory: SlotDirectoryReader | None = None
         if DIRECT_READS:
             try:
@@ -82,7 +82,7 @@ class ArenaMap:
         n = len(hashes)
         if arr is None or d is None:
             return [None] * n, list(range(n)), []
-        base, bb = self._base, self.block_bytes
+        base, bb = self.base, self.block_bytes
         tiers: list[TierKind | None] = [None] * n
         missed, touched = [], []
         for i, h in enumerate(hashes):
