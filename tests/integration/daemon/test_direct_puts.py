@@ -80,6 +80,9 @@ def test_a_single_block_put_takes_any_host_source(make_daemon, monkeypatch):
     taken = []
     monkeypatch.setattr(putpath.DirectPuts, "_put_one",
                         lambda self, *a: taken.append(1) or one(self, *a))
+    by_address = []  # (a CPU tensor's block is copied by its address, no view made)
+    at = putpath.copy_at
+    monkeypatch.setattr(putpath, "copy_at", lambda *a, **k: by_address.append(1) or at(*a, **k))
     hs = chain(11, 6)
     data = blocks(hs)
     sources = [data[0], bytes(data[1]), torch.from_numpy(data[2].copy()).view(torch.float16),
@@ -100,6 +103,7 @@ def test_a_single_block_put_takes_any_host_source(make_daemon, monkeypatch):
         assert c.put_n(chain(13, 1), data[0]) == [PutStatus.STORED]
         assert op_count(daemon, "put") == puts_before, "a single-block put sent a PUT"
         assert len(taken) == 6 * 3 + 2, "a single-block put left the one-block path"
+        assert len(by_address) == 2, "the two tensors' blocks were not copied by address"
         out = np.zeros((6, BB), np.uint8)
         assert tcp.get_n(hs, out) == [TierKind.DRAM] * 6
         assert np.array_equal(out, data)
@@ -320,3 +324,43 @@ def test_a_daemon_killed_mid_put_is_an_sdk_error_not_a_socket_error(make_daemon,
                                     extra=i.to_bytes(8, "little")), rows)
                 assert time.monotonic() < deadline, "puts went on with the daemon dead"
         assert isinstance(caught.value, KVStoreError), repr(caught.value)
+
+
+def test_close_waits_for_a_put_by_address_and_maps_nothing_after(make_daemon, monkeypatch):
+    """close() from another thread while a one-tensor put by address is under way (after
+    its slot lookup, before its copy): close waits for the put, which copies into the
+    still-mapped arena and is read back byte-exact by another client; the next put raises
+    ConnectError with nothing copied."""
+    import threading
+
+    import torch
+
+    from kvstore.client.errors import ConnectError
+    daemon = make_daemon("--dram-size", "4MiB")
+    hs = chain(21, 3)
+    with Client(daemon.url, namespace=NS) as c, \
+            Client(daemon.url, namespace=NS, use_shm=False) as tcp:
+        c.put_n(hs[:1], blocks(hs[:1]))  # opens the put channel
+        find = type(c._arena.directory).find
+        copied = []
+        at = putpath.copy_at
+        monkeypatch.setattr(putpath, "copy_at", lambda *a, **k: copied.append(1) or at(*a, **k))
+        closer = threading.Thread(target=c.close)
+
+        def find_then_close(d, h):
+            found = find(d, h)
+            if not closer.is_alive() and not c._closed:
+                closer.start()
+                time.sleep(0.3)  # (close is waiting for this put's channel by now)
+                assert c._arena is not None, "close unmapped the arena under a put"
+            return found
+        monkeypatch.setattr(type(c._arena.directory), "find", find_then_close)
+        assert c.put_n(hs[1:2], torch.from_numpy(blocks(hs[1:2]))) == [PutStatus.STORED]
+        closer.join(10)
+        assert not closer.is_alive() and c._closed and copied == [1]
+        with pytest.raises(ConnectError):
+            c.put_n(hs[2:], torch.from_numpy(blocks(hs[2:])))
+        assert copied == [1]
+        out = np.zeros((1, BB), np.uint8)
+        assert tcp.get_n(hs[1:2], out) == [TierKind.DRAM]
+        assert np.array_equal(out, blocks(hs[1:2]))

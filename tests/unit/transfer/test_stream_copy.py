@@ -26,6 +26,26 @@ def test_every_length_and_alignment_lands_exactly_where_it_should():
                 assert not dst[:dst_off].any() and not dst[dst_off + n:].any()
 
 
+def test_copy_at_lands_exactly_where_copy_does():
+    """By address (a same-host put of one tensor's block): every alignment and length,
+    nothing written outside the destination; no address, or a negative size, refused."""
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 256, (1 << 19) + 64, dtype=np.uint8)
+    for dst_off, src_off, n in ((0, 0, 0), (1, 3, 129), (63, 0, 4096 + 17),
+                                (16, 64, tc.STREAM_COLD_BYTES), (5, 7, 1 << 19)):
+        for cold in (False, True):
+            dst = np.zeros(n + 256, np.uint8)
+            tc.copy_at(dst.ctypes.data + dst_off, src.ctypes.data + src_off, n, cold)
+            assert (dst[dst_off:dst_off + n] == src[src_off:src_off + n]).all()
+            assert not dst[:dst_off].any() and not dst[dst_off + n:].any()
+    dst = np.zeros(8, np.uint8)
+    with pytest.raises(ValueError):
+        stream.copy_at(0, src.ctypes.data, 8)
+    with pytest.raises(ValueError):
+        stream.copy_at(dst.ctypes.data, src.ctypes.data, -1)
+    assert not dst.any()
+
+
 def test_bad_buffers_are_refused_and_nothing_is_written():
     dst = np.zeros(100, np.uint8)
     with pytest.raises(ValueError, match="100"):
