@@ -173,6 +173,9 @@ def oversubscribed() -> bool:
 
 
 GROW_START_S = 10e-6  # a window grown back from nothing starts here
+LOOK_S = 1e-3  # how long a look at the CPUs (waited_for_cpu, oversubscribed) stands: a
+# thread's run_delay grows by 0.1-0.3 us a request on a quiet host, 33-99 us beside 2 busy
+# processes, so WAITED_NS over a millisecond still tells the two apart
 
 
 class Spin:
@@ -187,20 +190,33 @@ class Spin:
     while more threads are runnable than there are CPUs (`oversubscribed`), nor in a
     thread that waited for a CPU since its last look (`waited_for_cpu`); a poll during
     which the thread was descheduled ends at once (that wait shows at its next look).
-    Without transfer._stream, or with `max_s` 0, it never polls."""
+    Without transfer._stream, or with `max_s` 0, it never polls.
 
-    __slots__ = ("max_s", "window_s", "_gave_up")
+    Those two looks (a /proc read each, 2-4 us on a 2-vCPU VM, twice that run cold after
+    a megabyte's copy: ~10-15 us of each request/reply between a client and the daemon)
+    stand for LOOK_S; a poll cut short by the thread's descheduling counts as a look that
+    found the CPUs short."""
+
+    __slots__ = ("max_s", "window_s", "_gave_up", "_looked_at", "_short")
 
     def __init__(self, max_s: float) -> None:
         self.max_s = max_s if spin_recv is not None else 0.0
         self.window_s = self.max_s
         self._gave_up = 0.0  # when the last poll gave up (0: it did not poll, or was cut)
+        self._looked_at = -LOOK_S  # when the CPUs were last looked at (perf_counter)
+        self._short = False  # what that look found: more work than CPUs
 
     def poll(self, sock: socket.socket, view) -> int | None:
         """Bytes received into `view` within the window (0: the peer closed), or None when
         none came: then the caller blocks in its receive and calls `blocked` after it."""
         self._gave_up = 0.0
-        if not self.max_s or waited_for_cpu() or oversubscribed():
+        if not self.max_s:
+            return None
+        now = time.perf_counter()
+        if now - self._looked_at >= LOOK_S:
+            self._looked_at = now
+            self._short = waited_for_cpu() or oversubscribed()
+        if self._short:
             return None
         k = spin_recv(sock.fileno(), view, int(self.window_s * 1e9))
         if k >= 0:
@@ -208,6 +224,8 @@ class Spin:
             return k
         if k == -1:  # (-2: descheduled while polling; the wait that follows says nothing
             self._gave_up = time.perf_counter()  # of the window)
+        else:
+            self._short, self._looked_at = True, time.perf_counter()
         return None
 
     def blocked(self) -> None:

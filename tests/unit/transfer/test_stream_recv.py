@@ -224,8 +224,8 @@ def test_spin_window_adapts_and_stands_down_when_the_cpus_are_oversubscribed(mon
     """transfer.sockio.Spin's policy, against scripted spin_recv results and a scripted
     clock: the window doubles after a served poll or a wait that ended soon after it
     gave up, halves after a long one; a poll cut short because the thread was descheduled
-    teaches the window nothing; a thread that waited for a CPU does not poll; max_s 0
-    never polls."""
+    teaches the window nothing and stands as a look that found the CPUs short; a thread
+    that waited for a CPU does not poll; a look stands for LOOK_S; max_s 0 never polls."""
     from transfer import sockio
     clock, results, windows, waited = _Clock(), [], [], [False]
 
@@ -262,12 +262,23 @@ def test_spin_window_adapts_and_stands_down_when_the_cpus_are_oversubscribed(mon
         spin.blocked()
         assert spin.window_s == 0.001
         waited[0] = False
+        assert spin.poll(b, buf) is None and not results  # (the look stands for LOOK_S)
+        clock.now += sockio.LOOK_S
         monkeypatch.setattr(sockio, "oversubscribed", lambda: True)  # more runnable than CPUs
         assert spin.poll(b, buf) is None and not results
         monkeypatch.setattr(sockio, "oversubscribed", lambda: False)
+        clock.now += sockio.LOOK_S
         results[:] = [5]
         assert spin.poll(b, buf) == 5  # polls again
-        assert windows == [10**6, 5 * 10**5, 10**6, 10**6, 10**6]
+        # a look that found the CPUs free stands as long: no /proc read per poll
+        looks = []
+        monkeypatch.setattr(sockio, "waited_for_cpu", lambda: looks.append(1) or False)
+        results[:] = [6, 7]
+        assert spin.poll(b, buf) == 6 and spin.poll(b, buf) == 7 and not looks
+        clock.now += sockio.LOOK_S
+        results[:] = [8]
+        assert spin.poll(b, buf) == 8 and looks == [1]
+        assert windows == [10**6, 5 * 10**5] + [10**6] * 6
         assert sockio.Spin(0).poll(b, buf) is None and not results
 
 
