@@ -87,8 +87,8 @@ class Hosted:
     def leave(self) -> None:
         with self._users_cv:
             self._users -= 1
-            if not self._users:
-                self._users_cv.notify_all()
+            if not self._users and self._retired:  # (only `retire` waits: a notify_all
+                self._users_cv.notify_all()  # per request was ~1-2 us of Python)
 
     def retire(self) -> None:
         """No request may start any more; returns once none is running."""
