@@ -4,8 +4,8 @@ it in advance, then appends (hash, slot) commit records to a ring both share.
 One ring per put channel (a local-socket connection of one client), in anonymous shared
 memory the daemon creates and hands over with the channel (`kvstore.daemon.putchannel`):
 
-    header (64 B)        u64 x 8: magic, capacity, commit write, commit read,
-                         grant write, grant read, grant capacity, closed
+    header (128 B)       u64 x 16: magic, capacity, commit write, commit read,
+                         grant write, grant read, grant capacity, closed, asleep, 7 unused
     commits[capacity]    16-byte block hash + int64 slot   (client writes, daemon reads)
     grants[gcapacity]    int64 slot                        (daemon writes, client reads)
 
@@ -13,7 +13,13 @@ Single producer, single consumer on each ring: the writer fills entries, then ad
 index; the reader reads the index, then the entries, then advances its own. x86-64 keeps
 stores in program order and loads in program order (TSO), which is all this needs; other
 CPUs keep the request paths (`DIRECT_PUTS` is False there). A client wakes the daemon with
-an eventfd after a batch; nothing waits for the commit. The daemon checks every record's
+an eventfd after a batch, only while the ring is marked asleep (`asleep`): the drainer
+clears the mark when it starts a pass over the ring and sets it again once it finds no
+more records, looking once more after setting it. Each side puts a full fence between its
+store and its load (`fence`), so either the client sees the mark and rings, or the drainer
+sees its record. Puts back to back then ring once per drainer pass, not once per put (a
+ring woke the drainer, a thread competing with the putter's, for every block). Nothing
+waits for the commit. The daemon checks every record's
 slot against what it granted that channel, so a confused or hostile client can only waste
 its own grants.
 """
@@ -25,9 +31,13 @@ import numpy as np
 
 from kvstore.slotdir import DIRECT_READS
 
-MAGIC = 0x4B56545055545247  # "KVTPUTRG"
-HEADER_WORDS = 8
-M, CAP, CW, CR, GW, GR, GCAP, CLOSED = range(HEADER_WORDS)
+MAGIC = 0x4B56545055545232  # "KVTPUTR2" ('...RG', the first layout, had no `asleep` word)
+HEADER_WORDS = 16
+M, CAP, CW, CR, GW, GR, GCAP, CLOSED, ASLEEP = range(9)
+try:
+    from transfer._stream import fence
+except ImportError:  # no C compiler at install: the client rings after every publish
+    fence = None
 RECORD = np.dtype([("hash", "V16"), ("slot", "<i8")])
 DIRECT_PUTS = DIRECT_READS  # the same memory-ordering assumption as the slot directory
 _SLOT = struct.Struct("<q")
@@ -51,6 +61,7 @@ class PutRing:
             for k in range(HEADER_WORDS):
                 self.head[k] = 0
             self.head[CAP], self.head[GCAP] = capacity, grant_capacity
+            self.head[ASLEEP] = 1  # (no drainer pass looks at it until its bell rings)
             self.head[M] = MAGIC
         if self.head[M] != MAGIC:
             raise ValueError("not a kvtier put ring")
@@ -93,6 +104,10 @@ class PutRing:
         """Commit records the daemon has not taken yet."""
         return int(self.head[CW] - self.head[CR])
 
+    def asleep(self) -> bool:
+        """Must a client ring the doorbell for what it just published? (After `fence`.)"""
+        return bool(self.head[ASLEEP])
+
     def ended(self) -> bool:
         """Has the daemon ended this channel (`mark_ended`)? A record published before the
         daemon marked it is committed by its last drain; one published after may never be:
@@ -123,6 +138,15 @@ class PutRing:
                 [_SLOT.unpack_from(buf, at + 16)[0] for at in ats]
         recs = self.commits[np.arange(r, r + n) % self.capacity]
         return [bytes(v) for v in recs["hash"]], recs["slot"].tolist()
+
+    def waiting(self) -> int:
+        """(Daemon side.) Published records not consumed yet, by the daemon's own read
+        index: within 0..capacity whatever the client wrote."""
+        return max(0, min(int(self.head[CW]) - self._cr, self.capacity))
+
+    def mark_asleep(self, asleep: bool) -> None:
+        """(Daemon side.) Whether the client must ring for its next record (`asleep`)."""
+        self.head[ASLEEP] = int(asleep)
 
     def mark_ended(self) -> None:
         """The daemon's last drain follows (`ended`). The mark is stored before that drain

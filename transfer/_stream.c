@@ -112,6 +112,16 @@ static PyObject *copy_at(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* fence(): a full memory barrier (mfence on x86-64). A same-host put publishes its record
+ * (a store), then looks whether the daemon's drainer sleeps (a load); the drainer marks
+ * itself asleep (a store), then looks for records (a load). x86-64 lets a store pass a
+ * later load, so each side fences between the two, or each could miss the other's. */
+static PyObject *fence(PyObject *self, PyObject *unused)
+{
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 /* recv_into(fd, buffer, chunk): fill `buffer` from a blocking stream socket in calls of
  * at most `chunk` bytes (MSG_WAITALL), with the GIL released once for the whole loop, not
  * once per call with Python running in between (4 MiB payloads to 4 threads of one client
@@ -273,6 +283,8 @@ static PyMethodDef methods[] = {
     {"copy_at", copy_at, METH_VARARGS,
      "copy_at(dst_address, src_address, nbytes): copy between two host addresses the "
      "caller vouches for, stored around the caches."},
+    {"fence", fence, METH_NOARGS,
+     "fence(): a full memory barrier between this thread's stores and its later loads."},
     {"recv_into", recv_into, METH_VARARGS,
      "recv_into(fd, buffer, chunk) -> int: fill buffer from a blocking stream socket, "
      "chunk bytes a call, the GIL released once; the bytes received (fewer: the peer "

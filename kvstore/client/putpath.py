@@ -26,7 +26,7 @@ from kvstore.buffers import cpu_array
 from kvstore.client.conn import Connection
 from kvstore.client.shm import ArenaMap
 from kvstore.keys import HASH_BYTES
-from kvstore.putring import PutRing
+from kvstore.putring import PutRing, fence
 from transfer.copy import copy_at, copy_bytes
 from transfer.shm import ShmSegment
 
@@ -126,7 +126,7 @@ class DirectPuts:
                 self.grants += slots  # copied into (or not), never published: still ours
             self.unseen.update(bytes(hashes[i]) for i in new)
             if new:
-                os.eventfd_write(self.doorbell, 1)
+                self._ring_bell()
                 if self._ended():
                     return None  # published after the daemon's last drain, maybe: by
                     # request (what that drain committed answers EXISTS there)
@@ -192,10 +192,21 @@ class DirectPuts:
             self.grants.append(slot)  # never published: still ours
             raise
         self.unseen.add(h)
-        os.eventfd_write(self.doorbell, 1)  # (before the look below: see PutRing.mark_ended)
+        self._ring_bell()
         if self._ended():
             return None  # (as put_n's)
         return [PutStatus.STORED]
+
+    def _ring_bell(self) -> None:
+        """Wake the drainer for the records just published, unless its pass over this ring
+        is under way and will see them (PutRing.asleep). The fence keeps the write index's
+        store ahead of the looks that follow, this one and the caller's at the ring's end
+        (see PutRing.mark_ended); without it, the eventfd's own lock serves, rung each time."""
+        if fence is not None:
+            fence()
+            if not self.ring.asleep():
+                return
+        os.eventfd_write(self.doorbell, 1)
 
     def _ended(self) -> bool:
         """Has the daemon ended this channel? Then nothing more is published into it."""

@@ -20,7 +20,7 @@ import time
 from kvstore.daemon.namespaces import Hosted
 from kvstore.grants import BATCH_SHARE, GRANTED_SHARE
 from kvstore.logevery import LogEvery
-from kvstore.putring import PutRing, ring_bytes
+from kvstore.putring import PutRing, fence, ring_bytes
 from kvstore.tuning import background_thread
 from transfer import ShmSegment
 
@@ -33,6 +33,7 @@ MIN_GRANTING_SLOTS = 16  # a smaller arena grants nothing: every slot stays a re
 BATCH_HOLD_S = 1.0  # a batch bigger than the stock is granted ahead this long after the last
 TOP_UP_STEP = 8  # the drainer tops a stock up once 1/8 of it is used, not after every put:
 # each top-up is a make-room pass of the store, ~44 us of CPU for one slot, run cold
+PASS_DRAINS = 4  # drains a pass of the drainer makes over one ring before the others' turns
 
 
 class PutChannel:
@@ -78,6 +79,47 @@ class PutChannel:
             self._note_batch(want, len(mine))
             self._top_up(want)
             return len(mine)
+
+    def drain_pass(self) -> bool:
+        """The drainer's pass over this ring (its doorbell rang, or the periodic one):
+        drain until the client publishes nothing more, then mark the ring asleep, so that
+        its next record rings, and look once more (a record whose client saw the ring
+        awake is drained now). False when records still came after PASS_DRAINS drains
+        (a client putting without pause, or writing its write index for nothing): the
+        ring is left marked asleep and the caller rings for it, to come back after the
+        other channels' turns."""
+        if fence is None:  # (no fence: the mark stays asleep, set at creation, and every
+            self.drain()  # publish rings)
+            return True
+        if not self._mark_asleep(False):
+            return True
+        for _ in range(PASS_DRAINS):
+            self.drain()
+            if self._asleep_unless_more():
+                return True
+        return not self._mark_asleep(True)
+
+    def _asleep_unless_more(self) -> bool:
+        """Mark the ring asleep, then look once more: True when it stays so (nothing more
+        was published, or the channel is closed), False, marked awake again, when records
+        wait."""
+        with self.lock:
+            if self.closed:
+                return True
+            self.ring.mark_asleep(True)
+            fence()
+            if not self.ring.waiting():
+                return True
+            self.ring.mark_asleep(False)
+            return False
+
+    def _mark_asleep(self, asleep: bool) -> bool:
+        """Mark the ring (`PutRing.mark_asleep`), unless the channel is closed: False then
+        (its memory goes with it)."""
+        with self.lock:
+            if not self.closed:
+                self.ring.mark_asleep(asleep)
+            return not self.closed
 
     def _note_batch(self, want: int, committed: int) -> None:
         """Remember a batch bigger than the stock (a FLUSH naming it) for as long as the
@@ -234,7 +276,10 @@ class Drainer:
         if not ch.hosted.enter():
             return  # its namespace is being cleared: nothing of it may be touched
         try:
-            ch.drain()
+            if not ch.drain_pass():
+                with ch.lock:  # (its records keep coming: back after the other channels)
+                    if not ch.closed:
+                        os.eventfd_write(ch.doorbell, 1)
         finally:
             ch.hosted.leave()
 

@@ -17,6 +17,7 @@ from kvstore import wire as w
 from kvstore.client import putpath
 from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
+from kvstore import putring
 from kvstore.putring import PutRing
 from kvstore.store import PutStatus
 from transfer.shm import ShmSegment
@@ -364,3 +365,104 @@ def test_close_waits_for_a_put_by_address_and_maps_nothing_after(make_daemon, mo
         out = np.zeros((1, BB), np.uint8)
         assert tcp.get_n(hs[1:2], out) == [TierKind.DRAM]
         assert np.array_equal(out, blocks(hs[1:2]))
+
+
+def _eventually(cond, what: str, within_s: float = 10.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < within_s, what
+        time.sleep(0.005)
+
+
+def test_a_put_rings_the_doorbell_only_while_the_ring_sleeps(make_daemon, monkeypatch):
+    """The drainer marks a ring asleep once a pass finds nothing more: the next put rings.
+    While a pass is under way (marked awake) a put publishes without ringing, and the pass
+    (or the periodic one) commits it all the same."""
+    daemon = make_daemon("--dram-size", "4MiB")
+    hs = chain(31, 4)
+    rings = []
+    real = os.eventfd_write
+    with Client(daemon.url, namespace=NS) as c, \
+            Client(daemon.url, namespace=NS, use_shm=False) as tcp:
+        c.put_n(hs[:1], blocks(hs[:1]))  # opens the put channel
+        ring = c._puts.ring
+        _eventually(lambda: not ring.pending() and ring.asleep(), "the pass never ended")
+        monkeypatch.setattr(os, "eventfd_write", lambda fd, v: rings.append(fd) or real(fd, v))
+        assert c.put_n(hs[1:2], blocks(hs[1:2])) == [PutStatus.STORED]
+        assert rings == [c._puts.doorbell]
+        _eventually(lambda: tcp.contains_n(hs[1:2]) == [True], "a rung put was not committed")
+        _eventually(lambda: ring.asleep(), "the pass never ended")
+        ring.head[putring.ASLEEP] = 0  # as a pass under way leaves it
+        assert c.put_n(hs[2:3], blocks(hs[2:3])) == [PutStatus.STORED]
+        assert len(rings) == 1, "a put rang while the drainer's pass was under way"
+        _eventually(lambda: tcp.contains_n(hs[2:3]) == [True],
+                    "a put published during a pass was never committed (the periodic pass "
+                    "missed it too)")
+        _eventually(lambda: ring.asleep(), "the periodic pass left the ring awake")
+
+
+def test_puts_back_to_back_from_two_writers_are_committed_without_a_flush(make_daemon):
+    """Two writers putting as fast as they can, each ringing only while its ring sleeps:
+    every block committed with no FLUSH (a lost wake-up would strand a writer's last
+    records; the periodic pass bounds that too, at DRAIN_S)."""
+    import threading
+    daemon = make_daemon("--dram-size", "16MiB")
+    sets = [chain(40 + k, 300) for k in range(2)]
+    errors = []
+
+    def writer(hs):
+        try:
+            with Client(daemon.url, namespace=NS) as c:
+                for i in range(len(hs)):
+                    c.put_n(hs[i:i + 1], blocks(hs[i:i + 1]))
+                with Client(daemon.url, namespace=NS, use_shm=False) as tcp:
+                    _eventually(lambda: all(tcp.contains_n(hs)), "puts left uncommitted")
+                assert c._puts is None or not c._puts.ring.pending()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=writer, args=(hs,)) for hs in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    with Client(daemon.url, namespace=NS, use_shm=False) as tcp:
+        out = np.zeros((300, BB), np.uint8)
+        for hs in sets:
+            assert None not in tcp.get_n(hs, out) and np.array_equal(out, blocks(hs))
+
+
+def test_a_ring_written_without_pause_does_not_starve_other_channels(daemon):
+    """A local client that moves its ring's write index on and on (garbage records, its
+    doorbell rung each time): the drainer's pass over it stops after PASS_DRAINS drains
+    and comes back after the other channels, so another client's puts are committed
+    (seen with no FLUSH), and nothing of the garbage is."""
+    import threading
+    with Client(daemon.url, namespace=NS, use_shm=False) as probe:
+        name = probe._run(lambda conn: conn.info.local_socket)
+    from kvstore.client.conn import Connection, LocalAddress
+    conn = Connection(LocalAddress(name), "", NS, 5, 5)
+    reply, (ring_fd, bell) = conn.call_fds(w.Puts(), 2)
+    seg = ShmSegment.from_fd(ring_fd, writable=True)
+    ring = PutRing(seg.array)
+    stop = threading.Event()
+
+    def hostile():
+        while not stop.is_set():
+            ring.head[putring.CW] = ring.head[putring.CW] + ring.capacity
+            os.eventfd_write(bell, 1)
+    t = threading.Thread(target=hostile)
+    t.start()
+    try:
+        hs = chain(50, 8)
+        with Client(daemon.url, namespace=NS) as c, \
+                Client(daemon.url, namespace=NS, use_shm=False) as tcp:
+            for i in range(len(hs)):
+                assert c.put_n(hs[i:i + 1], blocks(hs[i:i + 1])) == [PutStatus.STORED]
+            _eventually(lambda: all(tcp.contains_n(hs)), "the drainer starved the writer")
+    finally:
+        stop.set()
+        t.join(10)
+    conn.close()
+    seg.close()
+    os.close(bell)
