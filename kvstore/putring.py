@@ -151,10 +151,10 @@ class PutRing:
     def mark_ended(self) -> None:
         """The daemon's last drain follows (`ended`). The mark is stored before that drain
         reads the client's write index, and the client reads it after storing its index:
-        on x86-64 a store may pass a later load, so both sides put a locked instruction
-        between (the daemon takes the channel's lock, the client rings its eventfd, whose
-        kernel side takes a spinlock): then either the drain sees the client's records or
-        the client sees the mark."""
+        on x86-64 a store may pass a later load, so both sides put a barrier between (the
+        daemon takes the channel's lock, a locked instruction; the client runs `fence`, or
+        without it rings its eventfd, whose kernel side takes a spinlock): then either the
+        drain sees the client's records or the client sees the mark."""
         self.head[CLOSED] = 1
 
     def consume(self, n: int) -> None:
