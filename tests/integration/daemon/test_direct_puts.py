@@ -4,6 +4,7 @@ client's own next request, no slot leaked when a client dies or lies, and no los
 the daemon goes away."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -240,25 +241,33 @@ def test_a_killed_writer_leaks_no_granted_slot(make_daemon):
         assert c.put_n(hs, blocks(hs)).count(PutStatus.STORED) == 13
 
 
-def test_a_ring_naming_slots_it_was_not_granted_commits_nothing(daemon):
+@contextlib.contextmanager
+def raw_channel(daemon):
+    """A put channel opened by hand on a local connection, as a hostile client would:
+    (its connection, its ring, its doorbell), closed after."""
     with Client(daemon.url, namespace=NS, use_shm=False) as probe:
         name = probe._run(lambda conn: conn.info.local_socket)
     from kvstore.client.conn import Connection, LocalAddress
     conn = Connection(LocalAddress(name), "", NS, 5, 5)
     reply, (ring_fd, bell) = conn.call_fds(w.Puts(), 2)
     seg = ShmSegment.from_fd(ring_fd, writable=True)
-    ring = PutRing(seg.array)
-    granted = set(ring.take_grants(ring.grant_capacity))
-    stranger = next(s for s in range(10_000) if s not in granted)
-    hs = chain(5, 2)
-    ring.push(hs, [stranger, stranger + 1 if stranger + 1 not in granted else stranger])
-    conn.call(w.Flush())
-    with Client(daemon.url, namespace=NS, use_shm=False) as c:
-        assert c.contains_n(hs) == [False, False]
-    conn.close()
-    seg.close()
-    import os
-    os.close(bell)
+    try:
+        yield conn, PutRing(seg.array), bell
+    finally:
+        conn.close()
+        seg.close()
+        os.close(bell)
+
+
+def test_a_ring_naming_slots_it_was_not_granted_commits_nothing(daemon):
+    with raw_channel(daemon) as (conn, ring, _):
+        granted = set(ring.take_grants(ring.grant_capacity))
+        stranger = next(s for s in range(10_000) if s not in granted)
+        hs = chain(5, 2)
+        ring.push(hs, [stranger, stranger + 1 if stranger + 1 not in granted else stranger])
+        conn.call(w.Flush())
+        with Client(daemon.url, namespace=NS, use_shm=False) as c:
+            assert c.contains_n(hs) == [False, False]
 
 
 def test_a_daemon_restart_loses_no_acknowledged_put(make_daemon):
@@ -436,33 +445,23 @@ def test_a_ring_written_without_pause_does_not_starve_other_channels(daemon):
     """A local client that moves its ring's write index on and on (garbage records, its
     doorbell rung each time): the drainer's pass over it stops after PASS_DRAINS drains
     and comes back after the other channels, so another client's puts are committed
-    (seen with no FLUSH), and nothing of the garbage is."""
+    (seen with no FLUSH)."""
     import threading
-    with Client(daemon.url, namespace=NS, use_shm=False) as probe:
-        name = probe._run(lambda conn: conn.info.local_socket)
-    from kvstore.client.conn import Connection, LocalAddress
-    conn = Connection(LocalAddress(name), "", NS, 5, 5)
-    reply, (ring_fd, bell) = conn.call_fds(w.Puts(), 2)
-    seg = ShmSegment.from_fd(ring_fd, writable=True)
-    ring = PutRing(seg.array)
     stop = threading.Event()
-
-    def hostile():
-        while not stop.is_set():
-            ring.head[putring.CW] = ring.head[putring.CW] + ring.capacity
-            os.eventfd_write(bell, 1)
-    t = threading.Thread(target=hostile)
-    t.start()
-    try:
-        hs = chain(50, 8)
-        with Client(daemon.url, namespace=NS) as c, \
-                Client(daemon.url, namespace=NS, use_shm=False) as tcp:
-            for i in range(len(hs)):
-                assert c.put_n(hs[i:i + 1], blocks(hs[i:i + 1])) == [PutStatus.STORED]
-            _eventually(lambda: all(tcp.contains_n(hs)), "the drainer starved the writer")
-    finally:
-        stop.set()
-        t.join(10)
-    conn.close()
-    seg.close()
-    os.close(bell)
+    with raw_channel(daemon) as (_, ring, bell):
+        def hostile():
+            while not stop.is_set():
+                ring.head[putring.CW] = ring.head[putring.CW] + ring.capacity
+                os.eventfd_write(bell, 1)
+        t = threading.Thread(target=hostile)
+        t.start()
+        try:
+            hs = chain(50, 8)
+            with Client(daemon.url, namespace=NS) as c, \
+                    Client(daemon.url, namespace=NS, use_shm=False) as tcp:
+                for i in range(len(hs)):
+                    assert c.put_n(hs[i:i + 1], blocks(hs[i:i + 1])) == [PutStatus.STORED]
+                _eventually(lambda: all(tcp.contains_n(hs)), "the drainer starved the writer")
+        finally:
+            stop.set()
+            t.join(10)
