@@ -78,8 +78,9 @@ def _run_delay(fd: int) -> int:
 
 
 class _SchedStat:
-    """The calling thread's /proc/thread-self/schedstat, kept open (a pread is ~0.4 us):
-    its run_delay, the nanoseconds it has spent runnable but waiting for a CPU."""
+    """The calling thread's /proc/thread-self/schedstat, kept open (a pread: 0.4-4 us by
+    host and cache): its run_delay, the nanoseconds it has spent runnable but waiting for
+    a CPU."""
 
     __slots__ = ("fd", "last")
 
@@ -121,7 +122,7 @@ if hasattr(os, "register_at_fork"):
 
 def waited_for_cpu() -> bool:
     """Whether the calling thread waited WAITED_NS or more for a CPU since its last look
-    (its run_delay, ~0.4 us a look): the CPUs have more work than they can run, and a
+    (its run_delay, 0.4-4 us a look): the CPUs have more work than they can run, and a
     poller would hold one that another thread, maybe the very peer it waits for, needs.
     Measured on a 2-vCPU VM, per 256 KiB TCP op of a client thread that does not poll:
     0.1-0.3 us quiet, 33-99 us beside 2 busy processes (where both ends polling took a
@@ -159,7 +160,7 @@ _CPUS = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") els
 
 def oversubscribed() -> bool:
     """Whether the host has more threads running or runnable right now than this process
-    has CPUs (the running count of /proc/loadavg, the caller included; ~0.5 us a look).
+    has CPUs (the running count of /proc/loadavg, the caller included; 0.5-4.4 us a look).
     What a poller's own run_delay cannot show: a thread that polls does not wait for a
     CPU, the peer it keeps from one does (beside 2 busy processes, a client polling for
     a 256 KiB put's reply took it from 130 to 223 us at p50). False where it cannot be
