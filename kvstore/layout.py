@@ -40,6 +40,8 @@ _HEADER = struct.Struct("<4sHBBQ5IQ16sI")
 _FIXED, _VARYING = struct.Struct("<4sHBBQ5I"), struct.Struct("<Q16sI")  # (its two halves)
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 64
+CHECKSUM_AT = _FIXED.size  # where a header's payload checksum lies (kvstore/tiers/_slabio.c
+assert CHECKSUM_AT == 36  # fills it in there: SUM_AT)
 
 DTYPE_CODES = {
     "float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5,
@@ -93,6 +95,11 @@ class HeaderEncoder:
         if len(block_hash) != HASH_BYTES:
             raise BlockFormatError(f"block hash must be {HASH_BYTES} bytes, got {len(block_hash)}")
         return self._fixed + _VARYING.pack(payload_checksum, block_hash, self._codec)
+
+    def blanks(self, hashes) -> bytearray:
+        """The headers of `hashes`, back to back, each checksum field zero (filled in where
+        the payload is hashed: kvstore/tiers/_slabio.c's write_blocks)."""
+        return bytearray(b"".join([self(bytes(h), 0) for h in hashes]))
 
 
 def encode_block(ns: Namespace, block_hash: bytes, payload) -> bytes:

@@ -28,6 +28,14 @@
 
 #define MAX_PAD 4096 /* a slot's stride is its block rounded up to a page */
 #define MAX_RUN 500  /* blocks per call (2 iovecs each, under IOV_MAX = 1024) */
+#define HEADER_BYTES 64 /* kvstore.layout's block header */
+#define SUM_AT 36       /* where its payload checksum lies (little-endian u64) */
+
+static void store_le64(char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (char)(v >> (8 * i));
+}
 
 typedef uint64_t (*oneshot_fn)(const void *, size_t);
 typedef void *(*create_fn)(void);
@@ -184,27 +192,51 @@ static int group(Py_ssize_t per_call)
     return per_call < 1 ? 1 : per_call > MAX_RUN ? MAX_RUN : (int)per_call;
 }
 
-/* write_blocks(fd, offset, blocks, stride, per_call, piece) -> list[int]: write `blocks`
- * (buffers of one length) into consecutive slots of `stride` bytes from `offset`, each
- * followed by zeros to its stride: `per_call` blocks a pwritev, each hashed right after it,
- * or, `piece` > 0, each block in pieces of `piece` bytes, each hashed right after its own
- * pwritev. Each block's checksum; OSError (errno) at the first failure. */
+/* write_blocks(fd, offset, blocks, stride, per_call, piece[, hfd, heads]) -> list[int]:
+ * write `blocks` (buffers of one length) into consecutive slots of `stride` bytes from
+ * `offset`, each followed by zeros to its stride: `per_call` blocks a pwritev, each hashed
+ * right after it, or, `piece` > 0, each block in pieces of `piece` bytes, each hashed right
+ * after its own pwritev. With `heads` (a writable buffer of one 64-byte header per block,
+ * their checksum fields to fill), each checksum goes into its header, and once every
+ * payload is written the headers go in one pwrite at slot * 64 of `hfd` (no header before
+ * the bytes it vouches for). Each block's checksum; OSError (errno) at the first failure. */
 static PyObject *write_blocks(PyObject *self, PyObject *args)
 {
-    int fd;
+    int fd, hfd = -1;
     long long offset;
-    PyObject *seq;
+    PyObject *seq, *heads_obj = Py_None;
     Py_ssize_t stride, per_call, piece_bytes;
-    if (!PyArg_ParseTuple(args, "iLOnnn:write_blocks", &fd, &offset, &seq, &stride, &per_call,
-                          &piece_bytes))
+    if (!PyArg_ParseTuple(args, "iLOnnn|iO:write_blocks", &fd, &offset, &seq, &stride, &per_call,
+                          &piece_bytes, &hfd, &heads_obj))
         return NULL;
     if (xxh_oneshot == NULL || piece_bytes < 0) {
         PyErr_SetString(PyExc_ValueError, "write_blocks: bind() first; piece must not be negative");
         return NULL;
     }
+    Py_buffer heads = {0};
+    if (heads_obj != Py_None) {
+        if (PyObject_GetBuffer(heads_obj, &heads, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            return NULL;
+        if (hfd < 0 || stride <= 0 || offset % stride != 0) {
+            PyBuffer_Release(&heads);
+            PyErr_SetString(PyExc_ValueError, "write_blocks: headers need their file and an "
+                            "offset at a slot's start");
+            return NULL;
+        }
+    }
     Blocks b;
-    if (take(seq, 0, offset, stride, &b) < 0)
+    if (take(seq, 0, offset, stride, &b) < 0) {
+        if (heads.obj)
+            PyBuffer_Release(&heads);
         return NULL;
+    }
+    if (heads.obj && heads.len != b.n * HEADER_BYTES) {
+        PyErr_Format(PyExc_ValueError, "write_blocks: %zd bytes of headers for %zd blocks "
+                     "(%d each)", heads.len, b.n, HEADER_BYTES);
+        PyBuffer_Release(&heads);
+        release(&b);
+        return NULL;
+    }
     uint64_t *sums = PyMem_Calloc(b.n ? (size_t)b.n : 1, sizeof(uint64_t));
     struct iovec *iov = PyMem_Calloc(2 * MAX_RUN, sizeof(struct iovec));
     void *state = xxh_create();
@@ -250,7 +282,16 @@ static PyObject *write_blocks(PyObject *self, PyObject *args)
                 sums[j] = xxh_oneshot(b.views[j].buf, (size_t)b.len);
         }
     }
+    if (heads.obj && !err && b.n) { /* each header vouches for its payload, written above */
+        char *h = heads.buf;
+        for (Py_ssize_t i = 0; i < b.n; i++)
+            store_le64(h + i * HEADER_BYTES + SUM_AT, sums[i]);
+        iov[0] = (struct iovec){h, (size_t)heads.len};
+        err = full_io(hfd, iov, 1, (off_t)(offset / stride) * HEADER_BYTES, 1);
+    }
     Py_END_ALLOW_THREADS
+    if (heads.obj)
+        PyBuffer_Release(&heads);
     xxh_free(state);
     PyMem_Free(iov);
     release(&b);
@@ -369,10 +410,12 @@ static PyMethodDef methods[] = {
      "bind(path) -> bool: use the XXH3 functions of the loaded shared library at path (the "
      "xxhash package's extension module); False where it does not export them."},
     {"write_blocks", write_blocks, METH_VARARGS,
-     "write_blocks(fd, offset, blocks, stride, per_call, piece) -> list[int]: write buffers "
+     "write_blocks(fd, offset, blocks, stride, per_call, piece[, hfd, heads]) -> list[int]: write buffers "
      "of one length into consecutive slots of stride bytes (zero-padded) from offset, "
      "per_call blocks a pwritev or (piece > 0) each in pieces of piece bytes, each hashed "
-     "(xxh3_64) right after its write; the checksums. OSError at the first failure."},
+     "(xxh3_64) right after its write; with hfd and heads (64-byte headers, one per block), "
+     "the checksums filled into them and the headers written at slot * 64 of hfd after every "
+     "payload; the checksums. OSError at the first failure."},
     {"read_blocks", read_blocks, METH_VARARGS,
      "read_blocks(fd, offset, blocks, stride, per_call, piece) -> list[int | None]: read "
      "consecutive slots into writable buffers of one length, in calls and pieces as "

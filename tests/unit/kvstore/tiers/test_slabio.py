@@ -141,3 +141,74 @@ def test_binding_again_changes_nothing():
         assert _slabio.write_blocks(fd, 0, block, 8192, 1, 0) == [checksum(block[0])]
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("length,stride,per_call,piece", [
+    (1000, 4096, 2, 0),                 # small blocks, runs of 2
+    (3000, 4096, 1, 700),               # in pieces
+    (1 << 20, 1 << 20, 1, 0),           # a 1 MiB block whole, as the tier writes it
+])
+def test_headers_get_their_checksums_and_land_after_the_payloads(tmp_path, length, stride,
+                                                                  per_call, piece):
+    """With a header file and blank headers, each header's checksum field is filled with
+    its block's checksum (kvstore.layout's header, read back by decode_header) and the
+    headers are written at slot * 64, nothing else of the header file touched."""
+    from kvstore.keys import Namespace, hash_blocks
+    from kvstore.layout import HEADER_BYTES, HeaderEncoder, decode_header
+    ns = Namespace("h", num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=4)
+    hashes = hash_blocks(ns, list(range(12)))
+    n, first = 3, 2
+    slabs, heads_path = tmp_path / "slabs", tmp_path / "headers"
+    slabs.write_bytes(bytes((first + n) * stride))
+    heads_path.write_bytes(b"\xab" * ((first + n + 1) * HEADER_BYTES))
+    fd, hfd = os.open(slabs, os.O_RDWR), os.open(heads_path, os.O_RDWR)
+    try:
+        blocks = _blocks(n, length, seed=7)
+        blanks = HeaderEncoder(ns).blanks(hashes)
+        sums = _slabio.write_blocks(fd, first * stride, blocks, stride, per_call, piece, hfd,
+                                    blanks)
+        assert sums == [checksum(b) for b in blocks]
+        raw = heads_path.read_bytes()
+        assert raw[:first * HEADER_BYTES] == b"\xab" * (first * HEADER_BYTES)
+        assert raw[(first + n) * HEADER_BYTES:] == b"\xab" * HEADER_BYTES
+        for i in range(n):
+            at = (first + i) * HEADER_BYTES
+            hdr = decode_header(raw[at:at + HEADER_BYTES])
+            assert (hdr.block_hash, hdr.checksum) == (bytes(hashes[i]), sums[i])
+            assert raw[at:at + HEADER_BYTES] == HeaderEncoder(ns)(bytes(hashes[i]), sums[i])
+    finally:
+        os.close(fd)
+        os.close(hfd)
+
+
+def test_no_header_is_written_when_a_payload_is_refused_or_the_headers_are_wrong(tmp_path):
+    """A payload write the kernel refuses leaves the header file as it was (a header never
+    vouches for bytes not written); headers of the wrong size, or an offset inside a slot,
+    are refused before any I/O."""
+    slabs, heads_path = tmp_path / "slabs", tmp_path / "headers"
+    slabs.write_bytes(bytes(4 * 4096))
+    heads_path.write_bytes(b"\xab" * 4 * 64)
+    blocks = _blocks(2, 1000, seed=8)
+    hfd = os.open(heads_path, os.O_RDWR)
+    try:
+        fd = os.open(slabs, os.O_RDONLY)  # every payload write fails: EBADF
+        try:
+            with pytest.raises(OSError) as e:
+                _slabio.write_blocks(fd, 0, blocks, 4096, 1, 0, hfd, bytearray(128))
+            assert e.value.errno == errno.EBADF
+        finally:
+            os.close(fd)
+        fd = os.open(slabs, os.O_RDWR)
+        try:
+            with pytest.raises(ValueError, match="bytes of headers for 2 blocks"):
+                _slabio.write_blocks(fd, 0, blocks, 4096, 1, 0, hfd, bytearray(64))
+            with pytest.raises(ValueError, match="slot's start"):
+                _slabio.write_blocks(fd, 100, blocks, 4096, 1, 0, hfd, bytearray(128))
+            with pytest.raises((BufferError, TypeError)):  # the checksums are filled in
+                _slabio.write_blocks(fd, 0, blocks, 4096, 1, 0, hfd, bytes(128))
+        finally:
+            os.close(fd)
+        assert heads_path.read_bytes() == b"\xab" * 4 * 64
+        assert slabs.read_bytes() == bytes(4 * 4096)
+    finally:
+        os.close(hfd)

@@ -749,6 +749,14 @@ def test_a_crash_between_a_payload_and_its_header_is_a_miss_not_wrong_kv(tmp_pat
                 os.kill(os.getpid(), 9)
             return pwritev(fd, bufs, offset)
         os.pwritev = crash_at_the_header
+        native = slabfile._slabio
+        def payload_then_crash(*args):  # (_slabio writes a run's headers in the same call,
+            native.write_blocks(*args[:6])  # after its payloads: the payload alone, here)
+            crash_at_the_header(tier.slabs.hfd, [], 0)
+        if slabfile.NATIVE:
+            import types
+            slabfile._slabio = types.SimpleNamespace(write_blocks=payload_then_crash,
+                                                     read_blocks=native.read_blocks)
         tier.write_n(slot, hashes[1:2], data[1:2])
     """)
     tier = SsdTier(NS, str(tmp_path), 4)
