@@ -480,9 +480,9 @@ def test_puts_back_to_back_from_two_writers_are_committed_without_a_flush(make_d
 
 def test_a_ring_written_without_pause_does_not_starve_other_channels(daemon):
     """A local client that moves its ring's write index on and on (garbage records, its
-    doorbell rung each time): the drainer's pass over it stops after PASS_DRAINS drains
-    and comes back after the other channels, so another client's puts are committed
-    (seen with no FLUSH)."""
+    doorbell rung each time): the drainer's pass over it drains once and comes back after
+    the other channels (REVISIT_S later, or sooner at its doorbell), so another client's
+    puts are committed (seen with no FLUSH)."""
     import threading
     stop = threading.Event()
     with raw_channel(daemon) as (_, ring, bell):
