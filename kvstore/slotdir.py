@@ -134,7 +134,8 @@ class SlotDirectory:
                 continue  # already published
             owner[16 * slot:16 * slot + 16] = h
             gen[slot] += 1  # odd -> even: after the owner, so a reader never sees it stale
-            b, tag = _key(h, mask)
+            b, tag = _KEY(h)  # (_key inline: a call a block, in the drainer's commits)
+            b, tag = b & mask, (tag & _TAG_MASK) << SLOT_BITS
             for k in range(PROBES):
                 i = (b + k) & mask
                 cur = (table[i] & LOW) - 1
@@ -152,7 +153,7 @@ class SlotDirectory:
             if gen[slot] & 1:
                 continue  # never published (a reservation given back)
             gen[slot] += 1  # even -> odd first: a copy in flight now fails its re-check
-            b, _ = _key(h, mask)
+            b = _KEY(h)[0] & mask  # (_key's bucket, inline)
             for k in range(PROBES):
                 i = (b + k) & mask
                 if table[i] & LOW == slot + 1:

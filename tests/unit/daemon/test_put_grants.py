@@ -130,3 +130,29 @@ def test_a_stock_is_topped_up_once_it_has_gone_down_a_step_not_after_every_put(t
         assert len(a.granted) == target
         assert hosted.store.contains_n([bytes([5, i]) * 8 for i in range(step)]) == [True] * step
         a.close()
+
+
+def test_committing_granted_slots_answers_each_record_and_frees_what_it_does_not_keep(
+        tmp_path):
+    """One commit of a batch of records (as a drain makes): a new block is STORED and
+    published in its slot; a slot never granted is NO_SPACE and left alone; a block stored
+    already, or named twice in the batch, is EXISTS and its slot goes back to the free
+    list, published nowhere."""
+    from kvstore.api import PutStatus
+    from kvstore.keys import hash_blocks
+    with hosted_ns(tmp_path, 64 * NS.block_bytes) as hosted:
+        store, dram = hosted.store, hosted.dram
+        hs = hash_blocks(NS, np.arange(4 * NS.block_tokens))
+        old = store.grant_n(1)
+        assert store.commit_granted(hs[:1], old) == [PutStatus.STORED]
+        free_before = dram.num_free()
+        slots = store.grant_n(3)
+        ungranted = next(s for s in range(dram.num_slots) if s not in slots and s not in old)
+        got = store.commit_granted([hs[1], hs[2], hs[0], hs[1]],
+                                   [slots[0], ungranted, slots[1], slots[2]])
+        assert got == [PutStatus.STORED, PutStatus.NO_SPACE, PutStatus.EXISTS, PutStatus.EXISTS]
+        assert dram.num_free() == free_before - 1  # slots[1] and slots[2] came back
+        assert store.contains_n([hs[0], hs[1], hs[2]]) == [True, True, False]
+        gen = dram.directory._v.gen  # even: published; odd: free
+        assert [gen[s] % 2 for s in slots] == [0, 1, 1]
+        assert store.commit_granted(hs[3:4], slots[1:2]) == [PutStatus.NO_SPACE]  # given back
