@@ -33,10 +33,13 @@ MIN_GRANTING_SLOTS = 16  # a smaller arena grants nothing: every slot stays a re
 BATCH_HOLD_S = 1.0  # a batch bigger than the stock is granted ahead this long after the last
 TOP_UP_STEP = 8  # the drainer tops a stock up once 1/8 of it is used, not after every put:
 # each top-up is a make-room pass of the store, ~44 us of CPU for one slot, run cold
-REVISIT_S = 0.0005  # a ring whose client was still putting when its pass ended is drained
-# again this much later, left marked awake meanwhile (its puts ring nothing): drained again at
-# once, the drainer chased a client putting back to back one record at a time, a core's worth
-# of CPU (27 us of it per 256 KiB put, for ~25 us of put); now it takes what came meanwhile
+REVISIT_S = 0.001  # a ring whose client was still putting when its pass ended is drained
+# again this much later (epoll's resolution), left marked awake meanwhile (its puts ring
+# nothing): drained again at once, the drainer chased a client putting back to back one
+# record at a time, a core's worth of CPU (27 us of it per 256 KiB put, for ~25 us of put);
+# now it takes what came meanwhile
+REVISIT_SHARE = 4  # ...as long as its client's pace would use at most 1/4 of the channel's
+# stock of grants meanwhile (else at once, as before: a client that ran out would FLUSH)
 
 
 class PutChannel:
@@ -54,6 +57,7 @@ class PutChannel:
         self.closed = False
         self._ungranted = LogEvery(WARN_EVERY_S)  # drains that met ungranted records
         self._ignored = 0  # ungranted records since the last line
+        self._pass_at = 0.0  # when the drainer's last pass over this ring began
         self._top_up()
 
     def fds(self) -> list[int]:
@@ -89,14 +93,26 @@ class PutChannel:
         and look once more (a record whose client saw the ring awake is drained now).
         False when records came meanwhile (a client putting without pause, or writing its
         write index for nothing): the ring is left marked awake, and the drainer comes
-        back to it REVISIT_S later, after the other channels' turns."""
+        back to it REVISIT_S later, after the other channels' turns. A client whose pace
+        (the records of this pass over the time since the last one began) would use more
+        than 1/REVISIT_SHARE of its stock by then has its doorbell rung instead: the
+        drainer comes back as soon as the other channels have had their turn."""
         if fence is None:  # (no fence: the mark stays asleep, set at creation, and every
             self.drain()  # publish rings)
             return True
+        now = time.monotonic()
+        since, self._pass_at = now - self._pass_at, now
         if not self._mark_asleep(False):
             return True
-        self.drain()
-        return self._asleep_unless_more()
+        got = self.drain()
+        if self._asleep_unless_more():
+            return True
+        if got * REVISIT_S * REVISIT_SHARE <= self.target() * since:
+            return False
+        with self.lock:
+            if not self.closed:
+                os.eventfd_write(self.doorbell, 1)
+        return True
 
     def _asleep_unless_more(self) -> bool:
         """Mark the ring asleep, then look once more: True when it stays so (nothing more
@@ -274,7 +290,7 @@ class Drainer:
     @staticmethod
     def _ring(ch: PutChannel) -> bool:
         """Drain `ch` (`drain_pass`): False when its client was still putting (come back
-        after REVISIT_S)."""
+        to it after REVISIT_S)."""
         with ch.lock:  # (closed sets under it before the doorbell's number is let go: a
             if ch.closed:  # read after that could take 8 bytes from whatever reused it)
                 return True

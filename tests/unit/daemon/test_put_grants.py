@@ -4,6 +4,8 @@ never more than half of it over all grants (batches bigger than a stock, stocks 
 before other channels opened)."""
 import contextlib
 
+import pytest
+
 import numpy as np
 
 from kvstore.daemon import putchannel
@@ -156,3 +158,48 @@ def test_committing_granted_slots_answers_each_record_and_frees_what_it_does_not
         gen = dram.directory._v.gen  # even: published; odd: free
         assert [gen[s] % 2 for s in slots] == [0, 1, 1]
         assert store.commit_granted(hs[3:4], slots[1:2]) == [PutStatus.NO_SPACE]  # given back
+
+
+def test_a_ring_still_written_is_drained_again_later_unless_its_stock_would_run_out(
+        tmp_path, monkeypatch):
+    """A pass that finds records published meanwhile (the client still putting) leaves the
+    ring marked awake, so its puts ring nothing, and tells the drainer to come back after
+    REVISIT_S; at a pace that would use more than 1/REVISIT_SHARE of the stock by then, it
+    rings the channel's doorbell instead (the drainer comes back at once). Every record is
+    committed either way."""
+    import os
+
+    from kvstore.keys import hash_blocks
+    from kvstore.putring import PutRing
+    if putchannel.fence is None:
+        return  # (without _stream every publish rings: no pass is left awake)
+    with hosted_ns(tmp_path, 192 << 20) as hosted:
+        ch = PutChannel(hosted)
+        client = PutRing(ch.segment.array)  # the client's view of the same ring
+        slots = client.take_grants(64)
+        hs = hash_blocks(NS, np.arange(64 * NS.block_tokens))
+        drain = ch.drain
+        k = [0]
+
+        def drain_while_the_client_puts(want=0):
+            got = drain(want)
+            client.push_one(hs[k[0]], slots[k[0]])  # published during the pass
+            k[0] += 1
+            return got
+        monkeypatch.setattr(ch, "drain", drain_while_the_client_puts)
+        client.push_one(hs[0], slots[0])
+        k[0] = 1
+        ch._pass_at = 0.0  # a slow pace: one record since long ago
+        assert ch.drain_pass() is False
+        assert not client.asleep()  # its next puts ring nothing
+        with pytest.raises(BlockingIOError):
+            os.eventfd_read(ch.doorbell)  # not rung
+        import time
+        ch._pass_at = time.monotonic()  # a record since a pass that began just now: a pace
+        # that would use the stock up many times over by the revisit
+        assert ch.drain_pass() is True
+        assert os.eventfd_read(ch.doorbell) == 1  # rung: drained again at once
+        monkeypatch.undo()
+        ch.drain()
+        assert hosted.store.contains_n(hs[:k[0]]) == [True] * k[0]
+        ch.close()
