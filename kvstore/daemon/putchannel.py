@@ -89,14 +89,16 @@ class PutChannel:
 
     def drain_pass(self) -> bool:
         """The drainer's pass over this ring (its doorbell rang, a revisit, or the periodic
-        one): drain, then mark the ring asleep, so that its client's next record rings,
-        and look once more (a record whose client saw the ring awake is drained now).
-        False when records came meanwhile (a client putting without pause, or writing its
-        write index for nothing): the ring is left marked awake, and the drainer comes
-        back to it REVISIT_S later, after the other channels' turns. A client whose pace
-        (the records of this pass over the time since the last one began) would use more
-        than 1/REVISIT_SHARE of its stock by then has its doorbell rung instead: the
-        drainer comes back as soon as the other channels have had their turn."""
+        one): drain. A pass that found nothing marks the ring asleep, so that its client's
+        next record rings, and looks once more (a record whose client saw the ring awake
+        is drained now). One that committed records (its client is putting), or saw more
+        come, returns False: the ring stays marked awake, so its puts ring nothing, and the
+        drainer comes back to it REVISIT_S later, after the other channels' turns (marked
+        asleep after each pass, a client putting every ~30 us rang for every put or two
+        and had its records drained one at a time). A client whose pace (the records of
+        this pass over the time since the last one began) would use more than
+        1/REVISIT_SHARE of its stock by then has its doorbell rung instead: the drainer
+        comes back as soon as the other channels have had their turn."""
         if fence is None:  # (no fence: the mark stays asleep, set at creation, and every
             self.drain()  # publish rings)
             return True
@@ -105,7 +107,7 @@ class PutChannel:
         if not self._mark_asleep(False):
             return True
         got = self.drain()
-        if self._asleep_unless_more():
+        if not got and self._asleep_unless_more():
             return True
         if got * REVISIT_S * REVISIT_SHARE <= self.target() * since:
             return False
