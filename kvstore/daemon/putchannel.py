@@ -33,7 +33,7 @@ MIN_GRANTING_SLOTS = 16  # a smaller arena grants nothing: every slot stays a re
 BATCH_HOLD_S = 1.0  # a batch bigger than the stock is granted ahead this long after the last
 TOP_UP_STEP = 8  # the drainer tops a stock up once 1/8 of it is used, not after every put:
 # each top-up is a make-room pass of the store, ~44 us of CPU for one slot, run cold
-REVISIT_S = 0.001  # a ring whose client was still putting when its pass ended is drained
+REVISIT_S = 0.001  # a ring whose pass committed records (its client is putting) is drained
 # again this much later (epoll's resolution), left marked awake meanwhile (its puts ring
 # nothing): drained again at once, the drainer chased a client putting back to back one
 # record at a time, a core's worth of CPU (27 us of it per 256 KiB put, for ~25 us of put);
