@@ -70,7 +70,8 @@ setup(
     # the demo workloads, derived from Mooncake's trace
     package_data={"kvtier": ["data/*.jsonl"]},
     # block copies that bypass the CPU caches and a socket receive loop (transfer/_stream.c),
-    # and the SSD tier's hashed payload I/O (kvstore/tiers/_slabio.c). Optional: without a C
+    # the SSD tier's hashed payload I/O (kvstore/tiers/_slabio.c) and the slot directory's
+    # loops (kvstore/_slotdir.c). Optional: without a C
     # compiler the install goes on, and transfer.copy copies through numpy, the payload
     # receives loop in Python and the SSD tier hashes beside its I/O in Python instead
     # KVTIER_NO_EXT=1: an editable install that leaves the module .venv's install built
@@ -81,7 +82,10 @@ setup(
         Extension("transfer._stream", ["transfer/_stream.c"], optional=True),
         # the SSD tier's payload I/O with each block's checksum taken beside it, the GIL
         # released (kvstore/tiers/_slabio.c); without it slabfile.py does the same in Python
-        Extension("kvstore.tiers._slabio", ["kvstore/tiers/_slabio.c"], optional=True)],
+        Extension("kvstore.tiers._slabio", ["kvstore/tiers/_slabio.c"], optional=True),
+        # the slot directory's per-block loops (kvstore/_slotdir.c); without it slotdir.py
+        # runs them in Python
+        Extension("kvstore._slotdir", ["kvstore/_slotdir.c"], optional=True)],
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={

@@ -45,6 +45,11 @@ import numpy as np
 from kvstore.errors import ConfigError
 from transfer.shm import ShmSegment
 
+try:  # the per-block loops below in C (kvstore/_slotdir.c), where it was built
+    import kvstore._slotdir as _slotdir
+except ImportError:
+    _slotdir = None
+
 MAGIC = b"KVTDIR02"  # (01: untagged table entries)
 HEADER = struct.Struct("<8sQQQ")
 HEADER_BYTES = 64
@@ -128,6 +133,9 @@ class SlotDirectory:
     def publish(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         """The blocks are now readable in these slots (and will not change until unpublished)."""
         v = self._v
+        if _slotdir is not None:
+            _slotdir.publish(v.gen, v.owner, v.table, slots, hashes)
+            return
         gen, owner, table, mask = v.gen, v.owner, v.table, v.mask
         for slot, h in zip(slots, hashes):
             if not gen[slot] & 1:
@@ -148,6 +156,9 @@ class SlotDirectory:
     def unpublish(self, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
         """The blocks leave these slots: no reader may use them from now on."""
         v = self._v
+        if _slotdir is not None:
+            _slotdir.unpublish(v.gen, v.owner, v.table, slots, hashes)
+            return
         gen, table, mask = v.gen, v.table, v.mask
         for slot, h in zip(slots, hashes):
             if gen[slot] & 1:
@@ -227,6 +238,8 @@ class SlotDirectoryReader:
         mm = v.mm
         if mm[24] or len(block_hash) != 16:
             return None  # closed, or no block's hash (the daemon's request says what is wrong)
+        if _slotdir is not None and type(block_hash) is bytes:
+            return _slotdir.find(v.gen, v.owner, v.table, block_hash)
         b, tag = _KEY(block_hash)  # _key inlined (a find is ~1 us; a call is a tenth)
         tag, b = (tag & _TAG_MASK) << SLOT_BITS, b & v.mask
         # the PROBES entries at once where they do not wrap: only those with the hash's tag

@@ -9,12 +9,25 @@ import pytest
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.errors import ConfigError
 from kvstore.events import TierKind
+from kvstore import slotdir
 from kvstore.keys import Namespace, hash_blocks
 from kvstore.store import TieredStore
 from kvstore.slotdir import (ALIVE_CHECK_S, PROBES, SlotDirectory, SlotDirectoryReader,
                              entry)
 
 NS = Namespace("slotdir-test", num_layers=1, num_kv_heads=1, head_dim=16)  # 1 KiB blocks
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def loops(request, monkeypatch):
+    """Every test here runs with the directory's loops in C (kvstore/_slotdir.c, built by
+    this install) and in Python (an install without a C compiler)."""
+    if request.param == "c":
+        assert slotdir._slotdir is not None, "kvstore._slotdir is not built: reinstall " \
+                                            "kvtier with a C compiler (pip install -e .)"
+    else:
+        monkeypatch.setattr(slotdir, "_slotdir", None)
+    return request.param
 
 
 @pytest.fixture
@@ -308,3 +321,4 @@ def test_an_arena_the_system_will_not_map_writable_means_inline_blocks(caplog):
                 os.fstat(fd)
     finally:
         seg.close()
+
