@@ -185,8 +185,8 @@ class SlabFile:
         # reaches a descriptor number closed under it and reused by another file (the C
         # path holds the number for a whole run: a close mid-run sent the rest of it, up
         # to 19 MiB, into a file opened meanwhile)
-        # (its lock taken alone by _enter and _leave, a C-level `with`: the Condition's own
-        # Python __enter__/__exit__ were ~2 us of every write and read)
+        # (its lock taken alone by _enter and _leave, a C-level `with`: one over the
+        # Condition, its Python __enter__/__exit__, took 0.80 us warm against 0.33)
         self._gate_lock = threading.Lock()
         self._gate, self._busy, self._closing = threading.Condition(self._gate_lock), 0, False
 
