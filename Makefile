@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: bench-deps-mooncake transfer-adapters test test-main test-beside test-plugins test-vllm test-vllmcpu test-sglang test-wheel demo bench clean
 
-$(STAMP): setup.py transfer/_stream.c kvstore/tiers/_slabio.c
+$(STAMP): setup.py transfer/_stream.c kvstore/tiers/_slabio.c kvstore/_slotdir.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet pip==26.3
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -152,6 +152,7 @@ test-wheel: $(WHEEL_VENV)/.installed-stamp $(STORE_VENV)/.installed-stamp
 	cd "$$(mktemp -d)" && trap 'rm -rf "$$PWD"' EXIT && \
 	$(WHEEL_BIN)/python -c "import transfer.copy as c; assert c.STREAMING, 'the wheel lacks transfer._stream'" && \
 	$(WHEEL_BIN)/python -c "import kvstore.tiers.slabfile as s; assert s.NATIVE, 'the wheel lacks kvstore.tiers._slabio'" && \
+	$(WHEEL_BIN)/python -c "import kvstore.slotdir as s; assert s._slotdir, 'the wheel lacks kvstore._slotdir'" && \
 	$(WHEEL_BIN)/kvtier hash --model m --num-layers 1 --num-kv-heads 1 --head-dim 64 --block-tokens 2 1 2 3 && \
 	KVTIER_CACHE=$(abspath $(WHEEL_VENV))/kvtier-cache $(WHEEL_BIN)/kvtier demo --requests 2 --workload short --configs c
 
