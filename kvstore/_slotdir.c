@@ -124,12 +124,72 @@ static const unsigned char *hash_at(PyObject *fh, Py_ssize_t i)
     return (const unsigned char *)PyBytes_AS_STRING(h);
 }
 
-/* publish(gen, owner, table, slots, hashes): slotdir.SlotDirectory.publish */
-static PyObject *publish(PyObject *self, PyObject *args)
+/* one pair's step under `each_pair`: 0, or -1 with an exception set */
+typedef int (*step_fn)(const Dir *d, int64_t slot, PyObject *fh, Py_ssize_t i);
+
+/* slotdir.SlotDirectory.publish of one (slot, hash) */
+static int publish_one(const Dir *d, int64_t slot, PyObject *fh, Py_ssize_t i)
+{
+    int64_t *gen = d->gen.buf, *table = d->table.buf;
+    int64_t gv = __atomic_load_n(&gen[slot], __ATOMIC_RELAXED);
+    if (!(gv & 1))
+        return 0; /* already published */
+    const unsigned char *h = hash_at(fh, i);
+    if (h == NULL)
+        return -1;
+    memcpy((unsigned char *)d->owner.buf + HASH_BYTES * slot, h, HASH_BYTES);
+    /* odd -> even: after the owner, so a reader never sees it stale */
+    __atomic_store_n(&gen[slot], gv + 1, __ATOMIC_RELEASE);
+    uint64_t b, tag;
+    key(h, d->mask, &b, &tag);
+    int64_t entry = (int64_t)(tag | (uint64_t)(slot + 1));
+    for (int k = 0; k < PROBES; k++) {
+        uint64_t at = (b + (uint64_t)k) & d->mask;
+        int64_t cur = (int64_t)((uint64_t)__atomic_load_n(&table[at], __ATOMIC_RELAXED) & LOW) - 1;
+        if (cur < 0 || cur >= d->num_slots ||
+                (__atomic_load_n(&gen[cur], __ATOMIC_RELAXED) & 1)) {
+            __atomic_store_n(&table[at], entry, __ATOMIC_RELEASE);
+            return 0;
+        }
+    }
+    __atomic_store_n(&table[b], entry, __ATOMIC_RELEASE); /* a crowded bucket: that other
+                                                             block loses its hint */
+    return 0;
+}
+
+/* slotdir.SlotDirectory.unpublish of one (slot, hash) */
+static int unpublish_one(const Dir *d, int64_t slot, PyObject *fh, Py_ssize_t i)
+{
+    int64_t *gen = d->gen.buf, *table = d->table.buf;
+    int64_t gv = __atomic_load_n(&gen[slot], __ATOMIC_RELAXED);
+    if (gv & 1)
+        return 0; /* never published (a reservation given back) */
+    /* even -> odd first: a copy in flight now fails its re-check (the entry is cleared
+     * below, found by its hash: a hash that is none leaves it, a stale hint) */
+    __atomic_store_n(&gen[slot], gv + 1, __ATOMIC_RELEASE);
+    const unsigned char *h = hash_at(fh, i);
+    if (h == NULL)
+        return -1;
+    uint64_t b, tag;
+    key(h, d->mask, &b, &tag);
+    for (int k = 0; k < PROBES; k++) {
+        uint64_t at = (b + (uint64_t)k) & d->mask;
+        if (((uint64_t)__atomic_load_n(&table[at], __ATOMIC_RELAXED) & LOW) ==
+                (uint64_t)(slot + 1)) {
+            __atomic_store_n(&table[at], 0, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    return 0;
+}
+
+/* (gen, owner, table, slots, hashes) parsed by `format`, then `step` for each pair in
+ * order (the slots all checked first), stopping at the first that fails */
+static PyObject *each_pair(PyObject *args, const char *format, step_fn step)
 {
     PyObject *g, *o, *t, *slots, *hashes, *fs, *fh;
     Dir d;
-    if (!PyArg_ParseTuple(args, "OOOOO:publish", &g, &o, &t, &slots, &hashes))
+    if (!PyArg_ParseTuple(args, format, &g, &o, &t, &slots, &hashes))
         return NULL;
     if (take_dir(g, o, t, 1, &d) < 0)
         return NULL;
@@ -138,38 +198,9 @@ static PyObject *publish(PyObject *self, PyObject *args)
         release_dir(&d);
         return NULL;
     }
-    int64_t *gen = d.gen.buf, *table = d.table.buf;
-    unsigned char *owner = d.owner.buf;
     int failed = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t slot = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fs, i));
-        int64_t gv = __atomic_load_n(&gen[slot], __ATOMIC_RELAXED);
-        if (!(gv & 1))
-            continue; /* already published */
-        const unsigned char *h = hash_at(fh, i);
-        if (h == NULL) {
-            failed = 1;
-            break;
-        }
-        memcpy(owner + HASH_BYTES * slot, h, HASH_BYTES);
-        /* odd -> even: after the owner, so a reader never sees it stale */
-        __atomic_store_n(&gen[slot], gv + 1, __ATOMIC_RELEASE);
-        uint64_t b, tag;
-        key(h, d.mask, &b, &tag);
-        int64_t entry = (int64_t)(tag | (uint64_t)(slot + 1));
-        int k;
-        for (k = 0; k < PROBES; k++) {
-            uint64_t at = (b + (uint64_t)k) & d.mask;
-            int64_t cur = (int64_t)((uint64_t)__atomic_load_n(&table[at], __ATOMIC_RELAXED) & LOW) - 1;
-            if (cur < 0 || cur >= d.num_slots ||
-                    (__atomic_load_n(&gen[cur], __ATOMIC_RELAXED) & 1)) {
-                __atomic_store_n(&table[at], entry, __ATOMIC_RELEASE);
-                break;
-            }
-        }
-        if (k == PROBES) /* a crowded bucket: that other block loses its hint */
-            __atomic_store_n(&table[b], entry, __ATOMIC_RELEASE);
-    }
+    for (Py_ssize_t i = 0; i < n && !failed; i++)
+        failed = step(&d, PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fs, i)), fh, i) < 0;
     Py_DECREF(fs);
     Py_DECREF(fh);
     release_dir(&d);
@@ -178,52 +209,16 @@ static PyObject *publish(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* publish(gen, owner, table, slots, hashes): slotdir.SlotDirectory.publish */
+static PyObject *publish(PyObject *self, PyObject *args)
+{
+    return each_pair(args, "OOOOO:publish", publish_one);
+}
+
 /* unpublish(gen, owner, table, slots, hashes): slotdir.SlotDirectory.unpublish */
 static PyObject *unpublish(PyObject *self, PyObject *args)
 {
-    PyObject *g, *o, *t, *slots, *hashes, *fs, *fh;
-    Dir d;
-    if (!PyArg_ParseTuple(args, "OOOOO:unpublish", &g, &o, &t, &slots, &hashes))
-        return NULL;
-    if (take_dir(g, o, t, 1, &d) < 0)
-        return NULL;
-    Py_ssize_t n = take_pairs(slots, hashes, &d, &fs, &fh);
-    if (n < 0) {
-        release_dir(&d);
-        return NULL;
-    }
-    int64_t *gen = d.gen.buf, *table = d.table.buf;
-    int failed = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t slot = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fs, i));
-        int64_t gv = __atomic_load_n(&gen[slot], __ATOMIC_RELAXED);
-        if (gv & 1)
-            continue; /* never published (a reservation given back) */
-        /* even -> odd first: a copy in flight now fails its re-check (the entry is cleared
-         * below, found by its hash: a hash that is none leaves it, a stale hint) */
-        __atomic_store_n(&gen[slot], gv + 1, __ATOMIC_RELEASE);
-        const unsigned char *h = hash_at(fh, i);
-        if (h == NULL) {
-            failed = 1;
-            break;
-        }
-        uint64_t b, tag;
-        key(h, d.mask, &b, &tag);
-        for (int k = 0; k < PROBES; k++) {
-            uint64_t at = (b + (uint64_t)k) & d.mask;
-            if (((uint64_t)__atomic_load_n(&table[at], __ATOMIC_RELAXED) & LOW) ==
-                    (uint64_t)(slot + 1)) {
-                __atomic_store_n(&table[at], 0, __ATOMIC_RELEASE);
-                break;
-            }
-        }
-    }
-    Py_DECREF(fs);
-    Py_DECREF(fh);
-    release_dir(&d);
-    if (failed)
-        return NULL;
-    Py_RETURN_NONE;
+    return each_pair(args, "OOOOO:unpublish", unpublish_one);
 }
 
 /* find(gen, owner, table, block_hash) -> (slot, gen) | None: slotdir's reader `find`

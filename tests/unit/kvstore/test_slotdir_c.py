@@ -10,16 +10,7 @@ import pytest
 from kvstore import slotdir
 from kvstore.slotdir import SlotDirectory, SlotDirectoryReader
 
-from .test_slotdir import h
-
-
-@pytest.fixture
-def pair():
-    writer = SlotDirectory(32)
-    reader = SlotDirectoryReader(writer.share_fd(), 32)
-    yield writer, reader
-    reader.close()
-    writer.close()
+from .test_slotdir import h, pair  # noqa: F401 - (a fixture: used by name)
 
 
 def test_the_module_is_built_here():
