@@ -142,8 +142,7 @@ class SlotDirectory:
                 continue  # already published
             owner[16 * slot:16 * slot + 16] = h
             gen[slot] += 1  # odd -> even: after the owner, so a reader never sees it stale
-            b, tag = _KEY(h)  # (_key inline: a call a block, in the drainer's commits)
-            b, tag = b & mask, (tag & _TAG_MASK) << SLOT_BITS
+            b, tag = _key(h, mask)
             for k in range(PROBES):
                 i = (b + k) & mask
                 cur = (table[i] & LOW) - 1
@@ -164,7 +163,7 @@ class SlotDirectory:
             if gen[slot] & 1:
                 continue  # never published (a reservation given back)
             gen[slot] += 1  # even -> odd first: a copy in flight now fails its re-check
-            b = _KEY(h)[0] & mask  # (_key's bucket, inline)
+            b, _ = _key(h, mask)
             for k in range(PROBES):
                 i = (b + k) & mask
                 if table[i] & LOW == slot + 1:

@@ -69,8 +69,8 @@ class Hosted:
     # requests: replies sent from unmapped memory (EFAULT), views of a released arena.
     _users: int = 0
     _retired: bool = False
-    # `enter` and `leave` take the lock alone, a C-level `with` (the Condition's Python
-    # __enter__ and __exit__ were ~1-2 us of every request); `retire` waits on the Condition
+    # `enter` and `leave` take the lock alone, a C-level `with` (one over the Condition, its
+    # Python __enter__ and __exit__, took 0.80 us warm against 0.33); `retire` waits on it
     _users_lock: threading.Lock = field(default_factory=threading.Lock)
     _users_cv: threading.Condition = field(init=False)
 
