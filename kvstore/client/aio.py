@@ -20,7 +20,8 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from kvstore import wire as w
-from kvstore.buffers import byte_rows, host_rows, read_rows, request_rows, select_rows
+from kvstore.buffers import (byte_rows, host_address, host_rows, read_rows, request_rows,
+                              select_rows)
 from kvstore.client.aconn import AsyncConnection
 from kvstore.client.conn import LocalAddress, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
@@ -270,6 +271,14 @@ class AsyncClient:
     async def put_n(self, hashes: Sequence[bytes], srcs) -> list[PutStatus]:
         """Store blocks (see `Client.put_n`); on the daemon's host with no request while
         the put channel's grants last."""
+        if len(hashes) == 1 and (at := host_address(srcs, self.block_bytes)) is not None:
+            # one CPU tensor's block: copied by address, no rows made (as Client.put_n)
+            await self.connect()
+            puts = await self._direct_puts()
+            done = None if puts is None else puts.put_one_at(hashes[0], at)
+            if done is not None:
+                await asyncio.sleep(0)  # (no request: see _read_direct)
+                return done
         rows = host_rows(srcs, len(hashes), self.block_bytes, writable=False)  # (Client.put_n)
         if rows is None:
             rows = byte_rows(srcs, len(hashes), self.block_bytes)

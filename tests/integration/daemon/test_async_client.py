@@ -20,7 +20,9 @@ from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
 from kvstore.store import PutStatus
 
-from .conftest import NS, block_of
+from kvstore.client import putpath
+
+from .conftest import NS, block_of, op_count
 
 BB = NS.block_bytes
 PATHS = {  # name -> AsyncClient options, and the transport it must end up on
@@ -317,3 +319,38 @@ def test_same_host_calls_answered_without_a_request_still_let_other_tasks_run(ma
     transport, get_ticks, put_ticks = run(main())
     assert transport == "shm"
     assert get_ticks >= 50 and put_ticks >= 25, (get_ticks, put_ticks)
+
+
+def test_a_single_tensor_put_is_copied_by_address(make_daemon, run, monkeypatch):
+    """A one-block put of a CPU tensor on the daemon's host goes the way Client's does: its
+    bytes copied from the tensor's address into a granted slot (no numpy view or rows made,
+    no request); a tensor of the wrong size, a short hash and other buffers are checked as
+    ever; every block reads back as put."""
+    d = make_daemon("--dram-size", "1MiB")
+    by_address = []
+    at = putpath.copy_at
+    monkeypatch.setattr(putpath, "copy_at", lambda *a, **k: by_address.append(1) or at(*a, **k))
+
+    async def main():
+        async with AsyncClient(d.url, namespace=NS) as c:
+            first = chain(81, 1)
+            assert await c.put_n(first, blocks(first)) == [PutStatus.STORED]  # opens the channel
+            puts_before = op_count(d, "put")
+            hs = chain(82, 4)
+            data = blocks(hs)
+            sources = [torch.from_numpy(data[0].copy()),
+                       torch.from_numpy(data[1].copy()).view(torch.float16).reshape(2, -1),
+                       data[2], memoryview(data[3].copy())]
+            for h, src in zip(hs, sources):
+                assert await c.put_n([h], src) == [PutStatus.STORED]
+            with pytest.raises(ValueError):  # a tensor one byte short: not by address
+                await c.put_n(chain(83, 1), torch.zeros(BB - 1, dtype=torch.uint8))
+            with pytest.raises(ValueError, match="16 bytes"):
+                await c.put_n([hs[0][:15]], torch.from_numpy(data[0].copy()))
+            assert op_count(d, "put") == puts_before, "a single-block put sent a PUT"
+            out = np.zeros((4, BB), np.uint8)
+            assert await c.get_n(hs, out) == [TierKind.DRAM] * 4
+            return out, data
+    out, data = run(main())
+    assert np.array_equal(out, data)
+    assert len(by_address) == 2, "the tensors' blocks were not copied by address"
