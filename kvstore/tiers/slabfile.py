@@ -251,7 +251,17 @@ class SlabFile:
         host (Xeon, hashing ~2x slower than the kernel's copy) it took 4 MiB x16 puts from
         0.68 to 0.98 of a plain file; on another (EPYC VM, hashing from cache at ~110 GB/s)
         each hand-off cost 20-45 us (a 256 KiB put 70 -> 116 us, a 4 MiB read 0.83 -> 0.68),
-        and with both cores busy it lost everywhere (4 MiB get 1.0 -> 1.6 ms).
+        and with both cores busy it lost everywhere (4 MiB get 1.0 -> 1.6 ms). Tried again
+        in _slabio's C (EPYC VM, 1 MiB L2): a helper pthread hashing each block of the call
+        while this thread wrote them, the caller hashing whatever the helper had not
+        started and spinning, not sleeping, for the rest. Raw calls against a plain file:
+        single 1 and 4 MiB blocks 0.73-0.86 -> 0.68-0.78, x16 mixed (1 MiB 0.77-0.85 ->
+        0.65-0.87, 4 MiB 0.76-0.82 -> 0.73-0.92), 64 blocks a call 0.85-0.90 -> 1.01-1.03;
+        through this tier, single and x16 puts no better. The helper's hash, reading from
+        memory beside the write, took ~108 us a 1 MiB block (~35 in line, from the cache the
+        kernel's copy leaves) and slowed that copy by about what it saved (the 1 MiB write
+        ~215 -> ~275 us): only a helper far ahead of the writes, over a long batch, pulls
+        the bytes into L3 for them and gains.
 
         Where kvstore.tiers._slabio was built (NATIVE), each run of consecutive slots is
         written and hashed the same way in one call to it, the GIL released throughout.
