@@ -261,7 +261,11 @@ class SlabFile:
         memory beside the write, took ~108 us a 1 MiB block (~35 in line, from the cache the
         kernel's copy leaves) and slowed that copy by about what it saved (the 1 MiB write
         ~215 -> ~275 us): only a helper far ahead of the writes, over a long batch, pulls
-        the bytes into L3 for them and gains.
+        the bytes into L3 for them and gains. Handing a helper the whole call, writes and
+        hashes (this thread's caches kept for the Python around it), lost as well, through
+        this tier against a plain file: 1 MiB single puts 0.60-0.65 -> 0.51-0.55 and x16
+        0.66-0.73 -> 0.60-0.62 with this thread asleep meanwhile (4 MiB about even); with
+        it spinning, every row 0.37-0.43 (the spinning vCPU slowed the other's copy).
 
         Where kvstore.tiers._slabio was built (NATIVE), each run of consecutive slots is
         written and hashed the same way in one call to it, the GIL released throughout.
