@@ -120,6 +120,66 @@ def test_shown_text_holds_back_exactly_the_longest_tail_a_stop_string_begins_wit
         assert shown_text(text, stops, True) == text
 
 
+def test_a_stop_hold_fed_a_growing_text_holds_back_what_shown_text_defines():
+    """StopHold reads each character once as the text grows (a step costs what it added):
+    at every step of random texts grown by random pieces, some longer than every stop
+    string, some a character, it holds back exactly the brute-force answer; a shorter text
+    is read afresh, from its tail. Stops with repeats (borders) are the matcher's hard
+    case."""
+    import random
+
+    from engine_adapter.request import StopHold, shown_text
+    rng = random.Random(11)
+
+    def brute(text, stops):
+        return max([k for s in stops for k in range(1, len(s))
+                    if k <= len(text) and text.endswith(s[:k])], default=0)
+
+    for _ in range(400):
+        stops = tuple("".join(rng.choice("aab") for _ in range(rng.randrange(1, 9)))
+                      for _ in range(rng.randrange(1, 5)))
+        hold, text = StopHold(stops), ""
+        for _ in range(rng.randrange(1, 30)):
+            if rng.random() < 0.1 and text:
+                text = text[:rng.randrange(0, len(text))]  # shorter: read afresh
+                assert hold.shown(text) == len(text) - brute(text, stops), (text, stops)
+            text += "".join(rng.choice("ab") for _ in range(rng.choice((1, 1, 2, 5, 12))))
+            assert hold.shown(text) == len(text) - brute(text, stops), (text, stops)
+            assert shown_text(text, stops, False) == text[:len(text) - brute(text, stops)]
+
+
+def test_a_request_s_text_is_held_back_by_its_own_stop_hold_step_by_step():
+    """Request.shown_text keeps one StopHold for the request, fed the text as it grows, and
+    shows all of the text once the request is finished."""
+    from engine_adapter.request import Request, RequestStatus, StopHold
+    req = Request("r", [1, 2, 3], SamplingParams(stop=("</s>", "ab" * 512)))
+    for piece, shown in (("hello <", "hello "), ("/", "hello "), ("s", "hello "),
+                         ("> a", "hello </s> "), ("b", "hello </s> "), ("c", "hello </s> abc")):
+        req.text += piece
+        assert req.shown_text == shown, (req.text, req.shown_text)
+    assert isinstance(req._hold, StopHold) and req._hold.seen == len(req.text)
+    req.status = RequestStatus.FINISHED
+    assert req.shown_text == req.text
+
+
+def test_holding_back_reads_each_new_character_once_per_stop_string(monkeypatch):
+    """At the limits (16 stop strings of 1024 characters) and an output that keeps matching
+    their starts, each step reads only what it added, once per stop string: trying each
+    place in the tail, as before, had read ~1000 slices of the tail a step (~11 ms)."""
+    from engine_adapter import request as rq
+    from engine_adapter.sampling import MAX_STOP_CHARS, MAX_STOPS
+    stops = tuple(("a" * k + "b" + "ab" * MAX_STOP_CHARS)[:MAX_STOP_CHARS] for k in range(MAX_STOPS))
+    read = []
+    advance = rq._advance
+    monkeypatch.setattr(rq, "_advance", lambda stop, fail, q, new: read.append(len(new))
+                        or advance(stop, fail, q, new))
+    req = rq.Request("r", [1], SamplingParams(stop=stops))
+    for step in range(3000):
+        req.text += "a"
+        assert req.shown_text == req.text[:step + 1 - min(step + 1, MAX_STOPS - 1)]
+    assert sum(read) == 3000 * MAX_STOPS
+
+
 def test_stop_strings_are_bounded_in_number_and_length():
     from engine_adapter.sampling import MAX_STOP_CHARS, MAX_STOPS
     SamplingParams(stop=("x" * MAX_STOP_CHARS,) * MAX_STOPS)
