@@ -20,7 +20,7 @@ import time
 import urllib.request
 from typing import Callable, Sequence, TextIO
 
-from kvstore.lifetime import teardown
+from kvstore.lifetime import child_env, teardown
 from kvstore.wire import netloc
 
 def freeze(pid: int, timeout_s: float = 30.0) -> None:
@@ -90,8 +90,12 @@ class DaemonProcess:
                 *self.extra]
 
     def start(self, timeout_s: float = 60.0) -> "DaemonProcess":
+        """Start the daemon and wait until it answers. Without an `env` of the caller's, it
+        ends with this process however that ends (`lifetime.child_env`): a benchmark or a
+        test run killed outright had left its daemons running, arenas and all."""
         self._lines = []
-        self.proc = subprocess.Popen(self.command(), cwd=self.cwd, env=self.env,
+        env = self.env if self.env is not None else {**os.environ, **child_env()}
+        self.proc = subprocess.Popen(self.command(), cwd=self.cwd, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, preexec_fn=self.preexec_fn)
         found = threading.Event()

@@ -87,6 +87,30 @@ def test_a_killed_launcher_still_takes_its_children_along(tmp_path, holders):
     assert wait_gone(daemon), "the store node outlived a launcher killed with SIGKILL"
 
 
+def test_a_daemon_process_ends_with_the_program_that_started_it(tmp_path, holders):
+    """A plain DaemonProcess (a benchmark's, a test's: no launcher, no env of its own) is
+    taken along when the program that started it is killed outright. bench/store_service.py
+    killed mid-run had left its daemon running."""
+    script = textwrap.dedent("""
+        import sys, time
+        from kvstore.daemon.process import DaemonProcess
+        d = DaemonProcess(sys.argv[1], dram_size="1MiB", ssd_size="0").start()
+        print(f"holding daemon {d.pid}", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "store")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    holders.append(proc)
+    line = proc.stdout.readline()
+    assert line.startswith("holding daemon"), (line, proc.stderr.read())
+    daemon = int(line.split()[-1])
+    assert alive(daemon)
+    proc.kill()
+    proc.wait()
+    assert wait_gone(daemon), "the daemon outlived the program that started it"
+
+
 def test_a_sigterm_during_teardown_waits_for_it_then_ends_the_command():
     """A SIGTERM while the command stops what it started is raised once that is done (it
     cut a worker's stop short, or turned the store's graceful stop into SIGKILL), and the
