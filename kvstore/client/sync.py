@@ -680,6 +680,10 @@ class Client:
         every call after (a retry had connected again and waited as long). (A pool client
         does this for a node that left the pool: one stopped had held its calls 30 s.)"""
         self._aborted = True
+        self._cut_calls()
+
+    def _cut_calls(self) -> None:
+        """Shut down every connection still open, those calls in flight wait on too."""
         with self._lock:
             made = list(self._made)
         for conn in made:
@@ -689,6 +693,12 @@ class Client:
                 pass
 
     def close(self) -> None:
+        """End this client. A request another thread still has in flight is cut short: it
+        raises ConnectError now, not after timeout_s (a close from another thread had left
+        it waiting on a daemon that did not answer), as every later call does. What this
+        client put with no request is flushed to the daemon (close waits for that, up to
+        timeout_s, as does a call whose own flush of them is under way), its touches sent
+        before."""
         if self._closed:
             return
         if self._toucher is not None:
@@ -698,6 +708,7 @@ class Client:
             self._send_all_touches()  # (not after one that went unanswered)
         with self._lock:  # (no thread maps the arena or opens the agent after this)
             self._closed = True
+        self._cut_calls()  # (the put channel is not one of them: flushed next)
         with self._puts_opening:  # (no thread opens a put channel after this)
             self._drop_puts()
         self._drop_idle()

@@ -397,3 +397,44 @@ def test_an_async_client_on_a_new_loop_waits_for_its_puts_on_that_loop(make_daem
         time.sleep(0.1)
     assert asyncio.run(c.contains_n(hs)) == [True] * len(hs)
     asyncio.run(c.close())
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_close_cuts_a_call_another_thread_has_in_flight(make_daemon, use_shm):
+    """close() from another thread while a request waits on a daemon that does not answer
+    (SIGSTOP): the call raises ConnectError at once, not after timeout_s, and so does every
+    call after; the daemon, back, serves a new client as before. (A FLUSH of the put
+    channel in flight is not cut: close flushes that channel itself.)"""
+    d = make_daemon(dram_size="4MiB", ssd_size="0")
+    hs = chain(40, 2)
+    c = Client(d.url, namespace=NS, use_shm=use_shm, timeout_s=60)
+    c.put_n(hs[:1], blocks(hs[:1]))
+    assert c.contains_n(hs) == [True, False]  # (flushed: the call below sends no FLUSH)
+    caught: list[BaseException] = []
+    ended = threading.Event()
+
+    def call() -> None:
+        try:
+            c.contains_n(hs)  # a request on either path: the daemon must answer it
+        except BaseException as e:  # noqa: BLE001 (the test looks at what it is)
+            caught.append(e)
+        ended.set()
+
+    freeze(d.pid)
+    closer = threading.Thread(target=c.close)
+    try:
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.3)  # (its request is sent and waits for the stopped daemon)
+        assert not ended.is_set()
+        closer.start()
+        assert ended.wait(10), "close() left the call waiting on the stopped daemon"
+        assert len(caught) == 1 and isinstance(caught[0], ConnectError), caught
+        with pytest.raises(ConnectError, match="closed"):
+            c.contains_n(hs)
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    closer.join(30)
+    assert not closer.is_alive()
+    with Client(d.url, namespace=NS, use_shm=use_shm) as again:
+        assert again.contains_n(hs) == [True, False]
