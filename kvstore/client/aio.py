@@ -13,6 +13,7 @@ its memcpy takes (~1 ms per 5 MB)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
@@ -576,14 +577,23 @@ class AsyncClient:
         return self._arena is not None
 
     async def close(self) -> None:
+        """End this client, as `Client.close`: a request another task has in flight is cut
+        short (ConnectError now, not after timeout_s), what this client put with no request
+        is flushed first."""
         if self._closed:
             return
         await self._follow_loop()
         if self._connected:
             await self._send_touches()
+        self._closed = True
+        for conn in list(self._busy):  # (the put channel's is not one: flushed next)
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._connected:
             async with self._lock():
                 await self._drop_puts_locked()
-        self._closed = True
         self._drop_idle()
         if self._arena is not None:
             self._arena.close()

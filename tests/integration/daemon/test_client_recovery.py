@@ -438,3 +438,34 @@ def test_close_cuts_a_call_another_thread_has_in_flight(make_daemon, use_shm):
     assert not closer.is_alive()
     with Client(d.url, namespace=NS, use_shm=use_shm) as again:
         assert again.contains_n(hs) == [True, False]
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_an_async_close_cuts_a_request_another_task_has_in_flight(make_daemon, use_shm):
+    """AsyncClient.close() while another task's request waits on a stopped daemon: that
+    request raises ConnectError at once, as with Client."""
+    d = make_daemon(dram_size="4MiB", ssd_size="0")
+    hs = chain(41, 2)
+
+    async def main() -> None:
+        c = AsyncClient(d.url, namespace=NS, use_shm=use_shm, timeout_s=60)
+        await c.put_n(hs[:1], blocks(hs[:1]))
+        assert await c.contains_n(hs) == [True, False]  # (flushed: no FLUSH below)
+        freeze(d.pid)
+        try:
+            call = asyncio.ensure_future(c.contains_n(hs))
+            await asyncio.sleep(0.3)  # (its request is sent and waits)
+            assert not call.done()
+            closing = asyncio.ensure_future(c.close())
+            done, _ = await asyncio.wait([call], timeout=10)
+            assert done, "close() left the request waiting on the stopped daemon"
+            with pytest.raises(ConnectError):
+                call.result()
+            with pytest.raises(ConnectError, match="closed"):
+                await c.contains_n(hs)
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        await asyncio.wait_for(closing, 30)
+        async with AsyncClient(d.url, namespace=NS, use_shm=use_shm) as again:
+            assert await again.contains_n(hs) == [True, False]
+    asyncio.run(main())
