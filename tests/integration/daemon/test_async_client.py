@@ -5,6 +5,8 @@ Each on asyncio's own event loop and on uvloop's (what vLLM's and SGLang's serve
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import threading
 
@@ -16,6 +18,7 @@ import uvloop
 from kvstore import AsyncClient, Client
 from kvstore import wire as w
 from kvstore.client import ConnectError, RequestTimeout
+from kvstore.daemon.process import freeze
 from kvstore.events import TierKind
 from kvstore.keys import hash_blocks
 from kvstore.store import PutStatus
@@ -154,10 +157,11 @@ def test_only_a_lone_call_polls_for_its_reply(make_daemon, run, monkeypatch):
             client.append(c)
             await c.put_n(hs, blocks(hs))
             one = np.zeros((1, BB), np.uint8)
-            for _ in range(50):  # a reply may be there before the first receive: no wait
-                if polls:
-                    break
-                await c.get_n(hs[:1], one)
+            # the daemon stopped for a moment: the reply cannot be there before the first
+            # receive (on a loaded host 50 replies in a row had been, and none was waited for)
+            freeze(d.pid)
+            threading.Timer(0.05, os.kill, (d.pid, signal.SIGCONT)).start()
+            await c.get_n(hs[:1], one)
             alone = len(polls)
             out = np.zeros((16, BB), np.uint8)
             await asyncio.gather(*(c.get_n(hs[k:k + 1], out[k:k + 1]) for k in range(16)))
