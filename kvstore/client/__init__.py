@@ -18,8 +18,9 @@ from kvstore.client.sync import Client
 
 def connect(url: str, token: str = "", namespace=None, **options):
     """A `Client` for `kvtier://HOST:PORT` (one daemon), a `ClusterClient` for
-    `etcd://HOST:PORT[,...]/PREFIX` (a pool); `options` go to that class."""
-    if url.startswith("etcd://"):
+    `etcd://HOST:PORT[,...]/PREFIX` or `etcds://...` (a pool, its etcd over TLS);
+    `options` go to that class."""
+    if url.startswith(("etcd://", "etcds://")):
         from kvstore.client.cluster import ClusterClient
         return ClusterClient(url, token, namespace, **options)
     return Client(url, token, namespace, **options)

@@ -23,7 +23,7 @@ from kvstore.buffers import byte_rows
 from kvstore.client.errors import ClientError
 from kvstore.cluster.membership import Change, ClusterMember
 from kvstore.cluster.messages import TENANT_LOCATE_HASHES, Locate, Located, TenantLocate
-from kvstore.cluster.records import ClusterError, parse_etcd_url
+from kvstore.cluster.records import ClusterError, parse_etcd_url, read_etcd_tls
 from kvstore.cluster.ring import HashRing
 from kvstore.events import TierKind
 from kvstore.keys import Namespace
@@ -87,7 +87,9 @@ class _EtcdLoop:
 class ClusterClient:
     def __init__(self, url: str, token: str = "", namespace: Namespace | None = None, *,
                  replicas: int = 1, prefer_node: str | None = None, timeout_s: float = 30.0,
-                 use_shm: bool = True, etcd_credentials_file: str | None = None) -> None:
+                 use_shm: bool = True, etcd_credentials_file: str | None = None,
+                 etcd_ca_file: str | None = None, etcd_cert_file: str | None = None,
+                 etcd_key_file: str | None = None) -> None:
         if namespace is None:
             raise ValueError("ClusterClient needs namespace=Namespace(...)")
         if replicas < 1:
@@ -109,7 +111,9 @@ class ClusterClient:
         self._by_id_until = 0.0
         self._loop = _EtcdLoop.get()
         # (read here, before any thread or channel: a bad file is the caller's ConfigError)
-        self._member = ClusterMember(parse_etcd_url(url, etcd_credentials_file), None)
+        self._member = ClusterMember(parse_etcd_url(
+            url, etcd_credentials_file, read_etcd_tls(etcd_ca_file, etcd_cert_file,
+                                                      etcd_key_file)), None)
         try:
             self._on_loop(self._member.start())
         except BaseException:

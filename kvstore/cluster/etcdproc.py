@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import time
+from typing import NamedTuple
 import urllib.request
 
 ATTEMPTS = 5
@@ -31,9 +33,21 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+class ServerTls(NamedTuple):
+    """PEM files for an etcd serving its clients over TLS: its certificate and key, and the
+    CA that signed it and the certificates etcd asks each client for (--client-cert-auth).
+    `client_cert` / `client_key`: one such client's, for the health check at start."""
+    cert: str
+    key: str
+    ca: str
+    client_cert: str
+    client_key: str
+
+
 class EtcdProcess:
-    def __init__(self, data_dir: str, name: str = "kvtier", host: str = "127.0.0.1") -> None:
-        self.data_dir, self.name, self.host = data_dir, name, host
+    def __init__(self, data_dir: str, name: str = "kvtier", host: str = "127.0.0.1",
+                 tls: ServerTls | None = None) -> None:
+        self.data_dir, self.name, self.host, self.tls = data_dir, name, host, tls
         self.client_port = 0
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(data_dir, "etcd.log")
@@ -59,14 +73,21 @@ class EtcdProcess:
 
     def _try_start(self, timeout_s: float) -> bool:
         self.client_port, peer_port = _free_port(self.host), _free_port(self.host)
-        client, peer = f"http://{self.endpoint}", f"http://{self.host}:{peer_port}"
+        scheme = "https" if self.tls else "http"
+        client, peer = f"{scheme}://{self.endpoint}", f"http://{self.host}:{peer_port}"
+        tls, context = [], None
+        if self.tls:
+            tls = ["--cert-file", self.tls.cert, "--key-file", self.tls.key,
+                   "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 ["etcd", "--name", self.name, "--data-dir", os.path.join(self.data_dir, "etcd"),
                  "--listen-client-urls", client, "--advertise-client-urls", client,
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", f"{self.name}={peer}", "--heartbeat-interval", "50",
-                 "--election-timeout", "500"],
+                 "--election-timeout", "500", *tls],
                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -77,7 +98,7 @@ class EtcdProcess:
                     return False
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}: {text[-2000:]}")
             try:
-                with urllib.request.urlopen(f"{client}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{client}/health", timeout=2, context=context) as r:
                     if b'"true"' in r.read():
                         return True
             except OSError:

@@ -34,12 +34,16 @@ import time
 from typing import NamedTuple
 
 import aetcd
+from aetcd import rpc as etcd_rpc
 from aetcd import transactions as txn
+from aetcd import watcher as etcd_watcher
+import grpc
 
-from kvstore.cluster.records import ClusterError, EtcdAddress, NodeRecord
+from kvstore.cluster.records import ClusterError, EtcdAddress, EtcdTls, NodeRecord
 from kvstore.logevery import LogEvery
 
 log = logging.getLogger("kvtier.cluster")
+_CLEAR_CREDENTIALS = LogEvery(3600.0)  # etcd passwords sent without TLS, off this host
 
 ETCD_ERRORS = (aetcd.ClientError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError,
                aetcd.InternalError)
@@ -70,9 +74,7 @@ async def connect_from(address: EtcdAddress, first: int,
     for k in range(n):
         i = (first + k) % n
         host, port = address.endpoints[i]
-        user, password = address.credentials or (None, None)
-        client = aetcd.Client(host=host, port=port, username=user, password=password,
-                              timeout=timeout_s)
+        client = etcd_client(address, i, timeout_s)
         try:
             # (a key read under the prefix, not Status: on an etcd with auth on, Status is
             # the root user's, and a node's user may read and write its prefix alone)
@@ -83,8 +85,77 @@ async def connect_from(address: EtcdAddress, first: int,
             if _is_refusal(e):
                 raise ClusterError(_refused(address, host, port, e)) from None
             failures.append(f"{host}:{port}: {type(e).__name__}")
+    hint = (" Over TLS: is the CA etcd's certificate chains to the one given "
+            "(--etcd-ca-file), does the certificate name the host in the address, and does "
+            "etcd want a client certificate (--etcd-cert-file, --etcd-key-file)?"
+            if address.tls else
+            " If etcd serves TLS (https:// client URLs), use etcds:// or --etcd-ca-file.")
     raise ClusterError(f"no etcd endpoint answered ({'; '.join(failures)}); is etcd running "
-                       "and the address right?")
+                       f"and the address right?{hint}")
+
+
+def etcd_client(address: EtcdAddress, i: int, timeout_s: float) -> aetcd.Client:
+    """A client (not connected yet) for endpoint `i` of `address`: over TLS where the
+    address says so. Credentials sent in the clear to a host other than this one are
+    warned of (anyone on the path reads the password)."""
+    host, port = address.endpoints[i]
+    user, password = address.credentials or (None, None)
+    if address.tls is not None:
+        return TlsEtcdClient(address.tls, host=host, port=port, username=user,
+                             password=password, timeout=timeout_s)
+    if address.credentials and not _loopback(host):
+        if _CLEAR_CREDENTIALS.due() is not None:  # (each reconnect connects again)
+            log.warning("the password of etcd user %r goes to %s:%d in the clear: serve "
+                        "etcd over TLS and pass --etcd-ca-file (or use etcds://)", user, host,
+                        port)
+    return aetcd.Client(host=host, port=port, username=user, password=password,
+                        timeout=timeout_s)
+
+
+def _loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+class TlsEtcdClient(aetcd.Client):
+    """aetcd's client over a TLS channel. aetcd opens only plain channels, and takes no
+    credentials for one: this is its `connect` with a secure channel instead, the rest
+    (the login, the stubs, the watcher) done as aetcd does it."""
+
+    def __init__(self, tls: EtcdTls, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is at it: wait for that one
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        self._is_connecting = True
+        try:
+            self.channel = etcd_rpc.secure_channel(f"{self._host}:{self._port}",
+                                                   self._credentials,
+                                                   options=self._options.items())
+            if self._username is not None and self._password is not None:
+                self.auth_stub = etcd_rpc.AuthStub(self.channel)
+                try:
+                    reply = await self.auth_stub.Authenticate(
+                        etcd_rpc.AuthenticateRequest(name=self._username,
+                                                     password=self._password),
+                        timeout=self._timeout)
+                except etcd_rpc.AioRpcError as e:
+                    aetcd.exceptions._handle_exception(e)  # (aetcd's errors, as its own)
+                self.metadata = (("token", reply.token),)
+            self.kvstub = etcd_rpc.KVStub(self.channel)
+            self.clusterstub = etcd_rpc.ClusterStub(self.channel)
+            self.leasestub = etcd_rpc.LeaseStub(self.channel)
+            self.maintenancestub = etcd_rpc.MaintenanceStub(self.channel)
+            self._watcher = etcd_watcher.Watcher(etcd_rpc.WatchStub(self.channel),
+                                                 timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
 
 
 def _is_refusal(e: BaseException) -> bool:

@@ -20,7 +20,7 @@ from aiohttp import web
 from kvstore.cluster.membership import Change, ClusterMember
 from kvstore.cluster.messages import (TENANT_LOCATE_HASHES, EventBatch, Locate, Located,
                                       NamespaceRoot, Snapshot, TenantLocate)
-from kvstore.cluster.records import ClusterError, NodeRecord, parse_etcd_url
+from kvstore.cluster.records import ClusterError, NodeRecord
 from kvstore.daemon.access import grant_of, require_admin
 from kvstore.daemon.config import ADMIN, DaemonConfig
 from kvstore.daemon.namespaces import Hosted, Registry
@@ -178,8 +178,7 @@ class ClusterAgent:
         self.cfg, self.registry = cfg, registry
         record = NodeRecord(cfg.node_id, netloc(host, data_port),
                             f"http://{netloc(host, http_port)}")
-        self.member = ClusterMember(parse_etcd_url(cfg.cluster, cfg.etcd_credentials_file),
-                                    record, ttl_s=cfg.cluster_ttl_s)
+        self.member = ClusterMember(cfg.etcd_address(), record, ttl_s=cfg.cluster_ttl_s)
         self.service = MetadataService(self.member.members)
         self._reported_to: tuple | None = None  # the leader term reported to
         self._known: set[int] = set()   # namespaces the current leader has a snapshot of

@@ -119,12 +119,22 @@ class DaemonConfig:
     log_level: str = opt("info", "debug, info, warning or error")
     shutdown_grace_s: float = 10.0
     cluster: str | None = opt(None, "etcd://HOST:PORT[,HOST:PORT]/PREFIX: join a multi-node "
-                              "pool coordinated by etcd")
+                              "pool coordinated by etcd (etcds://: over TLS, trusting the "
+                              "system's CAs unless --etcd-ca-file names one)")
     advertise: str | None = opt(None, "address peers and clients use to reach this node "
                                 "(default: the bind address)")
     etcd_credentials_file: str | None = opt(
         None, "file holding USER:PASSWORD for etcd (when its auth is on: `etcdctl auth "
         "enable`); without it anyone who reaches etcd can rewrite the pool's membership")
+    etcd_ca_file: str | None = opt(
+        None, "PEM file of the CA etcd's certificate chains to: talk to etcd over TLS (etcd "
+        "serving https:// client URLs); without TLS the pool's records and the etcd "
+        "password cross the network in the clear")
+    etcd_cert_file: str | None = opt(
+        None, "PEM certificate this node shows etcd, for an etcd started with "
+        "--client-cert-auth (with --etcd-key-file)")
+    etcd_key_file: str | None = opt(
+        None, "PEM private key of --etcd-cert-file (readable by its owner alone)")
     cluster_ttl_s: int = opt(5, "seconds of silence after which etcd drops a node",
                              flag="--cluster-ttl")
     event_interval_s: float = 0.05   # how often KV events are shipped to the leader
@@ -169,14 +179,17 @@ class DaemonConfig:
         for port in (self.port, self.http_port):
             if not 0 <= port < 65536:
                 raise ConfigError(f"port {port} out of range")
-        if self.cluster is not None and not self.cluster.startswith("etcd://"):
-            raise ConfigError(f"--cluster {self.cluster!r} must be etcd://HOST:PORT[,...]/PREFIX")
-        if self.etcd_credentials_file is not None:
-            if self.cluster is None:
-                raise ConfigError("--etcd-credentials-file is etcd's: it goes with --cluster")
-            from kvstore.cluster.records import read_etcd_credentials
-            read_etcd_credentials(self.etcd_credentials_file)  # (refused now, not once the
-            # node has opened its ports and tries etcd)
+        if self.cluster is not None and not self.cluster.startswith(("etcd://", "etcds://")):
+            raise ConfigError(f"--cluster {self.cluster!r} must be etcd://HOST:PORT[,...]/PREFIX "
+                              "(etcds:// for etcd over TLS)")
+        etcd_files = {"--etcd-credentials-file": self.etcd_credentials_file,
+                      "--etcd-ca-file": self.etcd_ca_file, "--etcd-cert-file": self.etcd_cert_file,
+                      "--etcd-key-file": self.etcd_key_file}
+        given = [flag for flag, path in etcd_files.items() if path is not None]
+        if given and self.cluster is None:
+            raise ConfigError(f"{given[0]} is etcd's: it goes with --cluster")
+        if given:  # (refused now, not once the node has opened its ports and tries etcd)
+            self.etcd_address()
         for b in self.agent_backends:
             if b not in ("tcp", "nixl", "ucx"):
                 raise ConfigError(f"agent backend {b!r} is not one of tcp, nixl, ucx")
@@ -244,6 +257,16 @@ class DaemonConfig:
             return self.max_tenant_connections
         tenants = {t for _, t in self.tokens if t != ADMIN}
         return max(1, self.max_connections * 3 // 4) if len(tenants) >= 2 else 0
+
+    def etcd_address(self):
+        """The parsed --cluster address with its credentials and TLS files read
+        (ConfigError for a bad one); None without --cluster."""
+        if self.cluster is None:
+            return None
+        from kvstore.cluster.records import parse_etcd_url, read_etcd_tls
+        return parse_etcd_url(self.cluster, self.etcd_credentials_file,
+                              read_etcd_tls(self.etcd_ca_file, self.etcd_cert_file,
+                                            self.etcd_key_file))
 
     def tenant_of(self, token: str) -> str | None:
         """The tenant a token grants (ADMIN for every tenant), None for a bad token.
