@@ -51,8 +51,10 @@ def parse_url(url: str) -> Address:
     """'kvtier://HOST:PORT' or 'HOST:PORT' (the daemon's data-plane address)."""
     parts = urlsplit(url if "://" in url else f"kvtier://{url}")
     if parts.scheme != "kvtier" or not parts.hostname:
+        pool = (" (a pool's etcd:// address goes to kvstore.connect or ClusterClient)"
+                if parts.scheme in ("etcd", "etcds") else "")
         raise ValueError(f"daemon url {url!r} must look like kvtier://HOST:PORT (the data-plane "
-                         "port `kvtier serve` prints; not the http:// control plane)")
+                         f"port `kvtier serve` prints; not the http:// control plane){pool}")
     return Address(parts.hostname, parts.port or DEFAULT_PORT)
 
 
