@@ -18,6 +18,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -276,6 +278,107 @@ static PyObject *populate(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+
+/* guarded_copy(dst, src) -> bool: memcpy between two buffers of one size, False where a
+ * page of either could not be reached (SIGBUS: a mapped file shrunk under the mapping)
+ * instead of the process killed. The transfer library's shm backend maps peers' region
+ * files by path, and a peer (buggy, or hostile: same uid, so its files are ours to map)
+ * that truncated one killed every process reading it; the daemon maps only sealed
+ * memfds of its own and never needs this.
+ *
+ * How: a SIGBUS handler of ours, installed (again, if another took its place since) by
+ * each call, and a thread-local jump buffer set while this thread copies: a SIGBUS at an
+ * address inside the copy's two ranges jumps back out of the copy; any other goes to the
+ * handler that was there before ours (Python's faulthandler, say), or, where that was the
+ * default, kills the process as it would have. */
+/* (volatile: the compiler must not drop the stores around the memcpy, which it knows
+ * reads none of them) */
+static __thread sigjmp_buf *volatile guard_jump __attribute__((tls_model("initial-exec")));
+static __thread const char *volatile guard_lo[2] __attribute__((tls_model("initial-exec")));
+static __thread const char *volatile guard_hi[2] __attribute__((tls_model("initial-exec")));
+static struct sigaction bus_before;
+
+static void on_sigbus(int sig, siginfo_t *info, void *context)
+{
+    sigjmp_buf *jump = guard_jump;
+    const char *at = (const char *)info->si_addr;
+    if (jump != NULL && ((at >= guard_lo[0] && at < guard_hi[0]) ||
+                         (at >= guard_lo[1] && at < guard_hi[1]))) {
+        guard_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    if (bus_before.sa_flags & SA_SIGINFO) {
+        bus_before.sa_sigaction(sig, info, context);
+    } else if (bus_before.sa_handler != SIG_DFL && bus_before.sa_handler != SIG_IGN) {
+        bus_before.sa_handler(sig);
+    } else { /* the default: returning runs the faulting access again, which now kills */
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigaction(SIGBUS, &dfl, NULL);
+    }
+}
+
+/* ours in place (called with the GIL held: no two threads install at once) */
+static int guard_installed(void)
+{
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) != 0)
+        return 0;
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)
+        return 1;
+    struct sigaction mine;
+    memset(&mine, 0, sizeof mine);
+    mine.sa_sigaction = on_sigbus;
+    mine.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&mine.sa_mask);
+    if (sigaction(SIGBUS, &mine, NULL) != 0)
+        return 0;
+    bus_before = now;
+    return 1;
+}
+
+static int copy_guarded(char *d, const char *s, size_t n)
+{
+    sigjmp_buf jump;
+    guard_lo[0] = d;
+    guard_hi[0] = d + n;
+    guard_lo[1] = s;
+    guard_hi[1] = s + n;
+    if (sigsetjmp(jump, 1) != 0) /* (the mask back as it was: SIGBUS not blocked) */
+        return 0;
+    guard_jump = &jump;
+    memcpy(d, s, n);
+    guard_jump = NULL;
+    return 1;
+}
+
+static PyObject *guarded_copy(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:guarded_copy", &dst, &src))
+        return NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy of %zd bytes into a buffer of %zd", src.len,
+                     dst.len);
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (!guard_installed()) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = copy_guarded((char *)dst.buf, (const char *)src.buf, (size_t)dst.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
      "copy(dst, src): src's bytes into dst (two contiguous buffers of one size), stored "
@@ -283,6 +386,10 @@ static PyMethodDef methods[] = {
     {"copy_at", copy_at, METH_VARARGS,
      "copy_at(dst_address, src_address, nbytes): copy between two host addresses the "
      "caller vouches for, stored around the caches."},
+    {"guarded_copy", guarded_copy, METH_VARARGS,
+     "guarded_copy(dst, src) -> bool: memcpy between two buffers of one size; False where "
+     "a page of either could not be reached (SIGBUS: a mapped file shrunk under it), the "
+     "process spared."},
     {"fence", fence, METH_NOARGS,
      "fence(): a full memory barrier between this thread's stores and its later loads."},
     {"recv_into", recv_into, METH_VARARGS,

@@ -108,13 +108,42 @@ def _torch_view(buf: Any) -> Any:
     return loaded_torch().from_numpy(buf) if isinstance(buf, np.ndarray) else buf
 
 
+class Unreachable(Exception):
+    """A guarded copy (`copy_runs(..., guard=True)`) met a page it could not reach: a
+    mapped file shrunk under its mapping (SIGBUS, caught). `run`: the index of that run;
+    the runs before it were copied, this one in part or not at all."""
+
+    def __init__(self, run: int) -> None:
+        super().__init__(f"run {run} of the copy reached past the end of a mapped file")
+        self.run = run
+
+
+_guarded_copy = getattr(_stream, "guarded_copy", None)
+
+
+def guarded_copy(dst: np.ndarray, src: np.ndarray) -> bool:
+    """dst[:] = src for host arrays of one size, False where a page of either could not be
+    reached (a mapped file shrunk under it: see copy_runs); a plain copy without
+    transfer._stream."""
+    if _guarded_copy is None:
+        dst[:] = src
+        return True
+    return _guarded_copy(dst, src)
+
+
 def copy_runs(dst: Sequence[Any], dst_offs: np.ndarray, src: Sequence[Any],
-              src_offs: np.ndarray, lengths: np.ndarray) -> None:
-    """dst[i][dst_offs[i]:+len] = src[i][src_offs[i]:+len]; buffers are uint8 numpy or torch."""
-    for d, do, s, so, n in zip(dst, dst_offs.tolist(), src, src_offs.tolist(),
-                               lengths.tolist()):
+              src_offs: np.ndarray, lengths: np.ndarray, guard: bool = False) -> None:
+    """dst[i][dst_offs[i]:+len] = src[i][src_offs[i]:+len]; buffers are uint8 numpy or torch.
+    `guard`: host copies of mappings another process may shrink (a peer's region file)
+    raise Unreachable where a page is gone, where a plain copy's SIGBUS killed the process
+    (transfer._stream.guarded_copy; without that module, plain copies)."""
+    for k, (d, do, s, so, n) in enumerate(zip(dst, dst_offs.tolist(), src, src_offs.tolist(),
+                                              lengths.tolist())):
         if isinstance(d, np.ndarray) and isinstance(s, np.ndarray):
-            d[do:do + n] = s[so:so + n]
+            if not guard:
+                d[do:do + n] = s[so:so + n]
+            elif not guarded_copy(d[do:do + n], s[so:so + n]):
+                raise Unreachable(k)
         else:  # a device tensor on one side: torch moves it (host side viewed, not copied)
             copy_bytes(_torch_view(d)[do:do + n], _torch_view(s)[so:so + n])
 
@@ -126,8 +155,9 @@ def region_buffers(ids: np.ndarray, lookup: dict[int, Any]) -> list[Any]:
 
 def copy_job(write: bool, local: dict[int, Any], local_ids: np.ndarray,
              local_offs: np.ndarray, remote: dict[int, Any], remote_ids: np.ndarray,
-             remote_offs: np.ndarray, lengths: np.ndarray) -> None:
-    """Run one transfer as copies: WRITE local → remote, READ remote → local."""
+             remote_offs: np.ndarray, lengths: np.ndarray, guard: bool = False) -> None:
+    """Run one transfer as copies: WRITE local → remote, READ remote → local (`guard`: as
+    copy_runs; Unreachable's `region` then names the remote region it met)."""
     if write:
         dst_ids, dst_offs, src_ids, src_offs, lens = coalesce(
             remote_ids, remote_offs, local_ids, local_offs, lengths)
@@ -136,5 +166,9 @@ def copy_job(write: bool, local: dict[int, Any], local_ids: np.ndarray,
         dst_ids, dst_offs, src_ids, src_offs, lens = coalesce(
             local_ids, local_offs, remote_ids, remote_offs, lengths)
         dst_map, src_map = local, remote
-    copy_runs(region_buffers(dst_ids, dst_map), dst_offs, region_buffers(src_ids, src_map),
-              src_offs, lens)
+    try:
+        copy_runs(region_buffers(dst_ids, dst_map), dst_offs, region_buffers(src_ids, src_map),
+                  src_offs, lens, guard)
+    except Unreachable as e:
+        e.region = int((dst_ids if write else src_ids)[e.run])
+        raise

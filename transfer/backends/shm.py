@@ -5,6 +5,11 @@ Liveness and revocation go through a small control segment each agent publishes
 (`kvt-ctl-<agent_id>`): byte 0 is 1 while the agent is open, byte i is 1 while region i is
 exported. A post checks them (vectorized) and the peer's pid before copying. Notifications
 go over the notifier the agent supplies (the tcp control path), after the copy.
+
+A peer's region is a file this process maps: a peer that truncates it (a bug, or a hostile
+process of the same user) leaves pages no copy can reach. Copies are guarded
+(`transfer.copy.copy_runs`'s `guard`): such a transfer fails (UNREGISTERED), where the
+SIGBUS used to kill this process.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..copy import copy_job
+from ..copy import Unreachable, copy_job, guarded_copy
 from ..errors import Fault, TransferError
 from ..handle import Transfer
 from ..memory import Region
@@ -130,10 +135,16 @@ class ShmBackend:
         p = self._peers.get(name)
         if p is None:
             raise TransferError(Fault.UNKNOWN_PEER, f"peer {name!r} is not reachable by shm")
-        if p.ctl.array[0] != 1 or not p.meta.local_pid_alive:
+        # the flags read through a guarded copy: a peer that truncated its control file
+        # (a bug, or a hostile process of the same user) killed this one with SIGBUS
+        flags = np.empty(int(remote_ids.max()) + 1 if len(remote_ids) else 1, np.uint8)
+        if not guarded_copy(flags, p.ctl.array[:len(flags)]):
+            raise TransferError(Fault.PEER_GONE, f"peer {name!r}'s control segment was "
+                                "truncated: it cannot be reached by shm")
+        if flags[0] != 1 or not p.meta.local_pid_alive:
             raise TransferError(Fault.PEER_GONE, f"peer {name!r} (pid {p.meta.pid}) has gone")
-        if (p.ctl.array[remote_ids] != 1).any():
-            bad = int(remote_ids[p.ctl.array[remote_ids] != 1][0])
+        if (flags[remote_ids] != 1).any():
+            bad = int(remote_ids[flags[remote_ids] != 1][0])
             raise TransferError(Fault.UNREGISTERED, f"peer {name!r} no longer exports "
                                 f"region {bad}")
         return p
@@ -147,8 +158,16 @@ class ShmBackend:
                                     "exports a region of this list: prepare it again")
             _map(p, ids)
         local = {i: buffer_of(r) for i, r in job.local_regions.items()}
-        copy_job(job.op is Op.WRITE, local, job.local_ids, job.local_offsets, p.views,
-                 job.remote_ids, job.remote_offsets, job.lengths)
+        try:
+            copy_job(job.op is Op.WRITE, local, job.local_ids, job.local_offsets, p.views,
+                     job.remote_ids, job.remote_offsets, job.lengths, guard=True)
+        except Unreachable as e:  # (a SIGBUS caught: the file shrunk under the mapping)
+            p.maps.pop(e.region, None)  # (mapped again by the next post, if it can be)
+            p.views.pop(e.region, None)
+            raise TransferError(Fault.UNREGISTERED, f"region {e.region} of peer {job.peer!r} "
+                                "(or a local buffer) no longer reaches the bytes this "
+                                "transfer named: its file was truncated under the mapping; "
+                                "the transfer's destination holds an unknown part of it")
         if job.notify is None:
             xfer._done_part()
         else:

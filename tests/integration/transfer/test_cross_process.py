@@ -132,3 +132,33 @@ def test_killed_peer_fails_within_bounded_time(child, parent, kind):
     with pytest.raises(TransferError) as e:
         a.post(Op.WRITE, local, None, remote, None).wait(10)
     assert e.value.fault in (Fault.PEER_GONE, Fault.CONNECTION_LOST), e.value
+
+
+def test_a_peer_region_truncated_under_its_mapping_fails_the_transfer_not_this_process(
+        child, parent):
+    """The child's region file shrunk under this process's mapping (as a buggy or hostile
+    peer of the same user can do): transfers over shm that reach past the end fail with a
+    TransferError, either way, where the SIGBUS of the copy killed this process; the next
+    post finds the file short and says so too. Its control file shrunk: the same."""
+    a, _, region = parent
+    peer = a.add_peer(child.metadata)
+    info = a.peer_regions(peer)[0]
+    remote = a.prepare(DescList.uniform(info.region_id, 1 << 20, 8), peer=peer,
+                       backend=BackendKind.SHM)
+    local = a.prepare(DescList.uniform(region, 1 << 20, 8))
+    a.post(Op.READ, local, None, remote, None).wait(10)  # mapped, and read whole
+    os.truncate(info.path, 1 << 20)
+    faults = []
+    for op in (Op.READ, Op.WRITE, Op.READ):
+        with pytest.raises(TransferError) as e:
+            a.post(op, local, None, remote, None).wait(10)
+        faults.append(e.value.fault)
+    assert faults[0] is Fault.UNREGISTERED
+    assert set(faults[1:]) <= {Fault.UNREGISTERED, Fault.PEER_GONE}
+    # and its control segment (the flags each post reads first) shrunk to nothing
+    os.truncate(os.path.join("/dev/shm", ctl_name(AgentMetadata.decode(child.metadata)
+                                                  .agent_id)), 0)
+    with pytest.raises(TransferError, match="control segment was truncated") as e:
+        a.post(Op.READ, local, None, remote, None).wait(10)
+    assert e.value.fault is Fault.PEER_GONE
+    assert child.proc.poll() is None  # (the child too, while it keeps off its own files)

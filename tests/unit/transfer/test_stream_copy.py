@@ -121,3 +121,77 @@ def test_a_dram_tier_put_streams_and_its_get_does_not(monkeypatch):
         assert counted.calls == 1 and (out == src).all()
     finally:
         tier.close()
+
+
+def _shrunk_mapping(tmp_path, size: int = 1 << 20):
+    """A shared mapping of a file, the file then truncated to one page under it."""
+    import mmap
+    import os
+    path = tmp_path / "region"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size)
+    view = np.frombuffer(mm, np.uint8)
+    view[:] = 7
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    return mm, view
+
+
+def test_a_guarded_copy_past_a_shrunk_file_fails_and_the_process_lives_on(tmp_path):
+    """A peer's region file truncated under this process's mapping: a guarded copy of it,
+    either way, returns False (a plain one's SIGBUS killed the process); from another
+    thread too; a copy of the pages still there works, and copy_runs says which run."""
+    import threading
+    _, view = _shrunk_mapping(tmp_path)
+    out = np.zeros(view.size, np.uint8)
+    assert stream.guarded_copy(out, view) is False
+    assert stream.guarded_copy(view, out) is False
+    got = []
+    t = threading.Thread(target=lambda: got.append(stream.guarded_copy(out, view)))
+    t.start()
+    t.join()
+    assert got == [False]
+    view[:4096] = 9  # (the failed copies above left it, and out, in part written)
+    assert stream.guarded_copy(out[:4096], view[:4096]) is True and (out[:4096] == 9).all()
+    with pytest.raises(tc.Unreachable) as e:
+        tc.copy_runs([out, out], np.array([0, 8192]), [view, view], np.array([0, 8192]),
+                     np.array([4096, 4096]), guard=True)
+    assert e.value.run == 1
+    with pytest.raises(ValueError, match="copy of 4096 bytes into a buffer of 8"):
+        stream.guarded_copy(out[:8], view[:4096])
+
+
+FAULT_OUTSIDE = """
+import faulthandler, sys
+import numpy as np
+sys.path.insert(0, {root!r})
+from tests.unit.transfer.test_stream_copy import _shrunk_mapping
+from transfer import _stream
+import pathlib
+if {faulthandler}:
+    faulthandler.enable()
+mm, view = _shrunk_mapping(pathlib.Path({tmp!r}))
+out = np.zeros(view.size, np.uint8)
+assert _stream.guarded_copy(out, view) is False  # (the guard in place)
+print("guarded", flush=True)
+out[:] = view  # not guarded: dies of SIGBUS as ever
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("with_faulthandler", [False, True])
+def test_a_fault_outside_a_guarded_copy_still_kills_as_before(tmp_path, with_faulthandler):
+    """The guard's SIGBUS handler takes only faults inside a guarded copy: any other goes
+    to the handler before it (faulthandler's traceback) or kills the process as the
+    default does."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    code = FAULT_OUTSIDE.format(root=root, tmp=str(tmp_path), faulthandler=with_faulthandler)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "guarded" in r.stdout and "survived" not in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == -signal.SIGBUS, (r.returncode, r.stderr)
+    assert ("Fatal Python error: Bus error" in r.stderr) is with_faulthandler, r.stderr
