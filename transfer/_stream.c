@@ -286,11 +286,11 @@ static PyObject *populate(PyObject *self, PyObject *args)
  * that truncated one killed every process reading it; the daemon maps only sealed
  * memfds of its own and never needs this.
  *
- * How: a SIGBUS handler of ours, installed (again, if another took its place since) by
- * each call, and a thread-local jump buffer set while this thread copies: a SIGBUS at an
- * address inside the copy's two ranges jumps back out of the copy; any other goes to the
- * handler that was there before ours (Python's faulthandler, say), or, where that was the
- * default, kills the process as it would have. */
+ * How: a SIGBUS handler of ours, in place while a guarded copy runs (guard_enter), and a
+ * thread-local jump buffer set while this thread copies: a SIGBUS at an address inside
+ * the copy's two ranges jumps back out of the copy; any other goes to the handler that was
+ * there before ours (Python's faulthandler, say), or, where that was the default, kills
+ * the process as it would have. */
 /* (volatile: the compiler must not drop the stores around the memcpy, which it knows
  * reads none of them) */
 static __thread sigjmp_buf *volatile guard_jump __attribute__((tls_model("initial-exec")));
@@ -319,23 +319,37 @@ static void on_sigbus(int sig, siginfo_t *info, void *context)
     }
 }
 
-/* ours in place (called with the GIL held: no two threads install at once) */
-static int guard_installed(void)
+/* Ours is in place only while some thread copies guarded (`guard_users` of them; both
+ * called with the GIL held, so no two at once), the handler that was there before put back
+ * after the last: kept installed, ours was chained to by a handler installed over it later
+ * (faulthandler.enable()), which we then chained back to, and a fault outside any copy
+ * went round the two for ever. One that took our place meanwhile is left alone. */
+static int guard_users;
+
+static int guard_enter(void)
 {
-    struct sigaction now;
-    if (sigaction(SIGBUS, NULL, &now) != 0)
-        return 0;
-    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)
+    if (guard_users++ > 0)
         return 1;
     struct sigaction mine;
     memset(&mine, 0, sizeof mine);
     mine.sa_sigaction = on_sigbus;
     mine.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&mine.sa_mask);
-    if (sigaction(SIGBUS, &mine, NULL) != 0)
+    if (sigaction(SIGBUS, &mine, &bus_before) != 0) {
+        guard_users--;
         return 0;
-    bus_before = now;
+    }
     return 1;
+}
+
+static void guard_leave(void)
+{
+    if (--guard_users > 0)
+        return;
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) == 0 && (now.sa_flags & SA_SIGINFO) &&
+        now.sa_sigaction == on_sigbus)
+        sigaction(SIGBUS, &bus_before, NULL);
 }
 
 static int copy_guarded(char *d, const char *s, size_t n)
@@ -365,7 +379,7 @@ static PyObject *guarded_copy(PyObject *self, PyObject *args)
         PyBuffer_Release(&src);
         return NULL;
     }
-    if (!guard_installed()) {
+    if (!guard_enter()) {
         PyBuffer_Release(&dst);
         PyBuffer_Release(&src);
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -374,9 +388,108 @@ static PyObject *guarded_copy(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     ok = copy_guarded((char *)dst.buf, (const char *)src.buf, (size_t)dst.len);
     Py_END_ALLOW_THREADS
+    guard_leave();
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return PyBool_FromLong(ok);
+}
+
+/* guarded_copy_runs(dsts, dst_offs, srcs, src_offs, lengths) -> int: for each run i,
+ * lengths[i] bytes from srcs[i] at src_offs[i] to dsts[i] at dst_offs[i] (buffers; the
+ * three others sequences of ints), as guarded_copy does them but with the handler put in
+ * place once for the lot and the GIL released once: -1 when every run was copied, else
+ * the index of the run that met an unreachable page (the runs before it copied, it in
+ * part, none after). ValueError for a run outside its buffers, before anything is copied. */
+typedef struct {
+    char *d;
+    const char *s;
+    size_t n;
+} Run;
+
+static Py_ssize_t copy_runs_guarded(Run *runs, Py_ssize_t k)
+{
+    sigjmp_buf jump;
+    volatile Py_ssize_t i = 0;
+    if (sigsetjmp(jump, 1) != 0)
+        return i;
+    for (; i < k; i++) {
+        guard_lo[0] = runs[i].d;
+        guard_hi[0] = runs[i].d + runs[i].n;
+        guard_lo[1] = runs[i].s;
+        guard_hi[1] = runs[i].s + runs[i].n;
+        guard_jump = &jump;
+        memcpy(runs[i].d, runs[i].s, runs[i].n);
+        guard_jump = NULL;
+    }
+    return -1;
+}
+
+static PyObject *guarded_copy_runs(PyObject *self, PyObject *args)
+{
+    PyObject *dsts, *doffs, *srcs, *soffs, *lens;
+    if (!PyArg_ParseTuple(args, "OOOOO:guarded_copy_runs", &dsts, &doffs, &srcs, &soffs, &lens))
+        return NULL;
+    PyObject *seqs[5] = {NULL, NULL, NULL, NULL, NULL};
+    PyObject *in[5] = {dsts, doffs, srcs, soffs, lens};
+    Py_buffer *views = NULL;
+    Run *runs = NULL;
+    Py_ssize_t k = -1, held = 0, failed = -1;
+    PyObject *result = NULL;
+    for (int j = 0; j < 5; j++) {
+        seqs[j] = PySequence_Fast(in[j], "guarded_copy_runs takes five sequences");
+        if (seqs[j] == NULL)
+            goto done;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seqs[j]);
+        if (k >= 0 && n != k) {
+            PyErr_SetString(PyExc_ValueError, "guarded_copy_runs: sequences of different lengths");
+            goto done;
+        }
+        k = n;
+    }
+    views = PyMem_Calloc((size_t)(2 * k + 1), sizeof(Py_buffer));
+    runs = PyMem_Calloc((size_t)(k + 1), sizeof(Run));
+    if (views == NULL || runs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_buffer *dv = &views[2 * i], *sv = &views[2 * i + 1];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seqs[0], i), dv,
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+            goto done;
+        held++;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seqs[2], i), sv, PyBUF_C_CONTIGUOUS) != 0)
+            goto done;
+        held++;
+        Py_ssize_t doff = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seqs[1], i));
+        Py_ssize_t soff = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seqs[3], i));
+        Py_ssize_t n = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seqs[4], i));
+        if (PyErr_Occurred())
+            goto done;
+        if (doff < 0 || soff < 0 || n < 0 || doff > dv->len - n || soff > sv->len - n) {
+            PyErr_Format(PyExc_ValueError, "run %zd (%zd bytes from %zd to %zd) is outside "
+                         "its buffers (%zd and %zd bytes)", i, n, soff, doff, sv->len, dv->len);
+            goto done;
+        }
+        runs[i] = (Run){(char *)dv->buf + doff, (const char *)sv->buf + soff, (size_t)n};
+    }
+    if (!guard_enter()) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    failed = copy_runs_guarded(runs, k);
+    Py_END_ALLOW_THREADS
+    guard_leave();
+    result = PyLong_FromSsize_t(failed);
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(runs);
+    for (int j = 0; j < 5; j++)
+        Py_XDECREF(seqs[j]);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -390,6 +503,10 @@ static PyMethodDef methods[] = {
      "guarded_copy(dst, src) -> bool: memcpy between two buffers of one size; False where "
      "a page of either could not be reached (SIGBUS: a mapped file shrunk under it), the "
      "process spared."},
+    {"guarded_copy_runs", guarded_copy_runs, METH_VARARGS,
+     "guarded_copy_runs(dsts, dst_offs, srcs, src_offs, lengths) -> int: the runs copied "
+     "as guarded_copy copies, the handler in place once for them all; -1, or the index of "
+     "the run that met an unreachable page."},
     {"fence", fence, METH_NOARGS,
      "fence(): a full memory barrier between this thread's stores and its later loads."},
     {"recv_into", recv_into, METH_VARARGS,

@@ -119,6 +119,7 @@ class Unreachable(Exception):
 
 
 _guarded_copy = getattr(_stream, "guarded_copy", None)
+_guarded_copy_runs = getattr(_stream, "guarded_copy_runs", None)
 
 
 def guarded_copy(dst: np.ndarray, src: np.ndarray) -> bool:
@@ -137,6 +138,13 @@ def copy_runs(dst: Sequence[Any], dst_offs: np.ndarray, src: Sequence[Any],
     `guard`: host copies of mappings another process may shrink (a peer's region file)
     raise Unreachable where a page is gone, where a plain copy's SIGBUS killed the process
     (transfer._stream.guarded_copy; without that module, plain copies)."""
+    if guard and _guarded_copy_runs is not None and all(
+            isinstance(b, np.ndarray) for b in (*dst, *src)):  # (the lot in one call)
+        bad = _guarded_copy_runs(dst, dst_offs.tolist(), src, src_offs.tolist(),
+                                 lengths.tolist())
+        if bad >= 0:
+            raise Unreachable(bad)
+        return
     for k, (d, do, s, so, n) in enumerate(zip(dst, dst_offs.tolist(), src, src_offs.tolist(),
                                               lengths.tolist())):
         if isinstance(d, np.ndarray) and isinstance(s, np.ndarray):

@@ -169,29 +169,57 @@ sys.path.insert(0, {root!r})
 from tests.unit.transfer.test_stream_copy import _shrunk_mapping
 from transfer import _stream
 import pathlib
-if {faulthandler}:
+if {faulthandler} == "before":
     faulthandler.enable()
 mm, view = _shrunk_mapping(pathlib.Path({tmp!r}))
 out = np.zeros(view.size, np.uint8)
 assert _stream.guarded_copy(out, view) is False  # (the guard in place)
+if {faulthandler} == "after":  # (installed over the guard's handler, had it stayed)
+    faulthandler.enable()
+    assert _stream.guarded_copy(out, view) is False
 print("guarded", flush=True)
 out[:] = view  # not guarded: dies of SIGBUS as ever
 print("survived", flush=True)
 """
 
 
-@pytest.mark.parametrize("with_faulthandler", [False, True])
-def test_a_fault_outside_a_guarded_copy_still_kills_as_before(tmp_path, with_faulthandler):
+@pytest.mark.parametrize("faulthandler", ["none", "before", "after"])
+def test_a_fault_outside_a_guarded_copy_still_kills_as_before(tmp_path, faulthandler):
     """The guard's SIGBUS handler takes only faults inside a guarded copy: any other goes
     to the handler before it (faulthandler's traceback) or kills the process as the
-    default does."""
+    default does. faulthandler enabled after a guarded copy: one traceback, then death
+    (the guard's handler, left installed, and faulthandler's chained to each other, and
+    such a fault went round the two for ever)."""
     import os
     import signal
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    code = FAULT_OUTSIDE.format(root=root, tmp=str(tmp_path), faulthandler=with_faulthandler)
+    code = FAULT_OUTSIDE.format(root=root, tmp=str(tmp_path), faulthandler=repr(faulthandler))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "guarded" in r.stdout and "survived" not in r.stdout, (r.stdout, r.stderr)
     assert r.returncode == -signal.SIGBUS, (r.returncode, r.stderr)
-    assert ("Fatal Python error: Bus error" in r.stderr) is with_faulthandler, r.stderr
+    assert r.stderr.count("Fatal Python error: Bus error") == (faulthandler != "none"), r.stderr
+
+
+def test_guarded_runs_land_exactly_and_a_run_outside_its_buffers_is_refused_first():
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, np.uint8)
+    runs = [(0, 100, 7), (9000, 0, 4096), (60000, 20000, 5536)]  # (dst at, src at, n)
+    dos, sos, ns = (list(x) for x in zip(*runs))
+    assert stream.guarded_copy_runs([dst] * 3, dos, [src] * 3, sos, ns) == -1
+    want = np.zeros_like(dst)
+    for d, s, n in runs:
+        want[d:d + n] = src[s:s + n]
+    assert np.array_equal(dst, want)
+    before = dst.copy()
+    for bad in ([(0, 0, 8), (1 << 16, 0, 1)], [(0, 0, 8), (0, -1, 1)], [(0, 0, 8), (10, 0, 1 << 16)]):
+        dos, sos, ns = (list(x) for x in zip(*bad))
+        with pytest.raises(ValueError, match="run 1 .* is outside its buffers"):
+            stream.guarded_copy_runs([dst] * 2, dos, [src] * 2, sos, ns)
+        assert np.array_equal(dst, before)  # (run 0 not copied either)
+    with pytest.raises(ValueError, match="different lengths"):
+        stream.guarded_copy_runs([dst], [0, 1], [src], [0], [1])
+    with pytest.raises(BufferError):  # a read-only destination
+        stream.guarded_copy_runs([src.tobytes()], [0], [src], [0], [1])
