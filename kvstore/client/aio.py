@@ -13,7 +13,6 @@ its memcpy takes (~1 ms per 5 MB)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
@@ -24,7 +23,7 @@ from kvstore import wire as w
 from kvstore.buffers import (byte_rows, host_address, host_rows, read_rows, request_rows,
                               select_rows)
 from kvstore.client.aconn import AsyncConnection
-from kvstore.client.conn import LocalAddress, parse_url
+from kvstore.client.conn import LocalAddress, cut, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client import forks
 from kvstore.client.putpath import DirectPuts
@@ -586,11 +585,7 @@ class AsyncClient:
         if self._connected:
             await self._send_touches()
         self._closed = True
-        for conn in list(self._busy):  # (the put channel's is not one: flushed next)
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        cut(list(self._busy))  # (the put channel's is not one: flushed next)
         if self._connected:
             async with self._lock():
                 await self._drop_puts_locked()

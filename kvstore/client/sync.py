@@ -8,7 +8,6 @@ reached raises `ConnectError`, a silent one `RequestTimeout`.
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import weakref
@@ -21,7 +20,7 @@ import numpy as np
 from kvstore import wire as w
 from kvstore.buffers import (byte_rows, host_address, host_rows, read_rows, request_rows,
                              select_rows)
-from kvstore.client.conn import Connection, LocalAddress, parse_url
+from kvstore.client.conn import Connection, LocalAddress, cut, parse_url
 from kvstore.client.errors import ConnectError, RequestTimeout
 from kvstore.client.agentpath import AgentPath
 from kvstore.client import forks
@@ -686,11 +685,7 @@ class Client:
         """Shut down every connection still open, those calls in flight wait on too."""
         with self._lock:
             made = list(self._made)
-        for conn in made:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        cut(made)
 
     def close(self) -> None:
         """End this client. A request another thread still has in flight is cut short: it
