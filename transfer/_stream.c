@@ -279,8 +279,8 @@ static PyObject *populate(PyObject *self, PyObject *args)
 }
 
 
-/* guarded_copy(dst, src) -> bool: memcpy between two buffers of one size, False where a
- * page of either could not be reached (SIGBUS: a mapped file shrunk under the mapping)
+/* guarded_copy_runs (below): memcpy of runs between buffers, stopped where a
+ * page of either side could not be reached (SIGBUS: a mapped file shrunk under the mapping)
  * instead of the process killed. The transfer library's shm backend maps peers' region
  * files by path, and a peer (buggy, or hostile: same uid, so its files are ours to map)
  * that truncated one killed every process reading it; the daemon maps only sealed
@@ -352,52 +352,10 @@ static void guard_leave(void)
         sigaction(SIGBUS, &bus_before, NULL);
 }
 
-static int copy_guarded(char *d, const char *s, size_t n)
-{
-    sigjmp_buf jump;
-    guard_lo[0] = d;
-    guard_hi[0] = d + n;
-    guard_lo[1] = s;
-    guard_hi[1] = s + n;
-    if (sigsetjmp(jump, 1) != 0) /* (the mask back as it was: SIGBUS not blocked) */
-        return 0;
-    guard_jump = &jump;
-    memcpy(d, s, n);
-    guard_jump = NULL;
-    return 1;
-}
-
-static PyObject *guarded_copy(PyObject *self, PyObject *args)
-{
-    Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*:guarded_copy", &dst, &src))
-        return NULL;
-    if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "copy of %zd bytes into a buffer of %zd", src.len,
-                     dst.len);
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    if (!guard_enter()) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    ok = copy_guarded((char *)dst.buf, (const char *)src.buf, (size_t)dst.len);
-    Py_END_ALLOW_THREADS
-    guard_leave();
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return PyBool_FromLong(ok);
-}
-
 /* guarded_copy_runs(dsts, dst_offs, srcs, src_offs, lengths) -> int: for each run i,
  * lengths[i] bytes from srcs[i] at src_offs[i] to dsts[i] at dst_offs[i] (buffers; the
- * three others sequences of ints), as guarded_copy does them but with the handler put in
- * place once for the lot and the GIL released once: -1 when every run was copied, else
+ * three others sequences of ints), guarded as above, the handler put in place once for
+ * the lot and the GIL released once: -1 when every run was copied, else
  * the index of the run that met an unreachable page (the runs before it copied, it in
  * part, none after). ValueError for a run outside its buffers, before anything is copied. */
 typedef struct {
@@ -499,14 +457,10 @@ static PyMethodDef methods[] = {
     {"copy_at", copy_at, METH_VARARGS,
      "copy_at(dst_address, src_address, nbytes): copy between two host addresses the "
      "caller vouches for, stored around the caches."},
-    {"guarded_copy", guarded_copy, METH_VARARGS,
-     "guarded_copy(dst, src) -> bool: memcpy between two buffers of one size; False where "
-     "a page of either could not be reached (SIGBUS: a mapped file shrunk under it), the "
-     "process spared."},
     {"guarded_copy_runs", guarded_copy_runs, METH_VARARGS,
      "guarded_copy_runs(dsts, dst_offs, srcs, src_offs, lengths) -> int: the runs copied "
-     "as guarded_copy copies, the handler in place once for them all; -1, or the index of "
-     "the run that met an unreachable page."},
+     "with memcpy, a run that meets an unreachable page (SIGBUS: a mapped file shrunk under "
+     "it) ending the copy, not the process; -1, or the index of that run."},
     {"fence", fence, METH_NOARGS,
      "fence(): a full memory barrier between this thread's stores and its later loads."},
     {"recv_into", recv_into, METH_VARARGS,

@@ -118,18 +118,19 @@ class Unreachable(Exception):
         self.run = run
 
 
-_guarded_copy = getattr(_stream, "guarded_copy", None)
 _guarded_copy_runs = getattr(_stream, "guarded_copy_runs", None)
 
 
 def guarded_copy(dst: np.ndarray, src: np.ndarray) -> bool:
-    """dst[:] = src for host arrays of one size, False where a page of either could not be
-    reached (a mapped file shrunk under it: see copy_runs); a plain copy without
+    """dst[:] = src for host uint8 arrays of one size, False where a page of either could
+    not be reached (a mapped file shrunk under it: see copy_runs); a plain copy without
     transfer._stream."""
-    if _guarded_copy is None:
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into a buffer of {dst.nbytes}")
+    if _guarded_copy_runs is None:
         dst[:] = src
         return True
-    return _guarded_copy(dst, src)
+    return _guarded_copy_runs([dst], [0], [src], [0], [dst.nbytes]) < 0
 
 
 def copy_runs(dst: Sequence[Any], dst_offs: np.ndarray, src: Sequence[Any],
@@ -150,7 +151,7 @@ def copy_runs(dst: Sequence[Any], dst_offs: np.ndarray, src: Sequence[Any],
         if isinstance(d, np.ndarray) and isinstance(s, np.ndarray):
             if not guard:
                 d[do:do + n] = s[so:so + n]
-            elif not guarded_copy(d[do:do + n], s[so:so + n]):
+            elif not guarded_copy(d[do:do + n], s[so:so + n]):  # (a torch tensor in the lot)
                 raise Unreachable(k)
         else:  # a device tensor on one side: torch moves it (host side viewed, not copied)
             copy_bytes(_torch_view(d)[do:do + n], _torch_view(s)[so:so + n])

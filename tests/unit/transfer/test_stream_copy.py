@@ -145,21 +145,21 @@ def test_a_guarded_copy_past_a_shrunk_file_fails_and_the_process_lives_on(tmp_pa
     import threading
     _, view = _shrunk_mapping(tmp_path)
     out = np.zeros(view.size, np.uint8)
-    assert stream.guarded_copy(out, view) is False
-    assert stream.guarded_copy(view, out) is False
+    assert tc.guarded_copy(out, view) is False
+    assert tc.guarded_copy(view, out) is False
     got = []
-    t = threading.Thread(target=lambda: got.append(stream.guarded_copy(out, view)))
+    t = threading.Thread(target=lambda: got.append(tc.guarded_copy(out, view)))
     t.start()
     t.join()
     assert got == [False]
     view[:4096] = 9  # (the failed copies above left it, and out, in part written)
-    assert stream.guarded_copy(out[:4096], view[:4096]) is True and (out[:4096] == 9).all()
+    assert tc.guarded_copy(out[:4096], view[:4096]) is True and (out[:4096] == 9).all()
     with pytest.raises(tc.Unreachable) as e:
         tc.copy_runs([out, out], np.array([0, 8192]), [view, view], np.array([0, 8192]),
                      np.array([4096, 4096]), guard=True)
     assert e.value.run == 1
     with pytest.raises(ValueError, match="copy of 4096 bytes into a buffer of 8"):
-        stream.guarded_copy(out[:8], view[:4096])
+        tc.guarded_copy(out[:8], view[:4096])
 
 
 FAULT_OUTSIDE = """
@@ -167,16 +167,16 @@ import faulthandler, sys
 import numpy as np
 sys.path.insert(0, {root!r})
 from tests.unit.transfer.test_stream_copy import _shrunk_mapping
-from transfer import _stream
+from transfer.copy import guarded_copy
 import pathlib
 if {faulthandler} == "before":
     faulthandler.enable()
 mm, view = _shrunk_mapping(pathlib.Path({tmp!r}))
 out = np.zeros(view.size, np.uint8)
-assert _stream.guarded_copy(out, view) is False  # (the guard in place)
+assert guarded_copy(out, view) is False  # (the guard in place)
 if {faulthandler} == "after":  # (installed over the guard's handler, had it stayed)
     faulthandler.enable()
-    assert _stream.guarded_copy(out, view) is False
+    assert guarded_copy(out, view) is False
 print("guarded", flush=True)
 out[:] = view  # not guarded: dies of SIGBUS as ever
 print("survived", flush=True)
