@@ -111,11 +111,13 @@ def _torch_view(buf: Any) -> Any:
 class Unreachable(Exception):
     """A guarded copy (`copy_runs(..., guard=True)`) met a page it could not reach: a
     mapped file shrunk under its mapping (SIGBUS, caught). `run`: the index of that run;
-    the runs before it were copied, this one in part or not at all."""
+    the runs before it were copied, this one in part or not at all. `region`: the remote
+    region of that run, where `copy_job` raised it."""
 
     def __init__(self, run: int) -> None:
         super().__init__(f"run {run} of the copy reached past the end of a mapped file")
         self.run = run
+        self.region: int | None = None
 
 
 _guarded_copy_runs = getattr(_stream, "guarded_copy_runs", None)
@@ -166,7 +168,7 @@ def copy_job(write: bool, local: dict[int, Any], local_ids: np.ndarray,
              local_offs: np.ndarray, remote: dict[int, Any], remote_ids: np.ndarray,
              remote_offs: np.ndarray, lengths: np.ndarray, guard: bool = False) -> None:
     """Run one transfer as copies: WRITE local → remote, READ remote → local (`guard`: as
-    copy_runs; Unreachable's `region` then names the remote region it met)."""
+    copy_runs; Unreachable's `region` then names the remote region of the run it met)."""
     if write:
         dst_ids, dst_offs, src_ids, src_offs, lens = coalesce(
             remote_ids, remote_offs, local_ids, local_offs, lengths)
