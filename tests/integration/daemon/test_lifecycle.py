@@ -200,9 +200,12 @@ def test_a_stopped_daemon_is_a_clear_timeout(make_daemon):
 
     from kvstore.client import RequestTimeout
     d = make_daemon()
+    hs = hash_blocks(NS, np.arange(16))
+    # the namespace opened (its arena made and faulted in) and the block put by a patient
+    # client: the first HELLO, which opens it, took more than 0.5 s on a loaded CI host
+    with Client(d.url, namespace=NS, use_shm=False) as patient:
+        patient.put_n(hs, blocks(hs))
     with Client(d.url, namespace=NS, timeout_s=0.5, use_shm=False) as c:
-        hs = hash_blocks(NS, np.arange(16))
-        c.put_n(hs, blocks(hs))
         freeze(d.proc.pid)  # (every thread: one polling could serve the GET first)
         try:
             t0 = time.monotonic()
